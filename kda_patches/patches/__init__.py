@@ -1,0 +1,6 @@
+"""One module per patch, named after what it wraps; each defines ``PATCH`` (a registry record).
+
+``PATCH_MODULES`` is the registry order. Importing a patch module imports neither torch nor vLLM.
+"""
+
+PATCH_MODULES: tuple[str, ...] = ("gdn_host_flags",)
