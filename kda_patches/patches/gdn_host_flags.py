@@ -144,7 +144,9 @@ PATCH = Patch(
                       "vllm", "vllm", "0.30", "0.40"),
         _build_target("vllm.models.kimi_k3.amd.kda_metadata", "KimiK3ROCmKDAMetadataBuilder.build",
                       "vllm", "vllm", "0.30", "0.40"),
-        _build_target("vllm_ascend.attention.gdn_attn", "AscendGDNAttentionMetadataBuilder.build",
-                      "vllm-ascend", "vllm-ascend", "0.13", "0.40"),
+        _build_target("vllm_ascend.ops.gdn_attn_builder", "AscendGDNAttentionMetadataBuilder.build",
+                      "vllm-ascend", "vllm-ascend", None, None),
+        _build_target("vllm_fl.dispatch.backends.vendor.ascend.impl.gdn_attn_builder",
+                      "AscendGDNAttentionMetadataBuilder.build", "vllm-plugin-FL", "vllm-plugin-fl", None, None),
     ),
 )

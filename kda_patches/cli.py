@@ -1,0 +1,157 @@
+"""``kda-patches`` command line: status, doctor, install, uninstall, run, regress, bench.
+
+``kda-run`` (the second console script) is ``kda-patches run`` without the subcommand.
+Only ``doctor``, ``regress`` and ``bench`` import torch/vLLM (doctor says so in its output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from kda_patches import current_flags, get_ledger
+from kda_patches.ledger import read_ledger_dir
+
+
+def format_ledger(snapshot: dict) -> str:
+    """Return a human-readable block for one process's ledger snapshot."""
+    lines = [f"process {snapshot['pid']} ({snapshot.get('role') or 'unknown role'})"]
+    switches = snapshot.get("switches", {})
+    active = {k: v for k, v in switches.items() if v not in (None, False, [], "", "auto", "WARNING")}
+    lines.append(f"  switches: {json.dumps(active, sort_keys=True)}")
+    for name, patch in sorted(snapshot.get("patches", {}).items()):
+        lines.append(f"  patch {name}: {patch['state']}" + (f" ({patch['reason']})" if patch["reason"] else ""))
+        for target, info in sorted(patch.get("targets", {}).items()):
+            lines.append(f"    {info['state']:<15} {target}" + (f" - {info['reason']}" if info["reason"] else ""))
+    for path, counters in sorted(snapshot.get("counters", {}).items()):
+        rendered = ", ".join(f"{key}={value}" for key, value in sorted(counters.items()))
+        lines.append(f"  counters {path}: {rendered}")
+    for section, facts in sorted(snapshot.get("facts", {}).items()):
+        for key, value in sorted(facts.items()):
+            lines.append(f"  {section}.{key}: {json.dumps(value, sort_keys=True, default=str)}")
+    return "\n".join(lines)
+
+
+def aggregate_ledgers(snapshots: list[dict]) -> dict:
+    """Sum counters over processes and collect each patch's states, for a directory of ledgers."""
+    counters: dict[str, dict[str, int]] = {}
+    states: dict[str, dict[str, int]] = {}
+    for snapshot in snapshots:
+        for path, values in snapshot.get("counters", {}).items():
+            total = counters.setdefault(path, {})
+            for key, value in values.items():
+                total[key] = total.get(key, 0) + value
+        for name, patch in snapshot.get("patches", {}).items():
+            tally = states.setdefault(name, {})
+            tally[patch["state"]] = tally.get(patch["state"], 0) + 1
+    return {"processes": len(snapshots), "patch_states": states, "counters": counters}
+
+
+def command_status(args: argparse.Namespace) -> int:
+    """Print this process's ledger, or every ledger in ``--from DIR`` plus their aggregate."""
+    if args.source:
+        if not os.path.isdir(args.source):
+            print(f"kda-patches status: --from {args.source!r} is not a directory; pass the "
+                  f"KDA_PATCHES_STATUS_DIR the processes wrote to", file=sys.stderr)
+            return 2
+        snapshots = read_ledger_dir(args.source)
+        report = {"ledgers": snapshots, "aggregate": aggregate_ledgers(snapshots)}
+    else:
+        current_flags()
+        snapshots = [get_ledger().snapshot()]
+        report = {"ledgers": snapshots, "aggregate": aggregate_ledgers(snapshots)}
+    if args.json:
+        print(json.dumps(report, indent=1, sort_keys=True, default=str))
+        return 0
+    for snapshot in snapshots:
+        print(format_ledger(snapshot))
+    if args.source:
+        print(f"aggregate over {len(snapshots)} process(es): "
+              f"{json.dumps(report['aggregate'], sort_keys=True)}")
+    return 0
+
+
+def command_doctor(args: argparse.Namespace) -> int:
+    """Report versions, bootstrap facts, device backend and target resolution (imports vLLM)."""
+    from kda_patches.doctor import collect_report, format_report
+
+    report = collect_report()
+    print(json.dumps(report, indent=1, sort_keys=True, default=str) if args.json else format_report(report))
+    return 0
+
+
+def command_install(args: argparse.Namespace) -> int:
+    """Write ``kda_patches.pth`` so every interpreter of that site imports the overlay."""
+    from kda_patches.install import install_pth
+
+    print(f"installed {install_pth(user=args.user, prefix=args.prefix)}")
+    return 0
+
+
+def command_uninstall(args: argparse.Namespace) -> int:
+    """Remove ``kda_patches.pth`` (a missing file is fine)."""
+    from kda_patches.install import uninstall_pth
+
+    removed = uninstall_pth(user=args.user, prefix=args.prefix)
+    print(f"removed {removed}" if removed else "nothing to remove")
+    return 0
+
+
+def command_run(args: argparse.Namespace) -> int:
+    """Prepare the environment (LD_LIBRARY_PATH, OPP paths) and exec the command."""
+    from kda_patches.env import launch
+
+    command = [part for part in args.command if part != "--"] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("kda-patches run: give the command to run after '--', e.g. kda-patches run -- vllm serve MODEL",
+              file=sys.stderr)
+        return 2
+    launch(command)
+    return 0  # launch execs; reached only by test doubles
+
+
+def command_delegate(module: str, args: argparse.Namespace) -> int:
+    """Hand the remaining arguments to ``module.main(argv)`` (regress, bench)."""
+    import importlib
+
+    return int(importlib.import_module(module).main(args.rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the ``kda-patches`` argument parser."""
+    parser = argparse.ArgumentParser(prog="kda-patches", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="what was applied/skipped and which paths ran")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--from", dest="source", metavar="DIR", help="aggregate the ledgers written to DIR")
+    status.set_defaults(handler=command_status)
+    doctor = commands.add_parser("doctor", help="versions, CANN discovery, preloads, device, target resolution")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(handler=command_doctor)
+    for name, handler in (("install", command_install), ("uninstall", command_uninstall)):
+        sub = commands.add_parser(name, help=f"{name} kda_patches.pth (activation in every interpreter)")
+        where = sub.add_mutually_exclusive_group()
+        where.add_argument("--user", action="store_true", help="the user site-packages")
+        where.add_argument("--prefix", metavar="P", help="P/lib/pythonX.Y/site-packages")
+        sub.set_defaults(handler=handler)
+    run = commands.add_parser("run", help="launch CMD with the bootstrap environment set before exec")
+    run.add_argument("command", nargs=argparse.REMAINDER)
+    run.set_defaults(handler=command_run)
+    for name, module in (("regress", "kda_patches.regress.cli"), ("bench", "kda_patches.bench")):
+        sub = commands.add_parser(name, help=f"see `kda-patches {name} --help`", add_help=False)
+        sub.add_argument("rest", nargs=argparse.REMAINDER)
+        sub.set_defaults(handler=lambda args, module=module: command_delegate(module, args))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kda-patches``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+def run_main() -> int:
+    """Entry point of ``kda-run``: ``kda-run CMD...`` == ``kda-patches run -- CMD...``."""
+    return main(["run", "--", *sys.argv[1:]])

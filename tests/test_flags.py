@@ -1,0 +1,59 @@
+"""Switch parsing: defaults, validation, unknown names, per-patch selection."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kda_patches.flags import SWITCHES, Flags, parse_flags
+
+KNOWN = ("gdn_host_flags", "kimi_prefill")
+
+
+def test_defaults_enable_everything():
+    flags = parse_flags({}, KNOWN)
+    assert flags.enabled and not flags.strict and not flags.force_triton
+    assert all(flags.patch_enabled(name) for name in KNOWN)
+    assert set(flags.as_dict()) <= set(SWITCHES)
+
+
+def test_master_switch_off_disables_every_patch():
+    flags = parse_flags({"KDA_PATCHES": "0"}, KNOWN)
+    assert not any(flags.patch_enabled(name) for name in KNOWN)
+
+
+def test_disable_and_only_select_patches():
+    assert not parse_flags({"KDA_PATCHES_DISABLE": "kimi_prefill"}, KNOWN).patch_enabled("kimi_prefill")
+    only = parse_flags({"KDA_PATCHES_ONLY": " gdn_host_flags "}, KNOWN)
+    assert only.patch_enabled("gdn_host_flags") and not only.patch_enabled("kimi_prefill")
+
+
+def test_unknown_patch_names_warn_with_the_valid_list(caplog):
+    with caplog.at_level(logging.WARNING, logger="kda_patches"):
+        flags = parse_flags({"KDA_PATCHES_DISABLE": "gdn_hostflags"}, KNOWN)
+    assert any("gdn_hostflags" in w and "gdn_host_flags, kimi_prefill" in w for w in flags.warnings)
+    assert any("gdn_hostflags" in record.getMessage() for record in caplog.records)
+
+
+def test_unknown_switch_is_warned_about():
+    flags = parse_flags({"KDA_PATCHES_STRICTT": "1"}, KNOWN)
+    assert any("KDA_PATCHES_STRICTT" in w and "KDA_PATCHES_STRICT" in w for w in flags.warnings)
+
+
+@pytest.mark.parametrize(("variable", "value"), [("KDA_PATCHES_STRICT", "maybe"), ("KDA_PATCHES", "2"),
+                                                 ("KDA_PATCHES_LOG", "LOUD"),
+                                                 ("KDA_PATCHES_KV_STATE_MODE", "elsewhere")])
+def test_malformed_values_raise_naming_the_variable(variable, value):
+    with pytest.raises(ValueError, match=variable):
+        parse_flags({variable: value}, KNOWN)
+
+
+def test_paths_split_on_pathsep_and_flags_are_immutable():
+    flags = parse_flags({"KDA_PATCHES_PRELOAD": "/a/lib1.so:/b/lib2.so", "KDA_PATCHES_FORCE_TRITON": "yes"}, KNOWN)
+    assert flags.preload == ("/a/lib1.so", "/b/lib2.so") and flags.force_triton
+    with pytest.raises(AttributeError, match="immutable"):
+        flags.strict = True
+    assert flags == parse_flags({"KDA_PATCHES_PRELOAD": "/a/lib1.so:/b/lib2.so",
+                                 "KDA_PATCHES_FORCE_TRITON": "1"}, KNOWN)
+    assert isinstance(flags, Flags)
