@@ -1,0 +1,99 @@
+"""``kda-patches doctor``: what this installation can do, checked for real.
+
+Reports interpreter and package versions, the environment bootstrap (CANN discovery, OPP
+variables, preloads), the device backend, and for every patch target whether it resolves in the
+installed stack (module importable, attribute defined, version in range, signature fingerprint
+matching). Unlike ``status`` this imports torch and the target modules (vLLM, forks).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import platform
+import sys
+from typing import Any
+
+from kda_patches import current_flags, get_ledger, registry
+
+PACKAGES = ("torch", "triton", "vllm", "vllm_ascend", "vllm_fl", "torch_npu", "wrapt", "fla")
+
+
+def find_package_version(name: str) -> str | None:
+    """Return ``name.__version__`` when the package is installed, else None (imports it)."""
+    if importlib.util.find_spec(name) is None:
+        return None
+    try:
+        module = importlib.import_module(name)
+    except Exception as error:  # noqa: BLE001 - report, don't crash the doctor
+        return f"import failed: {type(error).__name__}: {error}"
+    return str(getattr(module, "__version__", "installed (no __version__)"))
+
+
+def check_target(target: registry.Target) -> dict[str, Any]:
+    """Return whether ``target`` resolves here: importable, defined, version in range, signature."""
+    top = target.module.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        return {"resolves": False, "reason": f"{top} is not installed"}
+    try:
+        module = importlib.import_module(target.module)
+    except Exception as error:  # noqa: BLE001
+        return {"resolves": False, "reason": f"import of {target.module} failed: {type(error).__name__}: {error}"}
+    resolved = registry.resolve_attribute(module, target.qualname)
+    if resolved is None:
+        return {"resolves": False, "reason": f"{target.qualname} is not defined in {target.module}"}
+    found = registry.find_version(target, module)
+    if not registry.version_supported(target, found):
+        return {"resolves": False, "reason": f"version {found} outside the supported range"}
+    parent, attribute, _ = resolved
+    original = getattr(getattr(parent, attribute), "__wrapped__", getattr(parent, attribute))
+    if target.parameters is not None and registry.signature_parameters(original) != target.parameters:
+        return {"resolves": False, "reason": "signature drifted from the recorded fingerprint"}
+    return {"resolves": True, "reason": f"version {found or 'unknown'}"}
+
+
+def describe_device() -> dict[str, Any]:
+    """Return the device backend the state-copy plans would use in this process."""
+    try:
+        from kda_patches.state_copy.device import describe_device as describe_state_copy_device
+    except ImportError as error:
+        return {"backend": "unavailable", "reason": str(error)}
+    return describe_state_copy_device()
+
+
+def collect_report() -> dict[str, Any]:
+    """Collect the whole doctor report as a JSON-serialisable dict."""
+    flags = current_flags()
+    from kda_patches import env
+
+    report: dict[str, Any] = {
+        "note": "doctor imports torch, vLLM and the fork packages to check the patch targets",
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": {name: find_package_version(name) for name in PACKAGES},
+        "switches": flags.as_dict(),
+        "bootstrap": env.describe_environment(),
+        "device": describe_device(),
+        "patches": {},
+    }
+    for name, patch in registry.all_patches().items():
+        report["patches"][name] = {
+            "enabled": flags.patch_enabled(name),
+            "targets": {f"{t.key} [{t.stack}]": check_target(t) for t in patch.targets},
+        }
+    report["ledger"] = get_ledger().snapshot()["patches"]
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Render the doctor report for humans."""
+    lines = [f"kda-patches doctor ({report['note']})", f"python {report['python']} on {report['platform']}"]
+    for name, version in report["packages"].items():
+        lines.append(f"  {name:<12} {version or 'not installed'}")
+    lines.append(f"device: {report['device']}")
+    lines.append(f"bootstrap: {report['bootstrap']}")
+    for name, info in report["patches"].items():
+        lines.append(f"patch {name} ({'enabled' if info['enabled'] else 'disabled'}):")
+        for target, check in info["targets"].items():
+            lines.append(f"  {'ok ' if check['resolves'] else '-- '} {target}: {check['reason']}")
+    return "\n".join(lines)
