@@ -180,13 +180,28 @@ def guess_process_role() -> str:
 
 _LEDGER: Ledger | None = None
 _LEDGER_LOCK = _thread.allocate_lock()
+_PID = os.getpid()
+
+
+def _remember_child_pid() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_remember_child_pid)
 
 
 def get_ledger() -> Ledger:
-    """Return this process's ledger (a forked child gets a fresh one that inherits the switches)."""
+    """Return this process's ledger (a forked child gets a fresh one that inherits the switches).
+
+    The common case (same process) takes no lock and makes no system call: wrappers call this per call.
+    """
     global _LEDGER
+    ledger = _LEDGER
+    if ledger is not None and ledger.pid == _PID:
+        return ledger
     with _LEDGER_LOCK:
-        if _LEDGER is None or _LEDGER.pid != os.getpid():
+        if _LEDGER is None or _LEDGER.pid != _PID:
             previous = _LEDGER
             _LEDGER = Ledger()
             if previous is not None:
