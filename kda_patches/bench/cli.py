@@ -1,0 +1,67 @@
+"""Command line of the benchmarks: ``kda-patches bench state-copy --output FILE --seed N --trials N``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_ints(text: str) -> list[int]:
+    """Parse ``"1,8,64"`` into ``[1, 8, 64]``."""
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_variants(text: str) -> list[tuple[int, int | None, bool]]:
+    """Parse ``"16384/4,65536,8192/4/stream"`` into ``[(16384, 4, False), (65536, None, False), (8192, 4, True)]``.
+
+    Each item is tile bytes, warps (optional) and ``stream`` (optional: evict_first hints, fused only).
+    """
+    variants = []
+    for part in text.split(","):
+        if part.strip():
+            fields = part.strip().split("/")
+            warps = int(fields[1]) if len(fields) > 1 and fields[1] else None
+            variants.append((int(fields[0]), warps, len(fields) > 2 and fields[2] == "stream"))
+    return variants
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the ``kda-patches bench`` argument parser."""
+    parser = argparse.ArgumentParser(prog="kda-patches bench", description="benchmarks of the overlay")
+    commands = parser.add_subparsers(dest="benchmark", required=True)
+    state = commands.add_parser("state-copy", help="fused/fallback state-copy plans vs torch-native indexing "
+                                "(seed 000 method: shuffled rounds, eager/wall/enqueue/graph, copy floor)")
+    state.add_argument("--output", required=True, help="JSON file to write (must not exist)")
+    state.add_argument("--seed", type=int, default=0, help="RNG seed of indices, flags and data")
+    state.add_argument("--trials", type=int, default=30, help="rounds per case (each round shuffles the order)")
+    state.add_argument("--plot", default=None, help="PNG plot path (default: OUTPUT with .png)")
+    state.add_argument("--device", default="cuda", help="cuda (default) or cpu (TRITON_INTERPRET=1 smoke run)")
+    state.add_argument("--rows", type=int, default=2048, help="cache rows N")
+    state.add_argument("--inner", type=parse_ints, default=[12, 128, 128], help="H,V,K")
+    state.add_argument("--gap-items", type=int, default=8192, help="page gap between rows, in items")
+    state.add_argument("--selected", type=parse_ints, default=[1, 8, 64, 256], help="selected counts")
+    state.add_argument("--dtypes", default="float32,bfloat16", help="cache dtypes")
+    state.add_argument("--graph-calls", type=int, default=100, help="calls captured per CUDA graph")
+    state.add_argument("--no-reference", action="store_true",
+                       help="skip the contiguous torch copy of the same bytes (a reference, not a state copy)")
+    state.add_argument("--fused-variants", type=parse_variants, default=[],
+                       help="extra fused configurations, BYTES[/WARPS[/stream]][,...], e.g. 16384/4,8192/4/stream")
+    state.add_argument("--fallback-variants", type=parse_variants, default=[],
+                       help="extra fallback configurations to measure, BYTES[/WARPS][,...]")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen benchmark.
+
+    Args:
+        argv: arguments after ``bench`` (default ``sys.argv[1:]``).
+    Returns:
+        The exit status (0 on success, 2 for a refused output path or device).
+    """
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.benchmark == "state-copy":
+        from kda_patches.bench.state_copy import run_benchmark
+
+        return run_benchmark(args)
+    return 2

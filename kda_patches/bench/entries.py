@@ -1,0 +1,42 @@
+"""Counting entries into the Triton JIT and compiler while a benchmark runs (after every plan is sealed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CompilerEntryCounter:
+    """Context manager that counts calls of ``JITFunction.run`` and ``triton.compile`` (without blocking them).
+
+    Attributes:
+        counts: ``{entry point: calls}`` accumulated over every ``with`` block.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {"JITFunction.run": 0, "triton.compile": 0}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, attribute: str, key: str) -> None:
+        original = getattr(owner, attribute)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[key] += 1
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, attribute, original))
+        setattr(owner, attribute, counted)
+
+    def __enter__(self) -> CompilerEntryCounter:
+        import triton
+        import triton.compiler.compiler as compiler_module
+        from triton.runtime.jit import JITFunction
+
+        self._wrap(JITFunction, "run", "JITFunction.run")
+        self._wrap(compiler_module, "compile", "triton.compile")
+        self._wrap(triton, "compile", "triton.compile")
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        while self._saved:
+            owner, attribute, original = self._saved.pop()
+            setattr(owner, attribute, original)

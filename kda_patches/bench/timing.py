@@ -1,0 +1,121 @@
+"""Timing primitives of the benchmarks (seed 000 method), one mode per function.
+
+- eager event: CUDA events around one eager call (includes host dispatch gaps; not kernel time);
+- synchronized wall: host clock from a synchronized start to a synchronized end ("host-to-done");
+- host enqueue: host clock around the call alone (the device may still be running);
+- graph replay: a CUDA graph of ``calls`` captured calls, replayed; event time divided by ``calls``.
+
+Each measured call returns its output; outputs are released after the timed region ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+Call = Callable[[int], Any]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_eager_event(call: Call, step: int, device: torch.device) -> float:
+    """Return microseconds between CUDA events recorded around ``call(step)``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    synchronize(device)
+    start.record()
+    result = call(step)
+    end.record()
+    end.synchronize()
+    del result
+    return start.elapsed_time(end) * 1000.0
+
+
+def time_wall(call: Call, step: int, device: torch.device) -> float:
+    """Return microseconds of host wall time from a synchronized start to the call's completion."""
+    synchronize(device)
+    begin = time.perf_counter_ns()
+    result = call(step)
+    synchronize(device)
+    elapsed = time.perf_counter_ns() - begin
+    del result
+    return elapsed / 1000.0
+
+
+def time_enqueue(call: Call, step: int, device: torch.device) -> float:
+    """Return microseconds of host time spent inside ``call(step)`` (launch/enqueue cost)."""
+    synchronize(device)
+    begin = time.perf_counter_ns()
+    result = call(step)
+    elapsed = time.perf_counter_ns() - begin
+    synchronize(device)
+    del result
+    return elapsed / 1000.0
+
+
+def capture_graph(call: Call, calls: int, device: torch.device) -> torch.cuda.CUDAGraph:
+    """Capture ``call(0) ... call(calls - 1)`` into one CUDA graph (after a warm-up on a side stream)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for step in range(min(calls, 3)):
+            call(step)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for step in range(calls):
+            call(step)
+    synchronize(device)
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, calls: int, device: torch.device) -> float:
+    """Return microseconds per captured call of one replay of ``graph``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    synchronize(device)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / calls
+
+
+def measure_copy_ceiling(device: torch.device, nbytes: int = 2 << 30, repeats: int = 20) -> dict[str, Any]:
+    """Measure the device-to-device copy bandwidth (bytes read + written per second).
+
+    Args:
+        device: a CUDA device.
+        nbytes: bytes per copy (large enough to leave the L2 out).
+        repeats: timed copies (after three warm-ups).
+    Returns:
+        ``{"bytes_per_s": median bandwidth, "samples_us": [...], "nbytes": nbytes}``.
+    """
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0)
+    del source, target
+    torch.cuda.empty_cache()
+    return {"bytes_per_s": 2 * nbytes / (median(samples) * 1e-6), "samples_us": samples, "nbytes": nbytes}
+
+
+def median(samples: Sequence[float]) -> float:
+    """Return the median of ``samples`` (the mean of the middle two for an even count)."""
+    ordered = sorted(samples)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

@@ -1,0 +1,159 @@
+"""Triton kernels that copy recurrent-state rows between a cache and a packed tensor.
+
+Two kernels, each serving both directions through the ``SCATTER`` constexpr:
+
+- :func:`copy_rows_kernel` (the fused plan): typed elements, one program per
+  ``(payload tile, selected row)``; gather reads cache row ``indices[s]`` into packed row ``s``,
+  scatter writes packed row ``s`` into cache row ``indices[s]`` (cast to the cache element type).
+- :func:`copy_row_bytes_kernel` (the fallback plan): the same semantics on raw bytes (any dtype),
+  over a flat 1-D grid in which one row is split into ``TILES`` byte tiles, so that one row is
+  copied by many programs (a one-program-per-row loop is 4-8x slower).
+
+Shared contract (checked on the host by :mod:`kda_patches.state_copy.layout` before launch):
+
+- A cache row ``r`` is ``PAYLOAD`` contiguous items starting at ``cache_ptr + r * ROW_STRIDE``,
+  with ``ROW_STRIDE >= PAYLOAD``; the page gap between rows is never read or written. The storage
+  offset is already folded into ``cache_ptr`` (``tensor.data_ptr()``).
+- Every address product is formed in int64 (program ids and index values are promoted first), so
+  INT32 index vectors and pages more than 4 GiB apart are addressed correctly.
+- A row index is valid when ``0 <= index < NUM_ROWS`` (and, for gather, its flag is true). Gather
+  writes zeros for invalid rows and writes every packed row; scatter skips invalid rows. Valid
+  scatter destinations must be unique (caller precondition, never checked here).
+- All layout numbers are constexprs of the cache layout; the selected count is the grid, never an
+  argument, so changing it never changes the compiled signature.
+
+Masks are built from vectors only (a ``vector & scalar`` mask fails under ``TRITON_INTERPRET=1``).
+The kernels use no CUDA-only features, so they also compile with triton-ascend.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_rows_kernel(
+    cache_ptr,
+    packed_ptr,
+    index_ptr,
+    flag_ptr,
+    NUM_ROWS: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    PAYLOAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
+    SCATTER: tl.constexpr,
+    STREAM: tl.constexpr,
+):
+    """Copy one ``BLOCK``-element tile of one selected row (fused plan).
+
+    Grid: ``(cdiv(PAYLOAD, BLOCK), S)``; program ``(t, s)`` copies elements
+    ``[t * BLOCK, (t + 1) * BLOCK)`` of selected row ``s``.
+
+    Args:
+        cache_ptr: ``*T`` (T = float32 or bfloat16), the cache ``[NUM_ROWS, H, V, K]``: inner
+            ``[H, V, K]`` dense (``PAYLOAD`` items), row stride ``ROW_STRIDE`` items; alignment is
+            whatever the cache signature recorded (the plan compiles for that class).
+        packed_ptr: ``*T`` for gather (the output) or ``*T`` for scatter (the input, already in the
+            cache dtype), contiguous ``[S, PAYLOAD]``, 16-byte aligned.
+        index_ptr: ``*int32`` or ``*int64``, contiguous ``[S]``, 16-byte aligned; any values
+            (negative or ``>= NUM_ROWS`` mean invalid).
+        flag_ptr: ``*int1`` (torch.bool), contiguous ``[>= S]``, 16-byte aligned; read by gather
+            only (false clears the packed row); scatter never reads it.
+        NUM_ROWS: number of cache rows ``N``.
+        ROW_STRIDE: ``cache.stride(0)`` in items (``>= PAYLOAD``).
+        PAYLOAD: items per row (``H * V * K``).
+        BLOCK: items per program (power of two).
+        EVEN: ``PAYLOAD % BLOCK == 0`` (drops the tail mask).
+        SCATTER: False gathers (cache -> packed), True scatters (packed -> cache).
+        STREAM: mark the streamed side (cache reads of a gather; packed reads and cache writes of a
+            scatter) ``evict_first`` so it does not push the packed states out of the L2.
+    """
+    tile = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
+    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
+    if not SCATTER:
+        flag = tl.full([BLOCK], 0, tl.int32) + tl.load(flag_ptr + row).to(tl.int32)
+        valid = valid & (flag != 0)
+    safe_row = tl.where(valid, cache_row, 0)
+    cache_items = cache_ptr + safe_row * ROW_STRIDE + offsets
+    packed_items = packed_ptr + row * PAYLOAD + offsets
+    if EVEN:
+        copy_mask = valid
+    else:
+        in_payload = offsets < PAYLOAD
+        copy_mask = valid & in_payload
+    if SCATTER:
+        if STREAM:
+            values = tl.load(packed_items, mask=copy_mask, eviction_policy="evict_first")
+            tl.store(cache_items, values.to(cache_ptr.dtype.element_ty), mask=copy_mask,
+                     eviction_policy="evict_first")
+        else:
+            values = tl.load(packed_items, mask=copy_mask)
+            tl.store(cache_items, values.to(cache_ptr.dtype.element_ty), mask=copy_mask)
+    else:
+        if STREAM:
+            values = tl.load(cache_items, mask=copy_mask, other=0, eviction_policy="evict_first")
+        else:
+            values = tl.load(cache_items, mask=copy_mask, other=0)
+        if EVEN:
+            tl.store(packed_items, values)
+        else:
+            tl.store(packed_items, values, mask=in_payload)
+
+
+@triton.jit
+def copy_row_bytes_kernel(
+    cache_ptr,
+    packed_ptr,
+    index_ptr,
+    flag_ptr,
+    NUM_ROWS: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    PAYLOAD: tl.constexpr,
+    TILES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCATTER: tl.constexpr,
+):
+    """Copy one ``BLOCK``-byte tile of one selected row as raw bytes (fallback plan).
+
+    Grid: ``(S * TILES,)``; program ``p`` copies byte tile ``p % TILES`` of selected row
+    ``p // TILES``. The caller casts a scatter's packed input to the cache dtype first.
+
+    Args:
+        cache_ptr: ``*uint8``, the cache bytes: row ``r`` is ``PAYLOAD`` contiguous bytes at
+            ``cache_ptr + r * ROW_STRIDE``; alignment is whatever the cache signature recorded.
+        packed_ptr: ``*uint8``, contiguous ``[S, PAYLOAD]`` bytes, 16-byte aligned (gather output or
+            scatter input already in the cache dtype).
+        index_ptr: ``*int32`` or ``*int64``, contiguous ``[S]``, 16-byte aligned.
+        flag_ptr: ``*int1`` (torch.bool), contiguous ``[>= S]``, 16-byte aligned; gather only.
+        NUM_ROWS: number of cache rows ``N``.
+        ROW_STRIDE: ``cache.stride(0) * element_size`` in bytes (``>= PAYLOAD``).
+        PAYLOAD: bytes per row.
+        TILES: ``cdiv(PAYLOAD, BLOCK)``.
+        BLOCK: bytes per program (power of two).
+        SCATTER: False gathers (cache -> packed), True scatters (packed -> cache).
+    """
+    program = tl.program_id(0).to(tl.int64)
+    row = program // TILES
+    tile = program % TILES
+    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    in_payload = offsets < PAYLOAD
+    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
+    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
+    if not SCATTER:
+        flag = tl.full([BLOCK], 0, tl.int32) + tl.load(flag_ptr + row).to(tl.int32)
+        valid = valid & (flag != 0)
+    safe_row = tl.where(valid, cache_row, 0)
+    copy_mask = valid & in_payload
+    cache_bytes = cache_ptr + safe_row * ROW_STRIDE + offsets
+    packed_bytes = packed_ptr + row * PAYLOAD + offsets
+    if SCATTER:
+        values = tl.load(packed_bytes, mask=copy_mask)
+        tl.store(cache_bytes, values, mask=copy_mask)
+    else:
+        values = tl.load(cache_bytes, mask=copy_mask, other=0)
+        tl.store(packed_bytes, values, mask=in_payload)

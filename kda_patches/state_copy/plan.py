@@ -1,0 +1,304 @@
+"""State-copy plans: compiled per cache layout at startup, sealed, then launched without the JIT.
+
+Lifecycle (seed 000, DESIGN §4.1): :meth:`StateCopyPlan.prepare` checks the cache layout, snapshots
+the compiler configuration and compiles exactly four variants (INT32/INT64 indices x gather/scatter)
+on disposable one-row scratch that keeps the cache's 16-byte alignment class and never aliases the
+live cache; it runs each variant once on that scratch and checks the result. :meth:`~StateCopyPlan.seal`
+checks that the configuration did not drift and that no JIT pre-run hook appeared. Only a sealed
+plan launches, and only for a cache with the prepared signature (device, dtype, shape, strides,
+``data_ptr % 16``), at most ``max_selected`` rows, same-device INT32/INT64 indices.
+
+:class:`FusedStatePlan` runs the typed tiled kernel; :class:`FallbackStatePlan` the masked byte-copy
+kernel (any dtype). Worker-level initialization (dedup, all-or-nothing publishing) and per-layer
+bindings live in :mod:`kda_patches.state_copy.worker` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import triton
+
+from kda_patches.state_copy import kernels, layout
+from kda_patches.state_copy.device import PLAN_FALLBACK, PLAN_FUSED, device_kind, interpreter_active, synchronize
+from kda_patches.state_copy.errors import refuse
+from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
+
+MAX_GRID_ROWS = 65535  # grid dimension 1 limit: the fused plan puts selected rows there
+_OPS = ("gather", "scatter")
+
+
+class StateCopyPlan:
+    """Compiled state-copy table for one cache signature (shared by every layer with that signature).
+
+    Use :meth:`prepare`, then :meth:`seal`. The plan keeps no live tensors, streams or data pointers:
+    only the layout numbers, the compiled variants and a read-only all-true flag vector.
+
+    Attributes:
+        kind: ``"fused"`` or ``"fallback"``.
+        layout: the :class:`~kda_patches.state_copy.layout.CacheLayout` it was prepared for.
+        signature: the cache signature it launches for.
+        max_selected: the most rows one call may select.
+    """
+
+    kind: ClassVar[str] = ""
+    kernel: ClassVar[Any] = None
+
+    def __init__(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
+                 layer: str | None, stream: bool = False) -> None:
+        self.layout = layout.describe_layout(state, layer)
+        if not 0 <= max_selected <= MAX_GRID_ROWS:
+            refuse("max_selected", f"max_selected must be in [0, {MAX_GRID_ROWS}], got {max_selected}", layer)
+        self.signature = layout.cache_signature(state)
+        self.max_selected = int(max_selected)
+        self.sealed = False
+        self._device = state.device
+        self._dtype = state.dtype
+        self._shape = tuple(state.shape)
+        self._strides = tuple(state.stride())
+        self._alignment = self.signature[-1]
+        self._inner = self.layout.inner_shape
+        self._check_device = state.device.type == "cuda"
+        self._device_index = state.device.index if state.device.index is not None else (
+            torch.cuda.current_device() if self._check_device else None)
+        self._configuration = snapshot_configuration()
+        if pre_run_hook_count(self.kernel):
+            refuse("jit_hook", f"{self.kernel.__name__} carries JIT pre-run hooks before prepare; remove them "
+                   "(they would never run on direct launches)", layer)
+        self._interpreted = interpreter_active()
+        self._stream = bool(stream)
+        self._constexprs_by_op, self._num_warps = self._kernel_config(block_bytes, num_warps)
+        self._true_flags = torch.ones(max(self.max_selected, 1), dtype=torch.bool, device=state.device)
+        self._variants: dict[tuple[str, torch.dtype], Any] = {}
+        self._compile_on_scratch(layer)
+        self._gathers = {dtype: self._variants[("gather", dtype)] for dtype in layout.INDEX_DTYPES}
+        self._scatters = {dtype: self._variants[("scatter", dtype)] for dtype in layout.INDEX_DTYPES}
+
+    @classmethod
+    def prepare(cls, state: torch.Tensor, max_selected: int, block_bytes: int | None = None,
+                num_warps: int | None = None, layer: str | None = None, stream: bool = False) -> StateCopyPlan:
+        """Compile and test-run the four variants for ``state``'s layout on scratch.
+
+        Args:
+            state: the live cache ``[N, H, V, K]`` (only its metadata and alignment class are used).
+            max_selected: the most rows one call may select (``max_num_seqs``).
+            block_bytes: bytes per program (default: the kind's default).
+            num_warps: warps per program (default: the kind's default).
+            layer: layer name for error messages.
+            stream: fused plan only: ``evict_first`` hints on the streamed side (an experiment; off).
+        Returns:
+            An unsealed plan.
+        Raises:
+            StateCopyError: layout refused, hooks present, or a variant failed on scratch.
+        """
+        return cls(state, max_selected, block_bytes, num_warps, layer, stream)
+
+    # -- preparation ------------------------------------------------------------------------
+    def _kernel_config(self, block_bytes: int | None, num_warps: int | None
+                       ) -> tuple[dict[str, tuple[Any, ...]], int]:
+        raise NotImplementedError
+
+    def _grid(self, count: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _build_scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return a one-row scratch cache (same alignment class, own storage) and a scratch packed row."""
+        nbytes = self.layout.payload * self.layout.element_size
+        raw = torch.empty(nbytes + 2 * layout.ALIGNMENT, dtype=torch.uint8, device=self._device)
+        shift = (self._alignment - raw.data_ptr()) % layout.ALIGNMENT
+        cache = raw[shift:shift + nbytes].view(self._dtype).view(1, *self._inner)
+        packed = torch.empty((1, *self._inner), dtype=self._dtype, device=self._device)
+        return cache, packed
+
+    def _compile_on_scratch(self, layer: str | None) -> None:
+        cache, packed = self._build_scratch()
+        pattern = torch.arange(self.layout.payload, device=self._device) % 251 - 125
+        cache.view(-1).copy_(pattern.to(self._dtype))
+        for index_dtype in layout.INDEX_DTYPES:
+            indices = torch.zeros(1, dtype=index_dtype, device=self._device)
+            for op in _OPS:
+                name = f"{self.kind}/{op}/{str(index_dtype).removeprefix('torch.')}"
+                try:
+                    variant = compile_variant(name, self.kernel, (cache, packed, indices, self._true_flags),
+                                              self._constexprs_by_op[op], self._num_warps, self._interpreted,
+                                              self.kind == PLAN_FALLBACK)
+                    if op == "gather":
+                        packed.fill_(0)
+                    else:
+                        cache.view(-1).fill_(0)
+                    variant.launch(self._grid(1), cache, packed, indices, self._true_flags)
+                    synchronize(self._device)
+                except Exception as exc:
+                    refuse("prepare", f"variant {name} failed to compile or run on scratch: {exc!r}", layer)
+                if not torch.equal(cache.view(-1), pattern.to(self._dtype)) or not torch.equal(
+                        packed.view(-1), pattern.to(self._dtype)):
+                    refuse("prepare", f"variant {name} produced wrong bytes on scratch", layer)
+                self._variants[(op, index_dtype)] = variant
+
+    def seal(self) -> StateCopyPlan:
+        """Freeze the plan: refuse if the compiler configuration drifted or a JIT pre-run hook appeared.
+
+        Returns:
+            The plan itself (sealed).
+        Raises:
+            StateCopyRefused: with what changed and that the worker must restart.
+        """
+        drift = describe_drift(self._configuration, snapshot_configuration())
+        if drift:
+            refuse("config_drift", "compiler configuration changed between prepare and seal ("
+                   + "; ".join(drift) + "); restart the worker so the plan is prepared again")
+        if pre_run_hook_count(self.kernel):
+            refuse("jit_hook", f"a JIT pre-run hook appeared on {self.kernel.__name__} before seal; remove it")
+        self.sealed = True
+        return self
+
+    def variant_names(self) -> list[str]:
+        """Return the names of the compiled variants (always four)."""
+        return sorted(variant.name for variant in self._variants.values())
+
+    # -- serving ----------------------------------------------------------------------------
+    def _check_call(self, state: torch.Tensor, indices: torch.Tensor, layer: str | None) -> torch.Tensor:
+        """Refuse a launch that breaks the sealed contract; return the indices in launchable form."""
+        if not self.sealed:
+            refuse("unsealed", "the state-copy plan is not sealed; call seal() after prepare() (the worker "
+                   "initialization does this) before serving", layer)
+        if (state.dtype != self._dtype or state.shape != self._shape or state.stride() != self._strides
+                or state.device != self._device or state.data_ptr() % 16 != self._alignment):
+            refuse("signature", f"cache signature changed since prepare: prepared {self.signature}, got "
+                   f"{layout.cache_signature(state)}; re-initialize the plans after re-binding the KV cache", layer)
+        if self.kernel.pre_run_hooks:
+            refuse("jit_hook", f"a JIT pre-run hook appeared on {self.kernel.__name__} after seal; state-copy "
+                   "launches bypass the JIT, so remove the hook or restart without it", layer)
+        if self._check_device and torch._C._cuda_getDevice() != self._device_index:
+            refuse("device", f"current CUDA device is {torch.cuda.current_device()}, plan is for "
+                   f"{self._device}; call under torch.cuda.device({self._device_index})", layer)
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype not in layout.INDEX_DTYPES \
+                or indices.device != self._device:
+            layout.check_indices(indices, self._device, layer)
+        if indices.shape[0] > self.max_selected:
+            refuse("too_many_rows", f"{indices.shape[0]} selected rows exceed max_selected={self.max_selected}; "
+                   "raise max_num_seqs at startup (plans are prepared for it) or split the batch", layer)
+        if not indices.is_contiguous() or indices.data_ptr() % 16:
+            indices = indices.clone(memory_format=torch.contiguous_format)
+        return indices
+
+    def gather(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None = None,
+               layer: str | None = None) -> torch.Tensor:
+        """Gather cache rows into a new packed tensor (semantics of :func:`naive.gather_states`).
+
+        Args:
+            state: the cache (must match the prepared signature).
+            indices: ``[S]`` int32/int64 rows on the cache's device (invalid values give zero rows).
+            flags: optional ``[S]`` torch.bool; false rows give zero rows.
+            layer: layer name for error messages.
+        Returns:
+            ``[S, H, V, K]`` contiguous, cache dtype.
+        """
+        if torch.compiler.is_compiling():
+            refuse("compile", "an unbound plan cannot be traced; use the LayerStatePlan binding from "
+                   "initialize(), which calls the kda_patches::state_gather custom op", layer)
+        indices = self._check_call(state, indices, layer)
+        count = indices.shape[0]
+        if flags is None:
+            flags = self._true_flags
+        else:
+            if flags.dim() != 1 or flags.shape[0] != count or flags.dtype != torch.bool or flags.device != self._device:
+                layout.check_flags(flags, count, self._device, layer)
+            if not flags.is_contiguous() or flags.data_ptr() % 16:
+                flags = flags.clone(memory_format=torch.contiguous_format)
+        packed = torch.empty((count, *self._inner), dtype=self._dtype, device=self._device)
+        if count:
+            self._gathers[indices.dtype].launch(self._grid(count), state, packed, indices, flags)
+        return packed
+
+    def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
+                layer: str | None = None) -> None:
+        """Write packed rows into the cache, cast to its dtype (semantics of :func:`naive.scatter_states`).
+
+        Args:
+            state: the cache (must match the prepared signature), modified in place.
+            packed: ``[S, H, V, K]`` final states (cast to the cache dtype first when needed).
+            indices: ``[S]`` int32/int64 destination rows; invalid ones are skipped; valid ones unique.
+            layer: layer name for error messages.
+        """
+        if torch.compiler.is_compiling():
+            refuse("compile", "an unbound plan cannot be traced; use the LayerStatePlan binding from "
+                   "initialize(), which calls the kda_patches::state_scatter custom op", layer)
+        indices = self._check_call(state, indices, layer)
+        count = indices.shape[0]
+        if not isinstance(packed, torch.Tensor) or packed.shape != (count, *self._inner) \
+                or packed.device != self._device or not packed.dtype.is_floating_point:
+            layout.check_packed(packed, count, state, layer)
+        if not count:
+            return
+        if packed.dtype != self._dtype:
+            packed = packed.to(self._dtype)
+        if not packed.is_contiguous() or packed.data_ptr() % 16:
+            packed = packed.clone(memory_format=torch.contiguous_format)
+        self._scatters[indices.dtype].launch(self._grid(count), state, packed, indices, self._true_flags)
+
+    def describe(self) -> dict[str, Any]:
+        """Return the plan as a JSON-serialisable dict (for the ledger and the benchmark)."""
+        return {"kind": self.kind, "sealed": self.sealed, "max_selected": self.max_selected,
+                "device_kind": device_kind(self._device), "layout": self.layout.as_dict(),
+                "alignment": self._alignment, "num_warps": self._num_warps, "stream": self._stream,
+                "constexprs": {op: [str(v) for v in values] for op, values in self._constexprs_by_op.items()},
+                "variants": self.variant_names()}
+
+
+class FusedStatePlan(StateCopyPlan):
+    """Typed tiled copy (FP32/BF16): one program per (payload tile, selected row)."""
+
+    kind = PLAN_FUSED
+    kernel = kernels.copy_rows_kernel
+    DEFAULT_BLOCK_BYTES = 8192  # H200 sweep: same time as 16-64 KiB tiles at >= 64 rows, fastest at 1-8 rows
+    DEFAULT_NUM_WARPS = 4
+
+    def _kernel_config(self, block_bytes: int | None, num_warps: int | None
+                       ) -> tuple[dict[str, tuple[Any, ...]], int]:
+        items = max((block_bytes or self.DEFAULT_BLOCK_BYTES) // self.layout.element_size, 16)
+        block = min(triton.next_power_of_2(items), triton.next_power_of_2(self.layout.payload))
+        self._tiles = triton.cdiv(self.layout.payload, block)
+        base = (self.layout.num_rows, self.layout.row_stride, self.layout.payload, block,
+                self.layout.payload % block == 0)
+        warps = num_warps or (self.DEFAULT_NUM_WARPS if block >= 1024 else 2)
+        return {"gather": (*base, False, self._stream), "scatter": (*base, True, self._stream)}, warps
+
+    def _grid(self, count: int) -> tuple[int, int]:
+        return (self._tiles, count)
+
+
+class FallbackStatePlan(StateCopyPlan):
+    """Masked byte copy (any dtype): a flat grid in which each row is split over many programs."""
+
+    kind = PLAN_FALLBACK
+    kernel = kernels.copy_row_bytes_kernel
+    DEFAULT_BLOCK_BYTES = 16384
+    DEFAULT_NUM_WARPS = 8
+
+    def _kernel_config(self, block_bytes: int | None, num_warps: int | None
+                       ) -> tuple[dict[str, tuple[Any, ...]], int]:
+        size = self.layout.element_size
+        payload_bytes = self.layout.payload * size
+        block = min(triton.next_power_of_2(max(block_bytes or self.DEFAULT_BLOCK_BYTES, 16)),
+                    triton.next_power_of_2(payload_bytes))
+        self._tiles = triton.cdiv(payload_bytes, block)
+        base = (self.layout.num_rows, self.layout.row_stride * size, payload_bytes, self._tiles, block)
+        warps = num_warps or (self.DEFAULT_NUM_WARPS if block >= 8192 else 4)
+        return {"gather": (*base, False), "scatter": (*base, True)}, warps
+
+    def _grid(self, count: int) -> tuple[int, int]:
+        return (count * self._tiles, 1)
+
+
+PLAN_CLASSES: dict[str, type[StateCopyPlan]] = {PLAN_FUSED: FusedStatePlan, PLAN_FALLBACK: FallbackStatePlan}
+
+
+def __getattr__(name: str) -> Any:
+    """Re-export the worker-level API (``initialize``, ``LayerStatePlan``) without an import cycle."""
+    if name in ("initialize", "LayerStatePlan"):
+        from kda_patches.state_copy import worker
+
+        return getattr(worker, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

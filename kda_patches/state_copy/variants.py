@@ -1,0 +1,156 @@
+"""Compiled kernel variants launched directly, the compiler-configuration snapshot, and JIT hooks.
+
+Serving never enters the Triton JIT: :func:`compile_variant` compiles a kernel once (through
+``JITFunction.warmup`` on scratch tensors) and returns a :class:`CompiledVariant` whose
+:meth:`~CompiledVariant.launch` calls the compiled launcher with the stored function handle,
+bypassing the JIT's argument binder and cache lookup. Under ``TRITON_INTERPRET=1`` there is no
+compiler; :class:`InterpretedVariant` runs the interpreter with the same argument order.
+
+Pointer arguments of a compiled launch are raw ``data_ptr()`` integers; the compiled signature
+(pointer element types, 16-byte divisibility of each pointer) was fixed at compile time by the
+scratch tensors, and the plan checks each call's tensors against it before launch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+
+CONFIG_PREFIXES = ("TRITON_", "ASCEND_", "CANN_", "TORCH_NPU_", "NPU_", "LLVM_")
+CONFIG_NAMES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH")
+
+
+def snapshot_configuration(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Return the compiler/runtime configuration a compiled plan depends on.
+
+    Read at prepare and at seal only, never per call.
+
+    Args:
+        environ: environment to read (default ``os.environ``).
+    Returns:
+        ``{"torch": version, "triton": version, "environ": {name: value}}`` with every
+        TRITON_/ASCEND_/CANN_/TORCH_NPU_/NPU_/LLVM_ variable and LD_LIBRARY_PATH, LD_PRELOAD, PYTHONPATH.
+    """
+    env = os.environ if environ is None else environ
+    selected = {name: value for name, value in env.items()
+                if name.startswith(CONFIG_PREFIXES) or name in CONFIG_NAMES}
+    return {"torch": torch.__version__, "triton": triton.__version__, "environ": dict(sorted(selected.items()))}
+
+
+def describe_drift(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """List what changed between two configuration snapshots (empty when nothing did)."""
+    changes = [f"{key} {before[key]} -> {after[key]}" for key in ("torch", "triton") if before[key] != after[key]]
+    env_before, env_after = before["environ"], after["environ"]
+    for name in sorted(set(env_before) | set(env_after)):
+        if env_before.get(name) != env_after.get(name):
+            changes.append(f"{name}: {env_before.get(name)!r} -> {env_after.get(name)!r}")
+    return changes
+
+
+def pre_run_hook_count(kernel: Any) -> int:
+    """Return how many JIT pre-run hooks ``kernel`` (a JIT or interpreted function) carries."""
+    return len(getattr(kernel, "pre_run_hooks", ()))
+
+
+class CompiledVariant:
+    """One compiled kernel, launched through its stored launcher without the JIT.
+
+    Attributes:
+        name: variant name (``gather/int32`` ...), for messages and the ledger.
+        kernel: the ``@triton.jit`` function it was compiled from (for the hook check).
+        takes_bytes: whether tensors are addressed as bytes (fallback kernel).
+    """
+
+    __slots__ = ("_args", "_compiled", "_device_index", "_function", "_get_stream", "_metadata", "_run",
+                 "_runtime", "kernel", "name", "takes_bytes")
+
+    def __init__(self, name: str, kernel: Any, compiled: Any, constexprs: tuple[Any, ...], device: torch.device,
+                 takes_bytes: bool) -> None:
+        from triton import knobs
+        from triton.runtime import driver
+
+        self.name = name
+        self.kernel = kernel
+        self.takes_bytes = takes_bytes
+        self._compiled = compiled
+        self._run = compiled.run  # builds the launcher and loads the module (raises on resource errors)
+        self._function = compiled.function
+        self._metadata = compiled.packed_metadata
+        self._args = constexprs
+        self._device_index = device.index if device.index is not None else driver.active.get_current_device()
+        self._get_stream = driver.active.get_current_stream
+        self._runtime = knobs.runtime
+
+    def launch(self, grid: tuple[int, int], cache: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
+               flags: torch.Tensor) -> None:
+        """Launch on the current stream. Tensors must satisfy the compiled pointer contract.
+
+        Args:
+            grid: ``(grid_x, grid_y)``.
+            cache, packed, indices, flags: see the kernel's pointer contract.
+        """
+        stream = self._get_stream(self._device_index)
+        enter = self._runtime.launch_enter_hook
+        if enter is None or not getattr(enter, "calls", True):
+            enter = exit_hook = metadata = None
+        else:
+            exit_hook = self._runtime.launch_exit_hook
+            metadata = self._compiled.launch_metadata((*grid, 1), stream, cache.data_ptr(), packed.data_ptr(),
+                                                      indices.data_ptr(), flags.data_ptr(), *self._args)
+        self._run(grid[0], grid[1], 1, stream, self._function, self._metadata, metadata, enter, exit_hook,
+                  cache.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), *self._args)
+
+
+class InterpretedVariant:
+    """One kernel run by the Triton interpreter (CPU tensors, ``TRITON_INTERPRET=1``)."""
+
+    __slots__ = ("_args", "kernel", "name", "takes_bytes")
+
+    def __init__(self, name: str, kernel: Any, constexprs: tuple[Any, ...], takes_bytes: bool) -> None:
+        self.name = name
+        self.kernel = kernel
+        self.takes_bytes = takes_bytes
+        self._args = constexprs
+
+    def launch(self, grid: tuple[int, int], cache: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
+               flags: torch.Tensor) -> None:
+        """Run the interpreter over ``grid`` (same contract as :meth:`CompiledVariant.launch`)."""
+        if self.takes_bytes:
+            cache, packed = as_bytes(cache), as_bytes(packed)
+        self.kernel.run(cache, packed, indices, flags, *self._args, grid=grid, warmup=False)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Return a uint8 view of a tensor whose last dimension is contiguous."""
+    return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+
+
+def compile_variant(name: str, kernel: Any, scratch: tuple[torch.Tensor, ...], constexprs: tuple[Any, ...],
+                    num_warps: int, interpreted: bool, takes_bytes: bool) -> CompiledVariant | InterpretedVariant:
+    """Compile ``kernel`` for the scratch tensors' signature (or wrap it for the interpreter).
+
+    Args:
+        name: variant name.
+        kernel: the ``@triton.jit`` kernel.
+        scratch: ``(cache, packed, indices, flags)`` disposable tensors with the live call's dtypes and
+            16-byte alignment classes; never the live cache.
+        constexprs: the kernel's constexpr values, in parameter order.
+        num_warps: warps per program.
+        interpreted: True under ``TRITON_INTERPRET=1``.
+        takes_bytes: the kernel addresses cache and packed as bytes.
+    Returns:
+        The launchable variant.
+    """
+    if interpreted:
+        return InterpretedVariant(name, kernel, constexprs, takes_bytes)
+    cache, packed, indices, flags = scratch
+    if takes_bytes:
+        cache, packed = as_bytes(cache), as_bytes(packed)
+    compiled = kernel.warmup(cache, packed, indices, flags, *constexprs, grid=(1, 1, 1), num_warps=num_warps)
+    if compiled is None or not hasattr(compiled, "packed_metadata"):
+        raise RuntimeError(f"Triton did not return a compiled kernel for {name} (async or hooked compilation "
+                           "is not supported for state-copy plans)")
+    return CompiledVariant(name, kernel, compiled, constexprs, cache.device, takes_bytes)

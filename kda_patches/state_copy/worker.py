@@ -1,0 +1,138 @@
+"""Worker-level plan initialization and the per-layer bindings the Kimi prefill wrapper calls.
+
+:func:`initialize` prepares one compiled plan per distinct ``(plan kind, cache signature)``, seals
+them all, and only then creates one :class:`LayerStatePlan` binding per layer. Any failure raises a
+``RuntimeError`` that names the layer and the reason, and no binding exists (the caller publishes
+the returned bindings to its layers all at once). Nothing is registered globally: two workers in one
+process initialize independently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kda_patches.ledger import get_ledger
+from kda_patches.state_copy import ops as _ops  # noqa: F401  (registers the custom ops before any trace)
+from kda_patches.state_copy.device import route_plan
+from kda_patches.state_copy.errors import LEDGER_SECTION
+from kda_patches.state_copy.layout import cache_signature, describe_layout
+from kda_patches.state_copy.plan import PLAN_CLASSES, StateCopyPlan
+
+
+class LayerStatePlan:
+    """One layer's binding to a sealed, possibly shared, compiled plan.
+
+    Attributes:
+        layer_name: the layer's name (the key of vLLM's ``no_compile_layers``).
+        kind: ``"fused"`` or ``"fallback"``.
+        plan: the shared :class:`~kda_patches.state_copy.plan.StateCopyPlan`.
+    """
+
+    __slots__ = ("kind", "layer_name", "plan")
+
+    def __init__(self, layer_name: str, plan: StateCopyPlan) -> None:
+        self.layer_name = layer_name
+        self.kind = plan.kind
+        self.plan = plan
+
+    def __repr__(self) -> str:
+        return f"LayerStatePlan({self.layer_name!r}, kind={self.kind!r}, sealed={self.plan.sealed})"
+
+    def gather(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather initial states: packed row ``s`` = cache row ``indices[s]``, zero when invalid or flag false.
+
+        Args:
+            state: this layer's recurrent-state cache ``[N, H, V, K]``.
+            indices: ``[S]`` int32/int64 cache rows on the cache's device.
+            flags: optional ``[S]`` torch.bool (``has_initial_state``).
+        Returns:
+            ``[S, H, V, K]`` in the cache dtype. Under ``torch.compile`` this is the opaque custom op
+            ``kda_patches::state_gather``.
+        Raises:
+            StateCopyRefused / LayoutError: the call breaks the plan contract (nothing is launched).
+        """
+        if torch.compiler.is_compiling():
+            return torch.ops.kda_patches.state_gather(state, indices, flags, self.layer_name)
+        return self.plan.gather(state, indices, flags, self.layer_name)
+
+    def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor) -> None:
+        """Scatter final states into the cache (cast to its dtype); invalid indices are skipped.
+
+        Args:
+            state: this layer's recurrent-state cache, modified in place.
+            packed: ``[S, H, V, K]`` final states.
+            indices: ``[S]`` int32/int64 destination rows (valid ones unique).
+        Raises:
+            StateCopyRefused / LayoutError: the call breaks the plan contract (nothing is launched).
+        """
+        if torch.compiler.is_compiling():
+            torch.ops.kda_patches.state_scatter(state, packed, indices, self.layer_name)
+            return
+        self.plan.scatter(state, packed, indices, self.layer_name)
+
+
+def _fail(layer: str, exc: BaseException, stage: str) -> RuntimeError:
+    """Record a failed initialization in the ledger and build the error naming the layer."""
+    reason = getattr(exc, "reason", type(exc).__name__)
+    message = (f"state-copy plan initialization failed at {stage} for layer {layer!r} ({reason}): {exc}; "
+               "no plan was published")
+    get_ledger().set_fact(LEDGER_SECTION, "initialization", {"ok": False, "layer": layer, "stage": stage,
+                                                             "reason": str(reason), "message": message})
+    return RuntimeError(message)
+
+
+def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int | str | None = None
+               ) -> dict[str, LayerStatePlan]:
+    """Prepare and seal the plans of a worker's layers; return one binding per layer.
+
+    Args:
+        states: layer name -> that layer's recurrent-state cache ``[N, H, V, K]`` (bound, final layout).
+        max_selected: the most rows one call may select (``scheduler_config.max_num_seqs``).
+        soc: Ascend SoC version for NPU caches (probed from torch_npu when None).
+    Returns:
+        ``{layer_name: LayerStatePlan}``; layers with the same plan kind and cache signature share
+        one compiled plan. Nothing is published anywhere: the caller attaches them all at once.
+    Raises:
+        RuntimeError: naming the first layer that failed (layout, routing, compile, scratch run or
+            seal) and why; no binding is returned.
+    """
+    from kda_patches import current_flags
+
+    force_triton = current_flags().force_triton
+    groups: dict[tuple[str, tuple[Any, ...]], list[str]] = {}
+    routes = {}
+    for name, state in states.items():
+        try:
+            describe_layout(state, name)
+            routes[name] = route_plan(state.device, state.dtype, soc, name)
+        except Exception as exc:
+            raise _fail(name, exc, "routing") from exc
+        groups.setdefault((routes[name].kind, cache_signature(state)), []).append(name)
+
+    plans: dict[tuple[str, tuple[Any, ...]], StateCopyPlan] = {}
+    for key, names in groups.items():
+        try:
+            plans[key] = PLAN_CLASSES[key[0]].prepare(states[names[0]], max_selected, layer=names[0])
+        except Exception as exc:
+            raise _fail(names[0], exc, "prepare") from exc
+    for key, plan in plans.items():
+        try:
+            plan.seal()
+        except Exception as exc:
+            raise _fail(groups[key][0], exc, "seal") from exc
+
+    bindings = {name: LayerStatePlan(name, plans[key]) for key, names in groups.items() for name in names}
+    ledger = get_ledger()
+    tables = {key: f"{key[0]}#{number}" for number, key in enumerate(plans)}
+    for key, names in groups.items():
+        for name in names:
+            ledger.set_fact(LEDGER_SECTION, name, {
+                **routes[name].as_dict(), "table": tables[key], "shared_by": len(names),
+                "signature": [str(part) for part in key[1]], "max_selected": int(max_selected),
+                "native_op": "never (KDA_PATCHES_FORCE_TRITON=1)" if force_triton else "none available"})
+    ledger.count(LEDGER_SECTION, "tables_prepared", len(plans))
+    ledger.set_fact(LEDGER_SECTION, "initialization", {"ok": True, "layers": len(bindings), "tables": len(plans)})
+    return bindings

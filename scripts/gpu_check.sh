@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# GPU verification in one call (NVIDIA H200 machine: python3 with torch + triton, no network, no vLLM).
+#
+#   scripts/gpu_check.sh OUT_DIR          (or: make gpu-check OUT_DIR=...)
+#
+# 1. installs the wheels brought along in .whl/ (e.g. wrapt) into a private target directory;
+# 2. runs the state-copy suite compiled on CUDA (pytest --run-gpu tests/state_copy: the CPU tests
+#    again on the GPU plus the tests marked `gpu`), then every other test marked `gpu`;
+# 3. runs the state-copy benchmark (kda-patches bench state-copy) -> OUT_DIR/state_copy_bench.{json,png};
+# 4. runs every scripts/gpu/*.py in sorted order as `python scripts/gpu/X.py --out OUT_DIR`.
+# Every step runs even when an earlier one failed; the exit status is non-zero if any failed. All output
+# goes to OUT_DIR/gpu_check.log (one file: the device returns at most 8), each step's status to
+# OUT_DIR/gpu_check_summary.txt. Knobs: PYTHON, BENCH_SEED, BENCH_TRIALS,
+# BENCH_ARGS (extra benchmark arguments), SKIP_BENCH=1, SKIP_TESTS=1.
+set -u -o pipefail
+
+OUT_DIR=${1:-${OUT_DIR:-${OUT:-out/gpu}}}
+PYTHON=${PYTHON:-python3}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+mkdir -p "$OUT_DIR"
+SUMMARY="$OUT_DIR/gpu_check_summary.txt"
+LOG="$OUT_DIR/gpu_check.log"
+: >"$SUMMARY"
+: >"$LOG"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+SITE=${KDA_GPU_SITE:-/tmp/kda-gpu-site}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        .whl/*.whl || echo "wheel install failed" | tee -a "$SUMMARY"
+fi
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+failures=0
+step() {  # step NAME COMMAND...: run, append to the log, record the status
+    local name=$1
+    shift
+    local started=$SECONDS
+    echo "=== $name: $*" | tee -a "$LOG"
+    "$@" 2>&1 | tee -a "$LOG"
+    local status=${PIPESTATUS[0]}
+    echo "$name: exit $status ($((SECONDS - started)) s)" | tee -a "$SUMMARY"
+    if [ "$status" -ne 0 ]; then failures=$((failures + 1)); fi
+    return 0
+}
+
+no_tests_ok() {  # pytest exits 5 when no test was collected: fine for the optional `gpu` sweep
+    "$@"
+    local status=$?
+    if [ "$status" -eq 5 ]; then return 0; fi
+    return "$status"
+}
+
+"$PYTHON" - <<'EOF' 2>&1 | tee -a "$LOG"
+import platform, torch, triton
+print("python", platform.python_version(), "torch", torch.__version__, "triton", triton.__version__,
+      "cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+EOF
+
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+    step pytest_state_copy "$PYTHON" -m pytest -q -p no:cacheprovider --run-gpu tests/state_copy
+    step pytest_gpu_marked no_tests_ok "$PYTHON" -m pytest -q -p no:cacheprovider --run-gpu -m gpu \
+        --continue-on-collection-errors --ignore=tests/state_copy tests
+fi
+
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+    # shellcheck disable=SC2086
+    step bench_state_copy "$PYTHON" -m kda_patches.bench state-copy --output "$OUT_DIR/state_copy_bench.json" \
+        --seed "${BENCH_SEED:-41}" --trials "${BENCH_TRIALS:-30}" ${BENCH_ARGS:-}
+fi
+
+for script in $(ls scripts/gpu/*.py 2>/dev/null | sort); do
+    step "gpu_$(basename "$script" .py)" "$PYTHON" "$script" --out "$OUT_DIR"
+done
+
+echo "=== summary ($failures failed)"
+cat "$SUMMARY"
+[ "$failures" -eq 0 ]

@@ -1,0 +1,81 @@
+"""Fixtures of the state-copy suite: the device it runs on, page-gapped caches, a compiler guard.
+
+On the CPU the suite runs the kernels under the Triton interpreter (``TRITON_INTERPRET=1``, set by
+``make test``; set here too when missing, before the kernels are imported). With ``--run-gpu`` the
+same tests run on ``cuda`` with compiled Triton, plus the tests marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+if "--run-gpu" not in sys.argv and "kda_patches.state_copy.kernels" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+from state_copy_helpers import PagedCache, build_cache
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> torch.device:
+    """``cuda`` with ``--run-gpu`` (compiled Triton), else ``cpu`` (Triton interpreter)."""
+    if pytestconfig.getoption("--run-gpu"):
+        if not torch.cuda.is_available():
+            pytest.fail("--run-gpu was given but torch sees no CUDA device")
+        return torch.device("cuda")
+    from kda_patches.state_copy.device import interpreter_active
+
+    if not interpreter_active():
+        pytest.fail("the state-copy kernels were defined without TRITON_INTERPRET=1; run the CPU suite as "
+                    "`TRITON_INTERPRET=1 python -m pytest tests/state_copy` (make test does)")
+    return torch.device("cpu")
+
+
+@pytest.fixture
+def make_cache(device: torch.device) -> Callable[..., PagedCache]:
+    """Factory fixture: ``make_cache(dtype=..., num_rows=..., inner=..., gap=..., offset=..., seed=...)``."""
+
+    def factory(**options: Any) -> PagedCache:
+        return build_cache(device, **options)
+
+    return factory
+
+
+class CompilerGuard:
+    """Records entries into the Triton JIT and compiler once armed (each entry also raises).
+
+    Arm it after the plans are sealed: preparing a plan compiles (that is allowed), serving must not.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entries: list[str] = []
+        self._monkeypatch = monkeypatch
+
+    def _refuse(self, name: str) -> Callable[..., Any]:
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            self.entries.append(name)
+            raise RuntimeError(f"compiler entry after seal: {name}")
+
+        return entry
+
+    def arm(self) -> CompilerGuard:
+        """Make ``JITFunction.run`` and ``triton.compile`` raise (and be recorded) until the test ends."""
+        import triton
+        import triton.compiler.compiler as compiler_module
+        from triton.runtime.jit import JITFunction
+
+        self._monkeypatch.setattr(JITFunction, "run", self._refuse("JITFunction.run"))
+        self._monkeypatch.setattr(compiler_module, "compile", self._refuse("triton.compiler.compile"))
+        self._monkeypatch.setattr(triton, "compile", self._refuse("triton.compile"))
+        return self
+
+
+@pytest.fixture
+def no_compiler(monkeypatch: pytest.MonkeyPatch) -> Iterator[CompilerGuard]:
+    """A :class:`CompilerGuard`; call ``no_compiler.arm()`` once the plans are sealed."""
+    yield CompilerGuard(monkeypatch)
