@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kda-patches-installed
 PIP := $(VPY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test lint bench gpu-check clean
+.PHONY: setup setup-vllm013 demo test lint bench gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -18,14 +18,34 @@ $(STAMP): setup.cfg pyproject.toml
 
 setup: $(STAMP)
 
+# Second environment with the real vLLM 0.13.0 (docs/vllm013-env.md): the wheel without its dependencies
+# plus the two pure-Python modules its KV-cache code imports; torch and the rest come from $(VENV).
+VENV013 ?= .venv013
+STAMP013 := $(VENV013)/.kda-vllm013-installed
+purelib = $$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+$(STAMP013): $(STAMP)
+	test -x $(VENV013)/bin/python || $(VPY) -m venv $(VENV013)
+	$(VENV013)/bin/python -m pip install -q --disable-pip-version-check --no-deps vllm==0.13.0 gguf diskcache
+	printf '%s\n%s\n' "$(CURDIR)" "$(call purelib,$(VPY))" > "$(call purelib,$(VENV013)/bin/python)/zz_kda_main_venv.pth"
+	touch $(STAMP013)
+
+setup-vllm013: $(STAMP013)
+
 demo: setup
 	$(VPY) -m kda_patches regress
 
-test: setup
+test: setup setup-vllm013
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
 
 lint: setup
 	$(VPY) -m ruff check kda_patches tests bootstrap.py
+
+# On the GPU machine (system python3 with torch + triton; wheels from .whl/): tests --run-gpu, the state-copy
+# benchmark, then scripts/gpu/*.py. No dependency on `setup`: that machine has no network.
+GPU_OUT ?= $(or $(OUT_DIR),$(OUT),out/gpu)
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

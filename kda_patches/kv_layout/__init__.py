@@ -1,0 +1,11 @@
+"""Helpers of the ``kv_cache_layout`` patch: the aliasing checker, view descriptions and layout proposals.
+
+- :mod:`kda_patches.kv_layout.checker`: the byte-range proof (pure numpy, no torch).
+- :mod:`kda_patches.kv_layout.views`: turn torch views into the checker's :class:`Footprint` records and
+  build the proposed views (dense state views, contiguous attention KV, separate state tensors).
+- :mod:`kda_patches.kv_layout.decide`: per raw storage, compare upstream's layout with the proposal,
+  record every verdict in the ledger and return the views to use.
+- :mod:`kda_patches.kv_layout.budget`: the KV budget reduction of the opt-in separate mode.
+
+Nothing here is imported by ``import kda_patches``; the patch imports these modules at wrap time.
+"""

@@ -1,0 +1,185 @@
+"""``kv_cache_layout``: dense state views and contiguous attention KV, only where provably memory-safe.
+
+Seed 004 §2.3 and §6: kernels that address state caches densely (the AscendC GDN ops) need each state
+tensor dense, and attention code that calls ``.contiguous()`` on a K/V-interleaved hybrid cache copies the
+whole cache per layer per step. The seed fixed both unconditionally; but vLLM's hybrid allocator overlays
+cache groups on the same raw storage, so moving a block's bytes into pages of other block ids corrupts other
+requests. This patch wraps the runner's KV-cache view construction, runs the aliasing checker
+(:mod:`kda_patches.kv_layout.checker`) on upstream's layout and on the proposed one, and changes a layout only
+when the proof succeeds; every verdict is a ledger fact (section ``kv_cache_layout``, keyed by layer).
+
+Targets:
+- vLLM 0.13 era: ``GPUModelRunner._reshape_kv_cache_tensors`` (dense state views in place, or separate,
+  then contiguous attention KV) and ``GPUModelRunner._update_hybrid_attention_mamba_layout`` (when called on
+  its own: contiguous attention KV); the same-named methods of vllm-plugin-FL's ``ModelRunnerFL`` and
+  vllm-ascend's ``NPUModelRunner`` when they define them.
+- vLLM 0.3x era: ``vllm.v1.worker.utils.allocate_kv_cache`` (decide) and ``MambaBase.bind_kv_cache`` (bind
+  the chosen dense states).
+- Both eras: ``vllm.v1.core.kv_cache_utils.get_kv_cache_configs`` — only with
+  ``KDA_PATCHES_KV_STATE_MODE=separate``: shrink the KV budget by the separate states' memory and stamp the
+  reservation on the configs.
+
+Importing this module imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import _thread
+
+from kda_patches.ledger import get_ledger
+from kda_patches.registry import Patch, Target
+
+TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
+if TYPE_CHECKING:
+    from typing import Any
+
+
+LEDGER_PATH = "kv_cache_layout"
+RESHAPE_PARAMETERS = ("self", "kv_cache_config", "kv_cache_raw_tensors", "kernel_block_sizes")
+ASCEND_RESHAPE_PARAMETERS = ("self", "kv_cache_config", "kv_cache_raw_tensors")
+UPDATE_HYBRID_PARAMETERS = ("self", "kv_caches")
+ALLOCATE_PARAMETERS = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+BIND_PARAMETERS = ("self", "kv_cache")
+CONFIGS_PARAMETERS = ("vllm_config", "kv_cache_specs", "available_memory")
+
+_inside = _thread._local()
+
+
+class LayoutPlanError(RuntimeError):
+    """Raised when the layout could not be decided: startup stops, nothing was published."""
+
+
+def _mode() -> str:
+    from kda_patches import current_flags
+
+    return current_flags().kv_state_mode
+
+
+def _argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+def _plan(apply: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run an adapter's ``apply_layouts``; turn any failure into :class:`LayoutPlanError`."""
+    try:
+        summary = apply(*args, **kwargs)
+    except Exception as error:
+        get_ledger().count(LEDGER_PATH, "plan_failures")
+        raise LayoutPlanError(f"kda_patches kv_cache_layout: could not decide the KV-cache layout "
+                              f"({type(error).__name__}: {error}); nothing was changed. Disable the patch with "
+                              f"KDA_PATCHES_DISABLE=kv_cache_layout to run upstream's layout.") from error
+    get_ledger().count(LEDGER_PATH, "plans")
+    return summary
+
+
+def wrap_reshape_kv_cache_tensors(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """0.13 era: run upstream's reshape (K/V re-stride included), then apply the proven layouts.
+
+    A subclass override that calls ``super()`` is wrapped too; only the outermost call plans.
+    """
+    if getattr(_inside, "reshape", False):
+        return wrapped(*args, **kwargs)
+    _inside.reshape = True
+    try:
+        kv_caches = wrapped(*args, **kwargs)
+    finally:
+        _inside.reshape = False
+    config = _argument(args, kwargs, 0, "kv_cache_config") or instance.kv_cache_config
+    from kda_patches.kv_layout.era013 import apply_layouts
+
+    _plan(apply_layouts, config, kv_caches, _mode())
+    return kv_caches
+
+
+def wrap_update_hybrid_attention_mamba_layout(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """0.13 era: upstream re-strides; called on its own (not from a wrapped reshape), undo it where proven safe."""
+    result = wrapped(*args, **kwargs)
+    if getattr(_inside, "reshape", False):
+        return result  # the reshape wrapper decides once the state layout is known
+    kv_caches = _argument(args, kwargs, 0, "kv_caches")
+    from kda_patches.kv_layout.era013 import apply_layouts
+
+    _plan(apply_layouts, instance.kv_cache_config, kv_caches, _mode(), states=False)
+    return result
+
+
+def wrap_allocate_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """0.3x era: after upstream allocates and views the pool, decide the state layouts."""
+    kv_caches = wrapped(*args, **kwargs)
+    config = _argument(args, kwargs, 0, "kv_cache_config")
+    from kda_patches.kv_layout.era032 import apply_layouts
+
+    _plan(apply_layouts, config, kv_caches, _mode())
+    return kv_caches
+
+
+def wrap_mamba_bind_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """0.3x era: bind the planned dense states instead of slicing the page view (counted in the ledger)."""
+    kv_cache = _argument(args, kwargs, 0, "kv_cache")
+    from kda_patches.kv_layout.era032 import bound_state_views
+
+    states = bound_state_views(instance, kv_cache)
+    if states is None:
+        get_ledger().count(LEDGER_PATH, "state_binds_upstream")
+        return wrapped(*args, **kwargs)
+    instance.kv_cache = states
+    get_ledger().count(LEDGER_PATH, "state_binds_dense")
+    return None
+
+
+def wrap_get_kv_cache_configs(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Separate mode only: ask again with the separate states' memory taken out, and stamp the reservation."""
+    configs = wrapped(*args, **kwargs)
+    if _mode() != "separate":
+        return configs
+    from kda_patches.kv_layout import budget
+
+    vllm_config = _argument(args, kwargs, 0, "vllm_config")
+    specs = _argument(args, kwargs, 1, "kv_cache_specs")
+    memory = _argument(args, kwargs, 2, "available_memory")
+    reduced = budget.reduced_memory(configs, memory)
+    if reduced is not None:
+        configs = wrapped(vllm_config, specs, reduced)
+    stamps = [budget.stamp_reservation(config) for config in configs]
+    get_ledger().set_fact(LEDGER_PATH, "separate_budget", {
+        "available_memory": list(memory), "reduced_memory": reduced, "workers": stamps})
+    return configs
+
+
+def _target(module: str, qualname: str, wrapper: Any, parameters: tuple[str, ...], stack: str = "vllm",
+            distribution: str = "vllm", min_version: str | None = None, max_version: str | None = None) -> Target:
+    return Target(module=module, qualname=qualname, wrapper=wrapper, stack=stack, distribution=distribution,
+                  min_version=min_version, max_version=max_version, parameters=parameters)
+
+
+_RUNNER_013 = "vllm.v1.worker.gpu_model_runner"
+_FL_RUNNER = "vllm_fl.worker.model_runner"
+_ASCEND_RUNNER = "vllm_ascend.worker.model_runner_v1"
+
+PATCH = Patch(
+    name="kv_cache_layout",
+    summary="dense state views and contiguous attention KV, each only where an aliasing proof allows it",
+    targets=(
+        _target(_RUNNER_013, "GPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
+                RESHAPE_PARAMETERS, min_version="0.13", max_version="0.14"),
+        _target(_RUNNER_013, "GPUModelRunner._update_hybrid_attention_mamba_layout",
+                wrap_update_hybrid_attention_mamba_layout, UPDATE_HYBRID_PARAMETERS, min_version="0.13",
+                max_version="0.14"),
+        _target(_FL_RUNNER, "ModelRunnerFL._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
+                RESHAPE_PARAMETERS, stack="vllm-plugin-FL", distribution="vllm_fl"),
+        _target(_FL_RUNNER, "ModelRunnerFL._update_hybrid_attention_mamba_layout",
+                wrap_update_hybrid_attention_mamba_layout, UPDATE_HYBRID_PARAMETERS, stack="vllm-plugin-FL",
+                distribution="vllm_fl"),
+        _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
+                ASCEND_RESHAPE_PARAMETERS, stack="vllm-ascend", distribution="vllm-ascend", min_version="0.13",
+                max_version="0.14"),
+        _target("vllm.v1.worker.utils", "allocate_kv_cache", wrap_allocate_kv_cache, ALLOCATE_PARAMETERS,
+                min_version="0.30", max_version="0.40"),
+        _target("vllm.model_executor.layers.mamba.abstract", "MambaBase.bind_kv_cache", wrap_mamba_bind_kv_cache,
+                BIND_PARAMETERS, min_version="0.30", max_version="0.40"),
+        _target("vllm.v1.core.kv_cache_utils", "get_kv_cache_configs", wrap_get_kv_cache_configs,
+                CONFIGS_PARAMETERS, min_version="0.13", max_version="0.40"),
+    ),
+)
