@@ -1,0 +1,81 @@
+"""Aggregate the ledgers every process of a run wrote to its status dir, and check expectations.
+
+Each process of a run (the workload's own interpreter, vLLM's engine core, its workers) writes
+``ledger-<pid>.json``. The runner reads them all with :func:`kda_patches.ledger.read_ledger_dir`
+and keeps, per process: pid, role, each patch's state and reason with the targets it applied,
+and the path counters. The expectations a workload declares (``patch:counter``) are checked
+against these summaries: some process must have the patch ``applied`` and the counter > 0.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kda_patches.ledger import read_ledger_dir
+
+
+def summarize_ledger(ledger: dict[str, Any]) -> dict[str, Any]:
+    """Return the per-process summary of one ledger snapshot.
+
+    Returns:
+        ``{"pid", "role", "patches": {name: {"state", "reason", "applied_targets"}}, "counters", "final"}``;
+        ``final`` is the ledger's own end-of-process marker when it has one, else None.
+    """
+    patches = {}
+    for name, entry in sorted(ledger.get("patches", {}).items()):
+        applied = sorted(key for key, target in entry.get("targets", {}).items() if target.get("state") == "applied")
+        patches[name] = {"state": entry.get("state"), "reason": entry.get("reason", ""),
+                         "applied_targets": applied}
+    return {"pid": ledger.get("pid"), "role": ledger.get("role"), "patches": patches,
+            "counters": {path: dict(values) for path, values in sorted(ledger.get("counters", {}).items())},
+            "final": ledger.get("final")}
+
+
+def collect_ledgers(status_dir: str) -> list[dict[str, Any]]:
+    """Return the summaries of every ledger in ``status_dir`` (empty when the dir is missing), by pid."""
+    if not os.path.isdir(status_dir):
+        return []
+    return [summarize_ledger(ledger) for ledger in read_ledger_dir(status_dir)]
+
+
+def total_counters(summaries: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Return every counter summed over all processes, by path then key."""
+    totals: dict[str, dict[str, int]] = {}
+    for summary in summaries:
+        for path, values in summary["counters"].items():
+            bucket = totals.setdefault(path, {})
+            for key, amount in values.items():
+                bucket[key] = bucket.get(key, 0) + int(amount)
+    return {path: dict(sorted(values.items())) for path, values in sorted(totals.items())}
+
+
+def check_expectation(summaries: list[dict[str, Any]], expectation: str) -> tuple[bool, str]:
+    """Check one ``patch:counter`` (or bare ``patch``) expectation against a run's ledgers.
+
+    The counter is read under the counters path named like the patch.
+
+    Returns:
+        ``(met, explanation)``: which processes satisfied it, or what was found instead.
+    """
+    patch, _, counter = expectation.partition(":")
+    satisfied, seen = [], []
+    for summary in summaries:
+        state = summary["patches"].get(patch, {}).get("state", "absent")
+        value = summary["counters"].get(patch, {}).get(counter, 0) if counter else None
+        seen.append(f"pid {summary['pid']} {summary['role']}: {state}" + (f", {counter}={value}" if counter else ""))
+        if state == "applied" and (not counter or value > 0):
+            satisfied.append(f"pid {summary['pid']} {summary['role']}" + (f" {counter}={value}" if counter else ""))
+    if satisfied:
+        return True, f"{expectation}: met in " + "; ".join(satisfied)
+    return False, f"{expectation}: NOT met in any process ({'; '.join(seen) or 'no ledgers written'})"
+
+
+def find_applied_patches(summaries: list[dict[str, Any]]) -> list[str]:
+    """Return ``pid role: patch`` for every patch applied in any process (a baseline must have none)."""
+    found = []
+    for summary in summaries:
+        for name, entry in summary["patches"].items():
+            if entry["state"] == "applied":
+                found.append(f"pid {summary['pid']} {summary['role']}: {name}")
+    return found
