@@ -25,7 +25,7 @@ def find_package_version(name: str) -> str | None:
         return None
     try:
         module = importlib.import_module(name)
-    except Exception as error:  # noqa: BLE001 - report, don't crash the doctor
+    except Exception as error:  # report, do not crash the doctor
         return f"import failed: {type(error).__name__}: {error}"
     return str(getattr(module, "__version__", "installed (no __version__)"))
 
@@ -37,7 +37,7 @@ def check_target(target: registry.Target) -> dict[str, Any]:
         return {"resolves": False, "reason": f"{top} is not installed"}
     try:
         module = importlib.import_module(target.module)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return {"resolves": False, "reason": f"import of {target.module} failed: {type(error).__name__}: {error}"}
     resolved = registry.resolve_attribute(module, target.qualname)
     if resolved is None:

@@ -10,6 +10,7 @@ variable and what it accepts. Stdlib only: this runs from ``sitecustomize``.
 from __future__ import annotations
 
 import os
+
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 
 if TYPE_CHECKING:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import _thread
 import sys
+
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 
 if TYPE_CHECKING:
-    from typing import Any
-    from typing import Callable
+    from typing import Any, Callable
 
     Callback = Callable[[Any], None]
 

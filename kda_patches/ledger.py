@@ -14,6 +14,7 @@ import atexit
 import os
 import sys
 import time
+
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 if TYPE_CHECKING:
     from typing import Any

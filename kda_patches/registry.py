@@ -13,14 +13,13 @@ from __future__ import annotations
 import _thread
 import importlib
 import sys
-TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 
 from kda_patches.hooks import when_imported
 from kda_patches.ledger import get_ledger
 
+TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 if TYPE_CHECKING:
-    from typing import Any
-    from typing import Callable
+    from typing import Any, Callable
 
     Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 
@@ -120,7 +119,8 @@ def find_version(target: Target, module: Any) -> str | None:
     if isinstance(version, str):
         return version
     try:
-        from importlib.metadata import PackageNotFoundError, version as dist_version
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
         return dist_version(target.distribution)
     except (ImportError, PackageNotFoundError, ValueError):
         return None

@@ -17,7 +17,7 @@ def readme_sections() -> dict[str, str]:
     """Return ``{patch name: section text}`` from the ``## `name` `` headings of patches/README.md."""
     text = README.read_text()
     parts = re.split(r"^## `([a-z0-9_]+)`\s*$", text, flags=re.MULTILINE)
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def test_registry_modules_and_readme_agree():

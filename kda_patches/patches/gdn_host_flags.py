@@ -18,12 +18,14 @@ behaviour on ``None``. Nothing here reads a device tensor.
 from __future__ import annotations
 
 import _thread
-TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
-if TYPE_CHECKING:
-    from typing import Any
+from itertools import pairwise
 
 from kda_patches.ledger import get_ledger
 from kda_patches.registry import Patch, Target
+
+TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
+if TYPE_CHECKING:
+    from typing import Any
 
 CHUNK_SIZES: tuple[int, ...] = (64, 128)
 BUILD_PARAMETERS = ("self", "common_prefix_len", "common_attn_metadata", "num_accepted_tokens",
@@ -65,7 +67,7 @@ def compute_host_flags(common_attn_metadata: Any, metadata: Any) -> HostFlags | 
         The :class:`HostFlags`, or None when the host copies needed are absent.
     """
     query_start = _host_list(common_attn_metadata.query_start_loc_cpu)
-    query_lens = [end - start for start, end in zip(query_start, query_start[1:])]
+    query_lens = [end - start for start, end in pairwise(query_start)]
     computed = getattr(common_attn_metadata, "num_computed_tokens_cpu", None)
     if computed is not None:
         num_computed = _host_list(computed)[: len(query_lens)]
@@ -73,12 +75,12 @@ def compute_host_flags(common_attn_metadata: Any, metadata: Any) -> HostFlags | 
         seq_upper = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None)
         if seq_upper is None:
             return None
-        num_computed = [seq - qlen for seq, qlen in zip(_host_list(seq_upper), query_lens)]
+        num_computed = [seq - qlen for seq, qlen in zip(_host_list(seq_upper), query_lens, strict=True)]
 
     rows = list(range(len(query_lens)))
     spec_mask = getattr(metadata, "spec_sequence_masks_cpu", None)
     if spec_mask is not None:
-        rows = [row for row, is_spec in zip(rows, _host_list(spec_mask)) if not is_spec]
+        rows = [row for row, is_spec in zip(rows, _host_list(spec_mask), strict=True) if not is_spec]
     elif metadata.num_decodes > 0:
         rows = rows[metadata.num_decodes:]
 

@@ -86,7 +86,7 @@ def assert_same(mine, theirs, where: str) -> None:
             assert_same(mine[key], theirs[key], f"{where}[{key!r}]")
     elif isinstance(theirs, (list, tuple)):
         assert len(mine) == len(theirs), where
-        for index, (a, b) in enumerate(zip(mine, theirs)):
+        for index, (a, b) in enumerate(zip(mine, theirs, strict=True)):
             assert_same(a, b, f"{where}[{index}]")
     elif dataclasses.is_dataclass(theirs):
         for field in dataclasses.fields(theirs):
@@ -115,7 +115,7 @@ def test_patched_build_equals_original_and_flags_match_device_fields(builder, ba
     assert patched.cu_seqlens_host == tuple(baseline.prefill_query_start_loc.tolist())
     assert patched.has_initial_state_host == tuple(baseline.prefill_has_initial_state.tolist())
     assert patched.any_initial_state_cpu == bool(baseline.prefill_has_initial_state.any())
-    lengths = [b - a for a, b in zip(patched.cu_seqlens_host, patched.cu_seqlens_host[1:])]
+    lengths = [b - a for a, b in zip(patched.cu_seqlens_host, patched.cu_seqlens_host[1:], strict=False)]
     for size in (64, 128):
         assert patched.prefill_chunk_totals[size] == sum((n + size - 1) // size for n in lengths)
     seen_after = get_ledger().counters("gdn_host_flags")
