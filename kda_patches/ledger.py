@@ -45,6 +45,7 @@ class Ledger:
         self._lock = _thread.RLock()
         self._last_flush = 0.0
         self._dirty = False
+        self.final = False
 
     # -- recording -------------------------------------------------------------------------
     def record_patch(self, patch: str, state: str, reason: str = "") -> None:
@@ -122,6 +123,7 @@ class Ledger:
                 "patches": patches,
                 "counters": {p: dict(c) for p, c in self._counters.items()},
                 "facts": {s: dict(f) for s, f in self._facts.items()},
+                "final": self.final,
             }
 
     # -- persistence -----------------------------------------------------------------------
@@ -222,6 +224,7 @@ def get_ledger() -> Ledger:
 def _flush_at_exit() -> None:
     ledger = _LEDGER
     if ledger is not None and ledger.pid == os.getpid():
+        ledger.final = True  # readers can tell a complete ledger from one cut off by a kill
         try:
             ledger.flush(force=True)
         except OSError:
