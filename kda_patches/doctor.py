@@ -53,12 +53,28 @@ def check_target(target: registry.Target) -> dict[str, Any]:
 
 
 def describe_device() -> dict[str, Any]:
-    """Return the device backend the state-copy plans would use in this process."""
+    """Return the device backend the state-copy plans would use here, with the FP32/FP16 routes."""
     try:
-        from kda_patches.state_copy.device import describe_device as describe_state_copy_device
+        import torch
+
+        from kda_patches.state_copy import device
     except ImportError as error:
-        return {"backend": "unavailable", "reason": str(error)}
-    return describe_state_copy_device()
+        return {"backend": "unavailable", "reason": f"{type(error).__name__}: {error}"}
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        target = torch.device("npu", 0)
+    elif torch.cuda.is_available():
+        target = torch.device("cuda", 0)
+    else:
+        target = torch.device("cpu")
+    report: dict[str, Any] = {"device": str(target), "backend": device.device_kind(target),
+                              "ascend_soc": device.probe_ascend_soc()}
+    for dtype in (torch.float32, torch.float16):
+        try:
+            report[f"route_{dtype}".replace("torch.", "")] = device.route_plan(target, dtype).as_dict()
+        except RuntimeError as error:
+            report[f"route_{dtype}".replace("torch.", "")] = {"refused": str(error)}
+    return report
 
 
 def collect_report() -> dict[str, Any]:
