@@ -25,6 +25,7 @@ def format_ledger(snapshot: dict) -> str:
         lines.append(f"  patch {name}: {patch['state']}" + (f" ({patch['reason']})" if patch["reason"] else ""))
         for target, info in sorted(patch.get("targets", {}).items()):
             lines.append(f"    {info['state']:<15} {target}" + (f" - {info['reason']}" if info["reason"] else ""))
+    lines.extend(f"  {line}" for line in patch_summaries(snapshot))
     for path, counters in sorted(snapshot.get("counters", {}).items()):
         rendered = ", ".join(f"{key}={value}" for key, value in sorted(counters.items()))
         lines.append(f"  counters {path}: {rendered}")
@@ -32,6 +33,21 @@ def format_ledger(snapshot: dict) -> str:
         for key, value in sorted(facts.items()):
             lines.append(f"  {section}.{key}: {json.dumps(value, sort_keys=True, default=str)}")
     return "\n".join(lines)
+
+
+def patch_summaries(snapshot: dict) -> list[str]:
+    """Return the one-line summaries of the patches whose modules define ``format_status_line``."""
+    import importlib
+
+    from kda_patches.patches import PATCH_MODULES
+
+    lines = []
+    for name in PATCH_MODULES:
+        module = importlib.import_module(f"kda_patches.patches.{name}")
+        formatter = getattr(module, "format_status_line", None)
+        if formatter is not None and module.PATCH.name in snapshot.get("patches", {}):
+            lines.append(formatter(snapshot))
+    return lines
 
 
 def aggregate_ledgers(snapshots: list[dict]) -> dict:

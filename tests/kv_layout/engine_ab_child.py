@@ -26,6 +26,8 @@ def main(model_dir: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
+    from kda_patches.regress.workloads import generate_together, shutdown_engine
+
     extra = {}
     if os.environ.get("KDA_TEST_NUM_BLOCKS"):
         extra["num_gpu_blocks_override"] = int(os.environ["KDA_TEST_NUM_BLOCKS"])
@@ -34,10 +36,14 @@ def main(model_dir: str, out_path: str) -> None:
     llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=512,
               max_num_batched_tokens=96, max_num_seqs=8, seed=0, **extra)
     lengths = tuple(int(x) for x in os.environ.get("KDA_TEST_PROMPT_LENGTHS", "").split(",") if x) or PROMPT_LENGTHS
-    outputs = llm.generate([{"prompt_token_ids": p} for p in build_prompts(lengths)],
-                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    # All requests reach the scheduler in one step: LLM.generate's one-by-one submission makes the first
+    # batches (and so bf16 results) depend on timing, which would make any A/B flaky.
+    outputs = generate_together(llm, build_prompts(lengths),
+                                SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), "kv-ab")
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    shutdown_engine(llm)
     with open(out_path, "w") as handle:
-        json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outputs]}, handle)
+        json.dump({"tokens": tokens}, handle)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""Fixtures of the kimi_prefill suite: the reference modules patched through the registry, STRICT on/off.
+
+The reference layers live next to this file (``kimi_*.py``, imported by basename like the state-copy
+suite's helpers). On the CPU the state-copy plans run under the Triton interpreter
+(``TRITON_INTERPRET=1``, set by ``make test``; set here too when missing, before the kernels load).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+if "--run-gpu" not in sys.argv and "kda_patches.state_copy.kernels" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kimi_workload
+
+import kda_patches
+from kda_patches.flags import Flags
+from kda_patches.registry import revert_patch
+
+
+@pytest.fixture
+def load_reference() -> Iterator[Callable[..., dict[str, Any]]]:
+    """Return ``load(patched=True, variant=False)``: fresh reference modules (by name), patched via post-import hooks.
+
+    Every patch registered here is reverted and the modules are forgotten at teardown.
+    """
+    registered: list[Any] = []
+
+    def load(patched: bool = True, variant: bool = False) -> dict[str, Any]:
+        patch = kimi_workload.reference_patch("kimi_prefill_reference", variant=variant) if patched else None
+        for old in registered:
+            revert_patch(old)
+        registered.clear()
+        if patch is not None:
+            registered.append(patch)
+        return kimi_workload.load_reference_modules(patch)
+
+    yield load
+    for patch in registered:
+        revert_patch(patch)
+    for name in kimi_workload.REFERENCE_MODULES:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the test as under ``KDA_PATCHES_STRICT=1`` (bypassed calls raise)."""
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True))
+
+
+@pytest.fixture
+def lenient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the test without STRICT (bypassed calls are counted, not raised), whatever the environment says."""
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=False))
