@@ -285,17 +285,7 @@ def route_run_prefill(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         return wrapped(*args, **kwargs)
     route = CallRoute(layer_name_of(instance), plan, state, indices, flags)
     args, kwargs = replace_argument(args, kwargs, _STATE_POSITION, "recurrent_state", make_alias(route))
-    active_call.route = route  # what run_routed does, inlined on this hot path
-    try:
-        result = wrapped(*args, **kwargs)
-    except BaseException:
-        route.close()
-        get_ledger().count(LEDGER_PATH, "calls_failed")
-        raise
-    finally:
-        active_call.route = None
-    settle_route(route)
-    return result
+    return run_routed(wrapped, args, kwargs, route)
 
 
 def route_clear_ssm_states(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -18,7 +18,6 @@ Any failure publishes nothing and aborts startup with a ``RuntimeError`` naming 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,11 +25,12 @@ import torch
 
 from kda_patches.kimi.routing import LEDGER_PATH, PLAN_ATTRIBUTE
 from kda_patches.ledger import get_ledger
+from kda_patches.outermost import OutermostCall
 
 MARKER_ATTRIBUTE = "_requires_kda_state_copy"
 SEAM_METHODS = ("_run_prefill", "_forward")
 
-_nesting = threading.local()
+_outermost_initialize = OutermostCall()
 
 
 def route_initialize_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -39,14 +39,9 @@ def route_initialize_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: 
     Raises:
         RuntimeError: a layer's plan could not be prepared (names the layer; nothing is published).
     """
-    if getattr(_nesting, "active", False):  # NPUModelRunner calling GPUModelRunner's: the outer one publishes
-        return wrapped(*args, **kwargs)
-    _nesting.active = True
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        _nesting.active = False
-    prepare_and_publish(instance)
+    result, outermost = _outermost_initialize.run(wrapped, args, kwargs)
+    if outermost:  # NPUModelRunner calling GPUModelRunner's: the outer one publishes
+        prepare_and_publish(instance)
     return result
 
 

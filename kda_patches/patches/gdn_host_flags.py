@@ -17,10 +17,10 @@ behaviour on ``None``. Nothing here reads a device tensor.
 
 from __future__ import annotations
 
-import _thread
 from itertools import pairwise
 
 from kda_patches.ledger import get_ledger
+from kda_patches.outermost import OutermostCall
 from kda_patches.registry import Patch, Target
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
@@ -100,7 +100,7 @@ def attach_host_flags(metadata: Any, flags: HostFlags) -> None:
     metadata.prefill_chunk_totals = flags.prefill_chunk_totals
 
 
-_nesting = _thread._local()
+_outermost_build = OutermostCall()
 
 
 def wrap_build(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -109,13 +109,9 @@ def wrap_build(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     A subclass override that calls ``super().build()`` is wrapped too; only the outermost call
     computes and counts, so each batch is flagged once.
     """
-    if getattr(_nesting, "active", False):
-        return wrapped(*args, **kwargs)
-    _nesting.active = True
-    try:
-        metadata = wrapped(*args, **kwargs)
-    finally:
-        _nesting.active = False
+    metadata, outermost = _outermost_build.run(wrapped, args, kwargs)
+    if not outermost:
+        return metadata
     ledger = get_ledger()
     ledger.count(LEDGER_PATH, "builds_seen")
     if getattr(metadata, "num_prefills", 0) > 0:

@@ -24,9 +24,8 @@ Importing this module imports neither torch nor vLLM.
 
 from __future__ import annotations
 
-import _thread
-
 from kda_patches.ledger import get_ledger
+from kda_patches.outermost import OutermostCall
 from kda_patches.registry import Patch, Target
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
@@ -42,7 +41,7 @@ ALLOCATE_PARAMETERS = ("kv_cache_config", "device", "layout", "kernel_block_size
 BIND_PARAMETERS = ("self", "kv_cache")
 CONFIGS_PARAMETERS = ("vllm_config", "kv_cache_specs", "available_memory")
 
-_inside = _thread._local()
+_outermost_reshape = OutermostCall()
 
 
 class LayoutPlanError(RuntimeError):
@@ -79,13 +78,9 @@ def wrap_reshape_kv_cache_tensors(wrapped: Any, instance: Any, args: tuple, kwar
 
     A subclass override that calls ``super()`` is wrapped too; only the outermost call plans.
     """
-    if getattr(_inside, "reshape", False):
-        return wrapped(*args, **kwargs)
-    _inside.reshape = True
-    try:
-        kv_caches = wrapped(*args, **kwargs)
-    finally:
-        _inside.reshape = False
+    kv_caches, outermost = _outermost_reshape.run(wrapped, args, kwargs)
+    if not outermost:
+        return kv_caches
     config = _argument(args, kwargs, 0, "kv_cache_config") or instance.kv_cache_config
     from kda_patches.kv_layout.era013 import apply_layouts
 
@@ -96,7 +91,7 @@ def wrap_reshape_kv_cache_tensors(wrapped: Any, instance: Any, args: tuple, kwar
 def wrap_update_hybrid_attention_mamba_layout(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """0.13 era: upstream re-strides; called on its own (not from a wrapped reshape), undo it where proven safe."""
     result = wrapped(*args, **kwargs)
-    if getattr(_inside, "reshape", False):
+    if _outermost_reshape.active:
         return result  # the reshape wrapper decides once the state layout is known
     kv_caches = _argument(args, kwargs, 0, "kv_caches")
     from kda_patches.kv_layout.era013 import apply_layouts
