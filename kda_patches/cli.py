@@ -128,11 +128,14 @@ def command_run(args: argparse.Namespace) -> int:
     return 0  # launch execs; reached only by test doubles
 
 
-def command_delegate(module: str, args: argparse.Namespace) -> int:
-    """Hand the remaining arguments to ``module.main(argv)`` (regress, bench)."""
+DELEGATED = {"regress": "kda_patches.regress.cli", "bench": "kda_patches.bench"}
+
+
+def command_delegate(module: str, argv: list[str]) -> int:
+    """Hand the remaining arguments to ``module.main(argv)`` (regress, bench own their options)."""
     import importlib
 
-    return int(importlib.import_module(module).main(args.rest) or 0)
+    return int(importlib.import_module(module).main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,15 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="launch CMD with the bootstrap environment set before exec")
     run.add_argument("command", nargs=argparse.REMAINDER)
     run.set_defaults(handler=command_run)
-    for name, module in (("regress", "kda_patches.regress.cli"), ("bench", "kda_patches.bench")):
-        sub = commands.add_parser(name, help=f"see `kda-patches {name} --help`", add_help=False)
-        sub.add_argument("rest", nargs=argparse.REMAINDER)
-        sub.set_defaults(handler=lambda args, module=module: command_delegate(module, args))
+    for name in DELEGATED:  # parsed by their own modules (see main); listed here for --help
+        commands.add_parser(name, help=f"see `kda-patches {name} --help`", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kda-patches``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        return command_delegate(DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     return args.handler(args)
 
