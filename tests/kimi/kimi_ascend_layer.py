@@ -49,14 +49,10 @@ class AscendKimiK3DeltaAttention(KimiK3DeltaAttention):
     def _forward(self, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, beta: torch.Tensor,
                  core_attn_out: torch.Tensor) -> None:
         """Read this layer's metadata from vLLM's forward context and run ``_run_prefill`` on prefill batches."""
-        from vllm.forward_context import get_forward_context
-
-        metadata = get_forward_context().attn_metadata
-        m = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-        if m is None or m.num_prefills == 0:
+        inputs = self._prefill_inputs(mixed_qkv)
+        if inputs is None:
             return
-        _, recurrent_state = self.kv_cache[:2]
-        q, k, v = (part.reshape(1, -1, self.num_heads, self.head_dim) for part in mixed_qkv.chunk(3, dim=-1))
+        m, recurrent_state, q, k, v = inputs
         core_attn_out.copy_(self._run_prefill(q, k, v, g1, beta, recurrent_state, m.prefill_state_indices,
                                               m.prefill_has_initial_state, m.chunk))
 

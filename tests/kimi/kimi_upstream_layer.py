@@ -62,6 +62,22 @@ class KimiK3DeltaAttention:
         """Bind ``(conv_state, recurrent_state)`` (what the model runner does at startup)."""
         self.kv_cache = tuple(kv_cache)
 
+    def _prefill_inputs(self, mixed_qkv: torch.Tensor) -> tuple | None:
+        """Return ``(metadata, recurrent_state, q, k, v)`` for a prefill batch, or None when there is no prefill.
+
+        Reads this layer's metadata from vLLM's forward context (as both forks' ``_forward`` do) and the
+        recurrent-state cache bound now (during a routed call: the alias).
+        """
+        from vllm.forward_context import get_forward_context
+
+        metadata = get_forward_context().attn_metadata
+        m = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if m is None or m.num_prefills == 0:
+            return None
+        _, recurrent_state = self.kv_cache[:2]
+        q, k, v = (part.reshape(1, -1, self.num_heads, self.head_dim) for part in mixed_qkv.chunk(3, dim=-1))
+        return m, recurrent_state, q, k, v
+
     def _forward(self, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, beta: torch.Tensor,
                  core_attn_out: torch.Tensor) -> None:
         """Prefill branch of upstream's ``_forward``: gather, chunk math, scatter; output into ``core_attn_out``.
@@ -72,14 +88,10 @@ class KimiK3DeltaAttention:
             beta: ``[1, T, H]`` betas (post-sigmoid).
             core_attn_out: ``[1, T, H, D]`` written in place.
         """
-        from vllm.forward_context import get_forward_context
-
-        metadata = get_forward_context().attn_metadata
-        m = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-        if m is None or m.num_prefills == 0:
+        inputs = self._prefill_inputs(mixed_qkv)
+        if inputs is None:
             return
-        _, recurrent_state = self.kv_cache[:2]
-        q, k, v = (part.reshape(1, -1, self.num_heads, self.head_dim) for part in mixed_qkv.chunk(3, dim=-1))
+        m, recurrent_state, q, k, v = inputs
         initial_state = gather_initial_states(recurrent_state, m.non_spec_state_indices_tensor, m.has_initial_state)
         out, last_state = chunk_kda_prefill(q, k, v, g1, beta, self.A_log, self.dt_bias, self.gate_lower_bound,
                                             initial_state, m.cu_seqlens_host, m.non_spec_query_start_loc)
