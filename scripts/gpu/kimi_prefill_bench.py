@@ -51,7 +51,8 @@ def out_of_time(record: dict[str, Any], what: str) -> bool:
     print(f"skipped for time: {what}", flush=True)
     return True
 SOURCES = ("kda_patches/patches/kimi_prefill.py", "kda_patches/kimi/routing.py", "kda_patches/kimi/startup.py",
-           "tests/kimi/kimi_ascend_layer.py", "tests/kimi/kimi_kda_ops.py", "scripts/gpu/kimi_prefill_bench.py")
+           "tests/kimi/kimi_ascend_layer.py", "tests/kimi/kimi_upstream_layer.py", "tests/kimi/kimi_kda_ops.py",
+           "scripts/gpu/kimi_prefill_bench.py")
 
 
 def limit_autotune(keep: int = 1) -> None:
