@@ -48,10 +48,13 @@ def wait_for_group_exit(pgid: int, timeout_s: float, leader: subprocess.Popen | 
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if not group_has_live_members(pgid):
+            if leader is not None:
+                # The leader may have died after the last poll: it is a zombie now, so reap it (no wait).
+                leader.wait(timeout=max(0.1, deadline - time.monotonic()))
+            return True
         if leader is not None:
             leader.poll()
-        if not group_has_live_members(pgid):
-            return True
         time.sleep(0.1)
     return False
 
