@@ -28,6 +28,9 @@ SWITCHES: dict[str, str] = {
     "KDA_PATCHES_PRELOAD": "extra shared libraries to preload by absolute path (LIB[:LIB])",
     "KDA_PATCHES_KV_STATE_MODE": "auto (default): dense state views only where provably safe; "
     "separate: also allocate dense state tensors outside the shared KV pool when in-place is unsafe",
+    "KDA_PATCHES_KIMI_PLAN": "fork (default): where the fork ships its own Kimi state-copy plan (vllm-ascend "
+    ">=0.30) kimi_prefill stands aside; overlay: publish the overlay's sealed plan into the fork's seam "
+    "(unverified on NPUs)",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
 }
 
@@ -35,6 +38,7 @@ _BOOLEAN_VALUES = {"0": False, "1": True, "false": False, "true": True, "no": Fa
                    "off": False, "on": True}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _KV_STATE_MODES = ("auto", "separate")
+_KIMI_PLANS = ("fork", "overlay")
 
 
 class Flags:
@@ -46,17 +50,17 @@ class Flags:
     """
 
     __slots__ = ("enabled", "disable", "only", "force_triton", "strict", "status_dir", "log_level",
-                 "custom_opp", "preload", "kv_state_mode", "role", "warnings")
+                 "custom_opp", "preload", "kv_state_mode", "kimi_plan", "role", "warnings")
 
     def __init__(self, enabled: bool = True, disable: frozenset[str] = frozenset(),
                  only: frozenset[str] | None = None, force_triton: bool = False, strict: bool = False,
                  status_dir: str | None = None, log_level: str = "WARNING", custom_opp: tuple[str, ...] = (),
                  preload: tuple[str, ...] = (), kv_state_mode: str = "auto", role: str | None = None,
-                 warnings: tuple[str, ...] = ()) -> None:
+                 warnings: tuple[str, ...] = (), kimi_plan: str = "fork") -> None:
         values = dict(enabled=enabled, disable=frozenset(disable), only=None if only is None else frozenset(only),
                       force_triton=force_triton, strict=strict, status_dir=status_dir, log_level=log_level,
                       custom_opp=tuple(custom_opp), preload=tuple(preload), kv_state_mode=kv_state_mode,
-                      role=role, warnings=tuple(warnings))
+                      kimi_plan=kimi_plan, role=role, warnings=tuple(warnings))
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -91,6 +95,7 @@ class Flags:
             "KDA_PATCHES_CUSTOM_OPP": list(self.custom_opp),
             "KDA_PATCHES_PRELOAD": list(self.preload),
             "KDA_PATCHES_KV_STATE_MODE": self.kv_state_mode,
+            "KDA_PATCHES_KIMI_PLAN": self.kimi_plan,
             "KDA_PATCHES_ROLE": self.role,
         }
 
@@ -158,6 +163,10 @@ def parse_flags(environ: Mapping[str, str] | None = None,
     if kv_state_mode not in _KV_STATE_MODES:
         raise ValueError(f"KDA_PATCHES_KV_STATE_MODE={env.get('KDA_PATCHES_KV_STATE_MODE')!r} is not "
                          f"a mode; use one of {', '.join(_KV_STATE_MODES)}")
+    kimi_plan = (env.get("KDA_PATCHES_KIMI_PLAN") or "fork").strip().lower()
+    if kimi_plan not in _KIMI_PLANS:
+        raise ValueError(f"KDA_PATCHES_KIMI_PLAN={env.get('KDA_PATCHES_KIMI_PLAN')!r} is not a choice; "
+                         f"use one of {', '.join(_KIMI_PLANS)}")
 
     flags = Flags(
         enabled=parse_boolean("KDA_PATCHES", env.get("KDA_PATCHES"), True),
@@ -170,6 +179,7 @@ def parse_flags(environ: Mapping[str, str] | None = None,
         custom_opp=_split_paths(env.get("KDA_PATCHES_CUSTOM_OPP")),
         preload=_split_paths(env.get("KDA_PATCHES_PRELOAD")),
         kv_state_mode=kv_state_mode,
+        kimi_plan=kimi_plan,
         role=env.get("KDA_PATCHES_ROLE") or None,
         warnings=tuple(warnings),
     )
