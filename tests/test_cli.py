@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,8 +40,35 @@ def test_run_without_command_explains_usage(capsys):
 
 
 def test_kda_run_execs_the_command_in_place():
+    """The command runs in the process ``kda-run`` was started as (exec, no wrapper child in between)."""
     script = os.path.join(os.path.dirname(sys.executable), "kda-run")
-    result = subprocess.run([script, sys.executable, "-c", "import os, sys; print(os.getpid())"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().isdigit()
+    report = "import os; print(os.getpid(), os.getppid())"
+    process = subprocess.Popen([script, sys.executable, "-c", report], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    # Independent of the launcher: Popen's own child pid, and this test process as that child's parent.
+    assert [int(field) for field in stdout.split()] == [process.pid, os.getpid()]
+
+
+KIMI_LEDGER = {
+    "pid": 4242, "role": "worker", "argv": ["x"], "started_at": 0.0, "written_at": 0.0, "final": True,
+    "switches": {},
+    "patches": {"kimi_prefill": {"state": "applied", "reason": "", "targets": {}}},
+    "counters": {"kimi_prefill": {"calls_seen": 7, "calls_routed": 4, "calls_bypassed": 1, "calls_refused": 2}},
+    "facts": {"kimi_prefill": {"model.layers.3.self_attn": {"plan_kind": "fused"},
+                               "model.layers.1.self_attn": {"plan_kind": "fused"},
+                               "model.layers.2.self_attn": {"plan_kind": "fallback"},
+                               "note": "not a layer"}},
+}
+# Written by hand from the ledger above (the design's status format), not produced by the formatter.
+KIMI_STATUS_LINE = ("  kimi_prefill: prefill calls seen 7, routed 4, bypassed 1, refused 2; "
+                    "plans fallback=1 (model.layers.2.self_attn), fused=2 (model.layers.1.self_attn\u2026)")
+
+
+def test_cli_status_prints_the_kimi_summary_line(tmp_path, capsys):
+    """``status --from DIR`` on a fixed ledger file prints the literal kimi_prefill summary line."""
+    (tmp_path / "ledger-4242.json").write_text(json.dumps(KIMI_LEDGER))
+    assert cli.main(["status", "--from", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("  kimi_prefill:")] == [KIMI_STATUS_LINE]
