@@ -1,8 +1,19 @@
-"""Shared test options: GPU-only tests run with ``--run-gpu`` (the H200 script passes it)."""
+"""Shared test options and checks.
+
+- GPU-only tests run with ``--run-gpu`` (the H200 script passes it); without it they are skipped.
+- vLLM is part of the test environment: a session that cannot find it stops at once with one message
+  (``vllm_stack.import_vllm`` turns a broken import into the same message per test); skips are kept only
+  for absent hardware.
+- The closing summary names every skip reason with its count, so a skipped group cannot pass unseen.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+from collections import Counter
+
 import pytest
+import vllm_stack
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -13,6 +24,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs only with --run-gpu")
     config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow)")
+    vllm_stack.GPU_RUN = config.getoption("--run-gpu")
+    # find_spec, not an import: importing vLLM costs seconds and must not happen in every pytest process
+    # before the tests that register post-import hooks on its modules.
+    if not vllm_stack.GPU_RUN and importlib.util.find_spec("vllm") is None:
+        raise pytest.UsageError(vllm_stack.MISSING.format(error="no module named 'vllm'"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -22,3 +38,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    """Return the reason text of a skipped report (``longrepr`` is ``(path, line, 'Skipped: reason')``)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config):
+    """After every other summary: one line naming each skip reason with its count, just above the totals."""
+    yield
+    reports = [report for report in terminalreporter.stats.get("skipped", []) if report.skipped]
+    counts = Counter(skip_reason(report) for report in reports)
+    rendered = "; ".join(f"{count} x {reason}" for reason, count in sorted(counts.items())) or "none"
+    terminalreporter.write_line(f"skips ({len(reports)}): {rendered}")
