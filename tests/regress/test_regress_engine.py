@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import vllm_stack
 
 from kda_patches.regress.report import format_report
 from kda_patches.regress.runner import run_ab
 from kda_patches.regress.workloads import DEFAULT_WORKLOAD, resolve_workload
 
-pytest.importorskip("vllm")
+vllm_stack.import_vllm("vllm")
 
 
 @pytest.mark.engine
