@@ -6,9 +6,10 @@ import dataclasses
 import random
 
 import pytest
+import torch
+import vllm_stack
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
+vllm_stack.import_vllm("vllm")
 
 from vllm.config import ModelConfig, VllmConfig  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
