@@ -13,6 +13,7 @@ import kimi_kda_ops
 import kimi_workload
 import pytest
 import torch
+import vllm_stack
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,7 +61,7 @@ def test_patched_prefill_equals_baseline_bit_for_bit(load_reference, strict, cac
 
 def test_upstream_seam_equals_baseline_and_skips_decode(load_reference, strict):
     """Upstream-shaped ``_forward``: prefill routed and exact; a decode-only call is left alone."""
-    pytest.importorskip("vllm.forward_context")
+    vllm_stack.import_vllm("vllm.forward_context")
     shapes = kimi_workload.SMALL_BATCHES
     base_outputs, base_caches, _ = run_side(load_reference, False, torch.float32, torch.int64, True, shapes)
     before = kimi_workload.prefill_counters()

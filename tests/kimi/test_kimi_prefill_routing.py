@@ -8,6 +8,7 @@ import inspect
 import kimi_workload
 import pytest
 import torch
+import vllm_stack
 
 from kda_patches.kimi.routing import PlanNotPublished, StateCopyBypassed
 from kda_patches.ledger import get_ledger
@@ -45,7 +46,7 @@ def test_every_target_is_applied_by_the_post_import_hooks(load_reference):
 
 def test_real_vllm_targets_match_the_installed_signatures():
     """The upstream targets of the real record apply to the installed vLLM 0.32 (fingerprints, versions)."""
-    pytest.importorskip("vllm")
+    vllm_stack.import_vllm("vllm")
     check = Patch("kimi_prefill_vllm_check", "fingerprint check",
                   tuple(target for target in kimi_prefill.PATCH.targets if target.stack == "vllm"))
     assert {target.module for target in check.targets} == {

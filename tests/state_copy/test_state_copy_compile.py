@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm_stack
 from state_copy_helpers import bits
 
 from kda_patches.state_copy import naive
@@ -94,7 +95,7 @@ def test_runtime_resolution_needs_a_context(make_cache, device):
 
 
 def test_vllm_forward_context_resolves_the_layer_attribute(make_cache, device):
-    forward_context = pytest.importorskip("vllm.forward_context")
+    forward_context = vllm_stack.import_vllm("vllm.forward_context")
     cache = make_cache()
     bindings = initialize({"model.layers.3.kda": cache.state}, 4)
 
