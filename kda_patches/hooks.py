@@ -94,3 +94,15 @@ def when_imported(name: str, callback: Callback) -> None:
             _callbacks.setdefault(name, []).append(callback)
             return
     callback(module)
+
+
+def imported_module(name: str) -> Any:
+    """Return module ``name`` when it is fully imported, else None (never imports it).
+
+    A module whose body is still executing (``__spec__._initializing``, set by the import system while
+    loading) counts as not imported: its attributes may not exist yet.
+    """
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module

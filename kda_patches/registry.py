@@ -2,10 +2,44 @@
 
 A :class:`Patch` names the targets it wraps on each supported stack. :func:`register_patch`
 arranges for every target to be wrapped when its module is imported (at once if it already is).
-Each target is checked before wrapping: a missing attribute is ``not-applicable``; a version
-outside the supported range or a signature that differs from the recorded fingerprint is
-``skipped`` with one WARNING; an exception while wrapping is ``failed`` (traceback logged) and the
-target module still imports. Under ``KDA_PATCHES_STRICT=1`` skipped/failed raise ImportError.
+
+Semantics (the same predicates serve the runtime and release conformance, see "Public predicates"):
+
+- **Version ranges.** A target applies only where the installed version of its distribution lies in
+  ``[min_version, max_version)`` (release tuples: ``0.30.0rc2`` counts as ``0.30.0``). Outside its range a
+  target is ``not-applicable`` ("declared for vllm>=0.13,<0.14, found 0.32.0") — not drift, not an error
+  under STRICT — unless the installed version is *newer than every range* the patch declares for that
+  distribution (an unverified newer release): then ``skipped``. An unknown version with a declared range
+  is ``skipped``.
+- **Siblings.** Several targets of one patch may share a key (``module:qualname``) with disjoint ranges
+  (e.g. a runner method whose signature changed between releases; overlapping ranges are a ValueError when
+  the :class:`Patch` is built). Exactly the sibling in range is checked and applied; the ledger entry of
+  the key shows its state, never an out-of-range sibling's.
+- **Checks.** A missing attribute (or one only inherited by the named class) is ``not-applicable``; a
+  signature whose parameter names differ from ``Target.parameters`` is ``skipped`` (drift); an exception
+  while wrapping is ``failed`` (traceback logged) and the target module still imports. ``skipped`` and
+  ``failed`` log one WARNING; under ``KDA_PATCHES_STRICT=1`` they raise :class:`PatchSkipped`.
+- **Coupled targets.** Targets of one patch with the same ``group`` are applied together or not at all.
+  When the first member is about to be applied, *every* member is checked (version range, presence,
+  fingerprint): members whose module is imported by their real objects, the others from source without
+  importing them (:mod:`kda_patches.static_check`). The verdict is cached per patch and group. If any
+  member fails, no member is applied: each is recorded ``skipped`` naming the failing member (or
+  ``not-applicable`` when every member is simply absent/out of range on this stack), with ONE warning
+  for the group. If all pass, members are applied as their modules import, each re-checked on its real
+  object; if a later member then fails, the members already applied are reverted and every member is
+  recorded ``skipped`` (the failing one with its own state) with the reason.
+
+Public predicates (pure functions of data; :mod:`kda_patches.releases` conformance calls the same ones
+with versions and parameters read from release sources):
+
+- :func:`version_in_range` ``(target, found) -> bool``
+- :func:`newer_than_all` ``(patch, distribution, found) -> bool``
+- :func:`fingerprint_matches` ``(target, parameters) -> bool``
+- :func:`select_target` ``(patch, key, found) -> Target | None`` (the in-range sibling)
+- :func:`check_key` ``(patch, key, found, parameters) -> Verdict`` (one key on one stack)
+- :func:`group_verdict` ``(patch, group, version_of, read) -> GroupVerdict`` (all members of a group)
+
+``Verdict.state`` is ``ok`` (would be applied), ``not-applicable`` or ``skipped``.
 """
 
 from __future__ import annotations
@@ -14,7 +48,7 @@ import _thread
 import importlib
 import sys
 
-from kda_patches.hooks import when_imported
+from kda_patches.hooks import imported_module, when_imported
 from kda_patches.ledger import get_ledger
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
@@ -43,14 +77,18 @@ class Target:
         max_version: first unsupported version, exclusive (None: no upper bound).
         parameters: the expected parameter names of the target's signature (its fingerprint);
             None skips the signature check.
+        group: targets of one patch with the same group are applied together or not at all (None: alone).
+        shapes: names of code-shape checks (``kda_patches.releases.shapes``) the wrapper relies on;
+            read by release conformance, unused at runtime.
     """
 
     __slots__ = ("module", "qualname", "wrapper", "stack", "distribution", "min_version", "max_version",
-                 "parameters")
+                 "parameters", "group", "shapes")
 
     def __init__(self, module: str, qualname: str, wrapper: Wrapper, stack: str = "vllm",
                  distribution: str = "vllm", min_version: str | None = None, max_version: str | None = None,
-                 parameters: tuple[str, ...] | None = None) -> None:
+                 parameters: tuple[str, ...] | None = None, group: str | None = None,
+                 shapes: tuple[str, ...] = ()) -> None:
         self.module = module
         self.qualname = qualname
         self.wrapper = wrapper
@@ -59,9 +97,11 @@ class Target:
         self.min_version = min_version
         self.max_version = max_version
         self.parameters = None if parameters is None else tuple(parameters)
+        self.group = group
+        self.shapes = tuple(shapes)
 
     def __repr__(self) -> str:
-        return f"Target({self.key!r}, stack={self.stack!r})"
+        return f"Target({self.key!r}, {version_range(self)!r}, group={self.group!r})"
 
     @property
     def key(self) -> str:
@@ -70,7 +110,11 @@ class Target:
 
 
 class Patch:
-    """A registered patch: a name (also its switch value), a one-line summary and its targets."""
+    """A registered patch: a name (also its switch value), a one-line summary and its targets.
+
+    Raises:
+        ValueError: when targets sharing a key have overlapping version ranges or different groups.
+    """
 
     __slots__ = ("name", "summary", "targets")
 
@@ -78,29 +122,90 @@ class Patch:
         self.name = name
         self.summary = summary
         self.targets = tuple(targets)
+        for key in self.keys():
+            siblings = self.siblings(key)
+            for index, first in enumerate(siblings):
+                for second in siblings[index + 1:]:
+                    if first.group != second.group:
+                        raise ValueError(f"patch {name!r}: targets of {key} declare different groups "
+                                         f"({first.group!r}, {second.group!r}); siblings must share one")
+                    if _ranges_overlap(first, second):
+                        raise ValueError(f"patch {name!r}: targets of {key} have overlapping version ranges "
+                                         f"({version_range(first)} and {version_range(second)}); make them disjoint")
 
     def __repr__(self) -> str:
         return f"Patch({self.name!r}, targets={len(self.targets)})"
+
+    def keys(self) -> list[str]:
+        """Return the distinct target keys, in declaration order."""
+        return list(dict.fromkeys(target.key for target in self.targets))
+
+    def siblings(self, key: str) -> list[Target]:
+        """Return the targets declared for ``key`` (one per version range)."""
+        return [target for target in self.targets if target.key == key]
+
+    def group_keys(self, group: str) -> list[str]:
+        """Return the keys of the members of ``group``, in declaration order."""
+        return list(dict.fromkeys(target.key for target in self.targets if target.group == group))
 
 
 class PatchSkipped(ImportError):
     """Raised under STRICT when a patch target is skipped or fails to apply."""
 
 
-class _Applied:
-    __slots__ = ("parent", "attribute", "original", "wrapper_object")
+class Verdict:
+    """Outcome of checking one key on one stack: ``state`` is ``ok``, ``not-applicable`` or ``skipped``.
 
-    def __init__(self, parent: Any, attribute: str, original: Any, wrapper_object: Any) -> None:
-        self.parent = parent
-        self.attribute = attribute
-        self.original = original
-        self.wrapper_object = wrapper_object
+    Attributes:
+        key: the target key checked.
+        state: ``ok`` (would be applied), ``not-applicable`` or ``skipped``.
+        reason: human-readable why (version found, range declared, signature found vs expected).
+        target: the in-range sibling (None when no range contains the version).
+    """
+
+    __slots__ = ("key", "state", "reason", "target")
+
+    def __init__(self, key: str, state: str, reason: str, target: Target | None) -> None:
+        self.key, self.state, self.reason, self.target = key, state, reason, target
+
+    def __repr__(self) -> str:
+        return f"Verdict({self.key!r}, {self.state!r}, {self.reason!r})"
+
+    @property
+    def ok(self) -> bool:
+        """Whether the key would be applied."""
+        return self.state == "ok"
 
 
-_applied: dict[tuple[str, str], _Applied] = {}
-_registered: set[str] = set()
-_lock = _thread.RLock()
+class GroupVerdict:
+    """Outcome of checking every member of a group: ``state`` is ``ok``, ``not-applicable`` or ``skipped``.
 
+    Attributes:
+        group: the group name.
+        state: ``ok`` when every member is ok; ``not-applicable`` when every member is not-applicable;
+            ``skipped`` otherwise.
+        reason: names the failing member(s) and why.
+        members: the per-key :class:`Verdict`, in declaration order.
+    """
+
+    __slots__ = ("group", "state", "reason", "members")
+
+    def __init__(self, group: str, state: str, reason: str, members: dict[str, Verdict]) -> None:
+        self.group, self.state, self.reason, self.members = group, state, reason, members
+
+    def __repr__(self) -> str:
+        return f"GroupVerdict({self.group!r}, {self.state!r}, {self.reason!r})"
+
+    @property
+    def ok(self) -> bool:
+        """Whether the group would be applied."""
+        return self.state == "ok"
+
+
+ABSENT = None  # ``parameters`` value meaning "the attribute is not defined there"
+
+
+# -- public predicates -------------------------------------------------------------------------
 
 def parse_version(text: str) -> tuple[int, ...]:
     """Return the numeric release tuple of a version string (``0.32.0+cpu`` -> ``(0, 32, 0)``)."""
@@ -112,9 +217,137 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(1).split("."))
 
 
-def find_version(target: Target, module: Any) -> str | None:
-    """Return the installed version of the target's stack, or None when unknown."""
-    top = sys.modules.get(target.module.split(".")[0])
+def _padded(text: str, width: int = 4) -> tuple[int, ...]:
+    release = parse_version(text)
+    return release + (0,) * (width - len(release))
+
+
+def version_range(target: Target) -> str:
+    """Return the declared range as text, e.g. ``vllm>=0.13,<0.14`` (``*`` for an open bound)."""
+    return f"{target.distribution}>={target.min_version or '*'},<{target.max_version or '*'}"
+
+
+def _ranges_overlap(first: Target, second: Target) -> bool:
+    low = max(_padded(first.min_version or "0"), _padded(second.min_version or "0"))
+    highs = [_padded(t.max_version) for t in (first, second) if t.max_version is not None]
+    return not highs or low < min(highs)
+
+
+def version_in_range(target: Target, found: str | None) -> bool:
+    """Return whether ``found`` lies inside the target's ``[min_version, max_version)`` range.
+
+    Args:
+        target: the target whose range is checked.
+        found: the installed version (None: unknown, in range only when no range is declared).
+    """
+    if target.min_version is None and target.max_version is None:
+        return True
+    if found is None:
+        return False
+    release = _padded(found)
+    if target.min_version is not None and release < _padded(target.min_version):
+        return False
+    return not (target.max_version is not None and release >= _padded(target.max_version))
+
+
+version_supported = version_in_range  # the name doctor used before ranges had siblings
+
+
+def newer_than_all(patch: Patch, distribution: str, found: str | None) -> bool:
+    """Return whether ``found`` is newer than every range ``patch`` declares for ``distribution``.
+
+    Such a release is unverified (``skipped``), unlike an older one or one between ranges (``not-applicable``).
+    False when ``found`` is unknown, when no target of ``distribution`` exists, or when a range is open above.
+    """
+    targets = [target for target in patch.targets if target.distribution == distribution]
+    if found is None or not targets:
+        return False
+    release = _padded(found)
+    return all(target.max_version is not None and release >= _padded(target.max_version) for target in targets)
+
+
+def fingerprint_matches(target: Target, parameters: tuple[str, ...] | None) -> bool:
+    """Return whether the parameter names found match the target's fingerprint (always, when it has none)."""
+    return target.parameters is None or (parameters is not None and tuple(parameters) == target.parameters)
+
+
+def select_target(patch: Patch, key: str, found: str | None) -> Target | None:
+    """Return the sibling of ``key`` whose version range contains ``found`` (ranges are disjoint), or None."""
+    for target in patch.siblings(key):
+        if version_in_range(target, found):
+            return target
+    return None
+
+
+def check_key(patch: Patch, key: str, found: str | None, parameters: tuple[str, ...] | None) -> Verdict:
+    """Decide one key on one stack from data.
+
+    Args:
+        patch: the patch declaring the key.
+        key: ``module:qualname``.
+        found: installed version of the key's distribution (None: unknown).
+        parameters: the parameter names of the object found (:data:`ABSENT` = None when not defined).
+    Returns:
+        The :class:`Verdict`.
+    """
+    siblings = patch.siblings(key)
+    if not siblings:
+        raise KeyError(f"patch {patch.name!r} declares no target {key}")
+    target = select_target(patch, key, found)
+    if target is None:
+        declared = " or ".join(version_range(t) for t in siblings)
+        distribution = siblings[0].distribution
+        if found is None:
+            return Verdict(key, "skipped", f"version of {distribution} unknown, declared for {declared}", None)
+        if newer_than_all(patch, distribution, found):
+            return Verdict(key, "skipped", f"found {distribution} {found}, newer than every range patch "
+                           f"{patch.name!r} declares for it (unverified release; declared for {declared})", None)
+        return Verdict(key, "not-applicable", f"declared for {declared}, found {found}", target)
+    module, _, qualname = key.partition(":")
+    if parameters is ABSENT:
+        return Verdict(key, "not-applicable", f"{qualname} is not defined in {module}", target)
+    if not fingerprint_matches(target, parameters):
+        return Verdict(key, "skipped", f"signature drifted: found ({', '.join(parameters)}), expected "
+                       f"({', '.join(target.parameters)}) (version {found or 'unknown'})", target)
+    return Verdict(key, "ok", f"version {found or 'unknown'}, {version_range(target)}", target)
+
+
+def group_verdict(patch: Patch, group: str, version_of: Callable[[Target], str | None],
+                  read: Callable[[Target], tuple[str, ...] | None]) -> GroupVerdict:
+    """Decide every member of ``group`` together.
+
+    Args:
+        patch: the patch declaring the group.
+        group: the group name.
+        version_of: target -> installed version of its distribution (None: unknown).
+        read: target -> parameter names of the object found (None: absent).
+    Returns:
+        The :class:`GroupVerdict` (ok only when every member is ok).
+    """
+    members = {}
+    for key in patch.group_keys(group):
+        found = version_of(patch.siblings(key)[0])
+        target = select_target(patch, key, found)
+        members[key] = check_key(patch, key, found, read(target) if target is not None else ABSENT)
+    failing = [verdict for verdict in members.values() if not verdict.ok]
+    if not failing:
+        return GroupVerdict(group, "ok", f"all {len(members)} members of group {group!r} check", members)
+    state = "not-applicable" if len(failing) == len(members) and all(
+        v.state == "not-applicable" for v in failing) else "skipped"
+    reason = f"group {group!r} not applied: " + "; ".join(f"member {v.key}: {v.reason}" for v in failing)
+    return GroupVerdict(group, state, reason, members)
+
+
+# -- the installed stack -----------------------------------------------------------------------
+
+def find_version(target: Target, module: Any = None) -> str | None:
+    """Return the installed version of the target's stack, or None when unknown (never imports it).
+
+    Tries the imported top-level package's ``__version__``, then the distribution's metadata, then a
+    literal ``__version__`` in the top-level package's source.
+    """
+    top_name = target.module.split(".")[0]
+    top = sys.modules.get(top_name)
     version = getattr(top, "__version__", None) if top is not None else None
     if isinstance(version, str):
         return version
@@ -123,19 +356,11 @@ def find_version(target: Target, module: Any) -> str | None:
         from importlib.metadata import version as dist_version
         return dist_version(target.distribution)
     except (ImportError, PackageNotFoundError, ValueError):
-        return None
+        pass
+    from kda_patches import static_check
 
-
-def version_supported(target: Target, found: str | None) -> bool:
-    """Return whether ``found`` lies inside the target's ``[min_version, max_version)`` range."""
-    if target.min_version is None and target.max_version is None:
-        return True
-    if found is None:
-        return False
-    release = parse_version(found)
-    if target.min_version is not None and release < parse_version(target.min_version):
-        return False
-    return not (target.max_version is not None and release >= parse_version(target.max_version))
+    source = static_check.find_module_source(top_name)
+    return static_check.read_module_version(source) if source is not None else None
 
 
 def signature_parameters(obj: Any) -> tuple[str, ...]:
@@ -168,65 +393,169 @@ def resolve_attribute(module: Any, qualname: str) -> tuple[Any, str, Any] | None
     return parent, attribute, getattr(parent, attribute)
 
 
-def _target_range(target: Target) -> str:
-    return f"{target.distribution}>={target.min_version or '*'},<{target.max_version or '*'}"
+def read_live_parameters(target: Target, module: Any) -> tuple[str, ...] | None:
+    """Return the parameter names of the target's real object in an imported module (None: absent)."""
+    resolved = resolve_attribute(module, target.qualname)
+    if resolved is None:
+        return ABSENT
+    parent, attribute, _ = resolved
+    return signature_parameters(getattr(parent, attribute))
 
 
-def _report(patch: Patch, target: Target, state: str, reason: str, strict: bool) -> None:
-    get_ledger().record_target(patch.name, target.key, state, reason)
+def read_static_parameters(target: Target) -> tuple[str, ...] | None:
+    """Return the parameter names of the target read from its source, without importing (None: absent)."""
+    from kda_patches import static_check
+
+    source = static_check.find_module_source(target.module)
+    if source is None:
+        return ABSENT
+    return static_check.read_parameters(source, target.qualname, module_name=target.module)
+
+
+# -- installation ------------------------------------------------------------------------------
+
+class _Applied:
+    __slots__ = ("target", "parent", "attribute", "original", "wrapper_object")
+
+    def __init__(self, target: Target, parent: Any, attribute: str, original: Any, wrapper_object: Any) -> None:
+        self.target = target
+        self.parent = parent
+        self.attribute = attribute
+        self.original = original
+        self.wrapper_object = wrapper_object
+
+
+_applied: dict[tuple[str, str], _Applied] = {}
+_registered: dict[str, bool] = {}  # patch name -> strict
+_groups: dict[tuple[str, str], GroupVerdict] = {}  # cached verdict per (patch, group)
+_reported: set[tuple[str, str]] = set()  # failed groups already recorded and warned about
+_lock = _thread.RLock()
+
+
+def _report(patch: Patch, key: str, stack: str, state: str, reason: str, strict: bool, warn: bool = True) -> None:
+    get_ledger().record_target(patch.name, key, state, reason)
     if state in ("skipped", "failed"):
-        message = f"kda_patches: patch {patch.name!r} {state} on {target.key} [{target.stack}]: {reason}"
-        _logger().warning(message)
+        message = f"kda_patches: patch {patch.name!r} {state} on {key} [{stack}]: {reason}"
+        if warn:
+            _logger().warning(message)
         if strict:
             raise PatchSkipped(message + " (KDA_PATCHES_STRICT=1 makes this an error; unset it to "
                                "run the original code, or install a supported version)")
 
 
+def _check_group(patch: Patch, group: str, trigger: str, trigger_module: Any) -> GroupVerdict:
+    """Return the cached verdict of ``group``, computing it once (members read live or from source)."""
+    cached = _groups.get((patch.name, group))
+    if cached is not None:
+        return cached
+
+    def read(target: Target) -> tuple[str, ...] | None:
+        module = trigger_module if target.module == trigger else imported_module(target.module)
+        return read_live_parameters(target, module) if module is not None else read_static_parameters(target)
+
+    verdict = group_verdict(patch, group, find_version, read)
+    _groups[(patch.name, group)] = verdict
+    return verdict
+
+
+def _fail_group(patch: Patch, group: str, state: str, reason: str, members: dict[str, Verdict] | None,
+                strict: bool, own: tuple[str, str, str] | None = None) -> None:
+    """Record every member of a failed group (one warning), reverting members already applied.
+
+    ``own`` is ``(key, state, reason)`` of the member whose own check failed, recorded with its own state.
+    """
+    reverted = []
+    for key in patch.group_keys(group):
+        applied = _applied.pop((patch.name, key), None)
+        if applied is not None:
+            setattr(applied.parent, applied.attribute, applied.original)
+            reverted.append(key)
+    if reverted:
+        reason = f"{reason}; reverted {', '.join(reverted)}"
+    _groups[(patch.name, group)] = GroupVerdict(group, state, reason, members or {})
+    _reported.add((patch.name, group))
+    for key in patch.group_keys(group):
+        get_ledger().record_target(patch.name, key, state, reason)
+    if own is not None:
+        get_ledger().record_target(patch.name, own[0], own[1], f"{own[2]} ({reason})")
+    stack = patch.siblings(patch.group_keys(group)[0])[0].stack
+    if state != "not-applicable":
+        message = f"kda_patches: patch {patch.name!r} group {group!r} [{stack}] {state}: {reason}"
+        _logger().warning(message)
+        if strict:
+            raise PatchSkipped(message + " (KDA_PATCHES_STRICT=1 makes this an error; unset it to run the "
+                               "original code, or install a supported version)")
+
+
+def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
+    """Check and wrap the in-range sibling of ``key`` in its imported ``module``; record the outcome."""
+    siblings = patch.siblings(key)
+    group = siblings[0].group
+    if (patch.name, key) in _applied:
+        return "applied"
+    if group is not None:
+        verdict = _check_group(patch, group, siblings[0].module, module)
+        if not verdict.ok:
+            if (patch.name, group) in _reported:
+                # already recorded for the whole group: no second warning; STRICT still refuses this import
+                _report(patch, key, siblings[0].stack, verdict.state, verdict.reason, strict, warn=False)
+            else:
+                _fail_group(patch, group, verdict.state, verdict.reason, verdict.members, strict)
+            return verdict.state
+    found = find_version(siblings[0], module)
+    target = select_target(patch, key, found)
+    parameters = ABSENT if target is None else read_live_parameters(target, module)
+    verdict = check_key(patch, key, found, parameters)
+    if not verdict.ok:
+        if group is not None:
+            _fail_group(patch, group, "skipped", f"group {group!r} not applied: member {key} failed its "
+                        f"check at import: {verdict.reason}", None, strict, own=(key, verdict.state, verdict.reason))
+            return verdict.state
+        _report(patch, key, siblings[0].stack, verdict.state, verdict.reason, strict)
+        return verdict.state
+    try:
+        parent, attribute, raw = resolve_attribute(module, target.qualname)
+        import wrapt  # deferred: see kda_patches.hooks for why
+
+        wrapper_object = wrapt.wrap_function_wrapper(parent, attribute, target.wrapper)
+    except Exception as error:  # a broken patch must never break the target's import
+        _logger().exception("kda_patches: patch %r failed on %s", patch.name, key)
+        reason = f"{type(error).__name__}: {error}"
+        if group is not None:
+            _fail_group(patch, group, "skipped", f"group {group!r} not applied: member {key} failed to "
+                        f"wrap: {reason}", None, strict, own=(key, "failed", reason))
+            return "failed"
+        _report(patch, key, target.stack, "failed", reason, strict)
+        return "failed"
+    _applied[(patch.name, key)] = _Applied(target, parent, attribute, raw, wrapper_object)
+    get_ledger().record_target(patch.name, key, "applied",
+                               f"wrapped {target.qualname} ({verdict.reason}"
+                               f"{f', group {group!r}' if group else ''})")
+    return "applied"
+
+
 def apply_target(patch: Patch, target: Target, module: Any, strict: bool = False) -> str:
-    """Wrap one target in an imported module and record the outcome.
+    """Check and wrap ``target``'s key in an imported module and record the outcome.
+
+    The sibling of ``target.key`` whose range holds the installed version is the one applied; a grouped
+    target first checks its whole group.
 
     Args:
         patch: the patch the target belongs to.
-        target: the target to wrap.
+        target: the target (any sibling of its key).
         module: the imported module object named by ``target.module``.
         strict: raise :class:`PatchSkipped` instead of only recording skipped/failed.
     Returns:
         The recorded state: ``applied``, ``not-applicable``, ``skipped`` or ``failed``.
     """
     with _lock:
-        if (patch.name, target.key) in _applied:
-            return "applied"
         try:
-            resolved = resolve_attribute(module, target.qualname)
-            if resolved is None:
-                _report(patch, target, "not-applicable", f"{target.qualname} is not defined in {target.module}",
-                        strict)
-                return "not-applicable"
-            parent, attribute, raw = resolved
-            found = find_version(target, module)
-            if not version_supported(target, found):
-                _report(patch, target, "skipped",
-                        f"version found {found or 'unknown'}, expected {_target_range(target)}", strict)
-                return "skipped"
-            if target.parameters is not None:
-                actual = signature_parameters(getattr(parent, attribute))
-                if actual != tuple(target.parameters):
-                    _report(patch, target, "skipped",
-                            f"signature drifted: found ({', '.join(actual)}), expected "
-                            f"({', '.join(target.parameters)}) (version {found or 'unknown'})", strict)
-                    return "skipped"
-            import wrapt  # deferred: see kda_patches.hooks for why
-
-            wrapper_object = wrapt.wrap_function_wrapper(parent, attribute, target.wrapper)
-            _applied[(patch.name, target.key)] = _Applied(parent, attribute, raw, wrapper_object)
-            get_ledger().record_target(patch.name, target.key, "applied",
-                                       f"wrapped {target.qualname} (version {found or 'unknown'})")
-            return "applied"
+            return _apply_key(patch, target.key, module, strict)
         except PatchSkipped:
             raise
-        except Exception as error:  # a broken patch must never break the target's import
+        except Exception as error:  # a bug in a check must not break the target's import either
             _logger().exception("kda_patches: patch %r failed on %s", patch.name, target.key)
-            _report(patch, target, "failed", f"{type(error).__name__}: {error}", strict)
+            _report(patch, target.key, target.stack, "failed", f"{type(error).__name__}: {error}", strict)
             return "failed"
 
 
@@ -239,10 +568,11 @@ def register_patch(patch: Patch, strict: bool = False) -> None:
     with _lock:
         if patch.name in _registered:
             return
-        _registered.add(patch.name)
-    for target in patch.targets:
-        get_ledger().record_target(patch.name, target.key, "pending",
-                                   f"waiting for import of {target.module}")
+        _registered[patch.name] = strict
+    for key in patch.keys():  # all pending first: a hook firing at once may record a whole group
+        get_ledger().record_target(patch.name, key, "pending", f"waiting for import of {patch.siblings(key)[0].module}")
+    for key in patch.keys():
+        target = patch.siblings(key)[0]
         when_imported(target.module, _make_hook(patch, target, strict))
 
 
@@ -256,25 +586,31 @@ def _make_hook(patch: Patch, target: Target, strict: bool) -> Callable[[Any], No
 def revert_patch(patch: Patch) -> int:
     """Restore every wrapped target of ``patch`` to its original object; stop its pending hooks.
 
+    Also forgets the patch's cached group verdicts, so registering it again re-checks them.
+
     Returns:
         How many targets were restored.
     """
     restored = 0
     with _lock:
-        _registered.discard(patch.name)
-        for target in patch.targets:
-            applied = _applied.pop((patch.name, target.key), None)
+        _registered.pop(patch.name, None)
+        for group_key in [k for k in _groups if k[0] == patch.name]:
+            del _groups[group_key]
+            _reported.discard(group_key)
+        for key in patch.keys():
+            applied = _applied.pop((patch.name, key), None)
             if applied is None:
                 continue
             setattr(applied.parent, applied.attribute, applied.original)
-            get_ledger().record_target(patch.name, target.key, "disabled", "reverted")
+            get_ledger().record_target(patch.name, key, "disabled", "reverted")
             restored += 1
     return restored
 
 
 def is_applied(patch: Patch, target: Target) -> bool:
-    """Return whether ``target`` of ``patch`` is currently wrapped in this process."""
-    return (patch.name, target.key) in _applied
+    """Return whether this very ``target`` (not an out-of-range sibling) of ``patch`` is wrapped now."""
+    applied = _applied.get((patch.name, target.key))
+    return applied is not None and applied.target is target
 
 
 def all_patches() -> dict[str, Patch]:

@@ -97,14 +97,24 @@ def test_signature_drift_is_skipped_with_one_warning(tmp_path, monkeypatch, capl
     assert len(warnings) == 1 and "1.2.0" in warnings[0].getMessage()
 
 
-def test_version_outside_range_is_skipped(tmp_path, monkeypatch):
+def test_version_older_than_range_is_not_applicable(tmp_path, monkeypatch):
     name = make_module(tmp_path, monkeypatch, ENGINE, version="0.9.1")
+    patch = make_patch(name, min_version="1.0", max_version="2.0")
+    registry.register_patch(patch, strict=True)  # not drift: no error under STRICT
+    module = importlib.import_module(name)
+    assert module.Engine().step(1) == 10
+    state, reason = get_ledger().patch_state(patch.name)
+    assert state == "not-applicable" and reason == f"declared for {name}>=1.0,<2.0, found 0.9.1"
+
+
+def test_version_newer_than_every_range_is_skipped(tmp_path, monkeypatch):
+    name = make_module(tmp_path, monkeypatch, ENGINE, version="2.0.1")
     patch = make_patch(name, min_version="1.0", max_version="2.0")
     registry.register_patch(patch)
     module = importlib.import_module(name)
     assert module.Engine().step(1) == 10
     state, reason = get_ledger().patch_state(patch.name)
-    assert state == "skipped" and "0.9.1" in reason and ">=1.0,<2.0" in reason
+    assert state == "skipped" and "2.0.1" in reason and "newer than every range" in reason
 
 
 def test_missing_target_is_not_applicable(tmp_path, monkeypatch):
@@ -163,8 +173,279 @@ def test_strict_turns_failure_into_import_error(tmp_path, monkeypatch):
     sys.modules.pop(name, None)
 
 
+def test_strict_raises_on_a_release_newer_than_every_range(tmp_path, monkeypatch):
+    name = make_module(tmp_path, monkeypatch, ENGINE, version="3.1")
+    patch = make_patch(name, min_version="1.0", max_version="2.0")
+    registry.register_patch(patch, strict=True)
+    with pytest.raises(ImportError, match="newer than every range"):
+        importlib.import_module(name)
+    sys.modules.pop(name, None)
+
+
 def test_parse_version_handles_local_suffixes():
     assert registry.parse_version("0.32.0+cpu") == (0, 32, 0)
     assert registry.parse_version("v0.13.0rc1") == (0, 13, 0)
     with pytest.raises(ValueError, match="cannot parse"):
         registry.parse_version("unknown")
+
+
+# -- sibling targets (one key, disjoint version ranges) ------------------------------------------
+
+def times_100(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) * 100
+
+
+def sibling_patch(name: str) -> registry.Patch:
+    """``Engine.step`` declared twice: ``(self, value)`` for <1.0 (adds one), ``(self, value, scale)`` for 1.x."""
+    old = registry.Target(name, "Engine.step", add_one, distribution=name, min_version="0.5", max_version="1.0",
+                          parameters=("self", "value"))
+    new = registry.Target(name, "Engine.step", times_100, distribution=name, min_version="1.0",
+                          max_version="2.0", parameters=("self", "value", "scale"))
+    return registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="siblings", targets=(old, new))
+
+
+SCALED_ENGINE = """
+class Engine:
+    def step(self, value, scale=1):
+        return value * 10 * scale
+"""
+
+
+@pytest.mark.parametrize(("version", "body", "expected", "index"), [
+    ("0.7.0", ENGINE, 21, 0),
+    ("1.3.0", SCALED_ENGINE, 2000, 1),
+])
+def test_the_sibling_in_range_is_applied_and_shown(tmp_path, monkeypatch, version, body, expected, index):
+    name = make_module(tmp_path, monkeypatch, body, version=version)
+    patch = sibling_patch(name)
+    registry.register_patch(patch, strict=True)  # the out-of-range sibling is no error
+    module = importlib.import_module(name)
+    assert module.Engine().step(2) == expected
+    assert registry.is_applied(patch, patch.targets[index])
+    assert not registry.is_applied(patch, patch.targets[1 - index])
+    state, reason = get_ledger().snapshot()["patches"][patch.name]["targets"][f"{name}:Engine.step"].values()
+    assert state == "applied" and version in reason
+    registry.revert_patch(patch)
+    assert module.Engine().step(2) == expected // (21 if index == 0 else 100) * (20 if index == 0 else 1)
+
+
+def test_sibling_in_range_with_drift_is_an_error_under_strict(tmp_path, monkeypatch):
+    name = make_module(tmp_path, monkeypatch, ENGINE, version="1.3.0")  # 1.x declares (self, value, scale)
+    patch = sibling_patch(name)
+    registry.register_patch(patch, strict=True)
+    with pytest.raises(ImportError, match=r"signature drifted: found \(self, value\)"):
+        importlib.import_module(name)
+    sys.modules.pop(name, None)
+
+
+def test_version_between_sibling_ranges_is_not_applicable(tmp_path, monkeypatch):
+    name = make_module(tmp_path, monkeypatch, ENGINE, version="0.3")
+    patch = sibling_patch(name)
+    registry.register_patch(patch, strict=True)
+    importlib.import_module(name)
+    state, reason = get_ledger().patch_state(patch.name)
+    assert state == "not-applicable"
+    assert reason == f"declared for {name}>=0.5,<1.0 or {name}>=1.0,<2.0, found 0.3"
+
+
+def test_overlapping_sibling_ranges_are_refused():
+    first = registry.Target("m", "f", add_one, min_version="1.0", max_version="2.0")
+    second = registry.Target("m", "f", add_one, min_version="1.5")
+    with pytest.raises(ValueError, match="overlapping version ranges"):
+        registry.Patch("p", "s", (first, second))
+    assert registry.Patch("p", "s", (first, registry.Target("m", "f", add_one, min_version="2.0")))
+
+
+# -- coupled targets ------------------------------------------------------------------------------
+
+LAYER = """
+class Layer:
+    def _run_prefill(self, q, state):
+        return q + 1
+"""
+RUNNER_027 = """
+class Runner:
+    def initialize_kv_cache(self, kv_cache_config):
+        return "bound"
+"""
+RUNNER_028 = """
+class Runner:
+    def initialize_kv_cache(self, kv_cache_config, kv_cache_allocation_context):
+        return "bound"
+"""
+
+
+def mark(wrapped, instance, args, kwargs):
+    return ("wrapped", wrapped(*args, **kwargs))
+
+
+def seam_patch(layer: str, runner: str, runner_parameters=("self", "kv_cache_config"), **runner_range):
+    """A seam and its startup hook in one group (the kimi_prefill shape), on stand-in modules."""
+    seam = registry.Target(layer, "Layer._run_prefill", mark, distribution=layer,
+                           parameters=("self", "q", "state"), group="seam")
+    hook = registry.Target(runner, "Runner.initialize_kv_cache", mark, distribution=runner,
+                           parameters=runner_parameters, group="seam", **runner_range)
+    return registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="seam + startup", targets=(seam, hook))
+
+
+def make_named(tmp_path, monkeypatch, prefix: str, body: str, version: str = "1.2.0") -> str:
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    (tmp_path / f"{name}.py").write_text(f"__version__ = {version!r}\n" + textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def group_warnings(caplog, patch):
+    return [r for r in caplog.records if patch.name in r.getMessage() and r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("layer_first", [True, False])
+def test_group_applies_together_in_either_import_order(tmp_path, monkeypatch, layer_first):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runner = make_named(tmp_path, monkeypatch, "runner", RUNNER_027)
+    patch = seam_patch(layer, runner)
+    registry.register_patch(patch, strict=True)
+    order = [layer, runner] if layer_first else [runner, layer]
+    first = importlib.import_module(order[0])
+    assert sys.modules.get(order[1]) is None  # the static check did not import the other member
+    assert registry.is_applied(patch, patch.targets[0 if layer_first else 1])
+    importlib.import_module(order[1])
+    assert sys.modules[layer].Layer()._run_prefill(1, None) == ("wrapped", 2)
+    assert sys.modules[runner].Runner().initialize_kv_cache(None) == ("wrapped", "bound")
+    assert get_ledger().patch_state(patch.name)[0] == "applied"
+    assert first is sys.modules[order[0]]
+    registry.revert_patch(patch)
+
+
+@pytest.mark.parametrize("layer_first", [True, False])
+def test_runner_with_the_028_signature_leaves_the_seam_unwrapped(tmp_path, monkeypatch, caplog, layer_first):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runner = make_named(tmp_path, monkeypatch, "runner", RUNNER_028)
+    patch = seam_patch(layer, runner)  # declares the 0.27 fingerprint (self, kv_cache_config)
+    registry.register_patch(patch)
+    with caplog.at_level("WARNING", logger="kda_patches"):
+        for name in ([layer, runner] if layer_first else [runner, layer]):
+            importlib.import_module(name)
+    assert sys.modules[layer].Layer()._run_prefill(1, None) == 2  # the seam runs unwrapped
+    assert sys.modules[runner].Runner().initialize_kv_cache(None, None) == "bound"
+    targets = get_ledger().snapshot()["patches"][patch.name]["targets"]
+    for key in (f"{layer}:Layer._run_prefill", f"{runner}:Runner.initialize_kv_cache"):
+        assert targets[key]["state"] == "skipped"
+        assert f"member {runner}:Runner.initialize_kv_cache" in targets[key]["reason"]
+        assert "kv_cache_allocation_context" in targets[key]["reason"]
+    assert len(group_warnings(caplog, patch)) == 1
+
+
+def test_group_failure_is_an_error_under_strict(tmp_path, monkeypatch):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runner = make_named(tmp_path, monkeypatch, "runner", RUNNER_028)
+    patch = seam_patch(layer, runner)
+    registry.register_patch(patch, strict=True)
+    with pytest.raises(ImportError, match="group 'seam'"):
+        importlib.import_module(layer)
+    sys.modules.pop(layer, None)
+    assert not registry.is_applied(patch, patch.targets[0])
+
+
+def test_group_member_missing_leaves_the_others_unapplied(tmp_path, monkeypatch, caplog):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runner = make_named(tmp_path, monkeypatch, "runner", "class Runner:\n    pass\n")
+    patch = seam_patch(layer, runner)
+    registry.register_patch(patch)
+    with caplog.at_level("WARNING", logger="kda_patches"):
+        importlib.import_module(layer)
+    assert sys.modules[layer].Layer()._run_prefill(1, None) == 2
+    state, reason = get_ledger().patch_state(patch.name)
+    assert state == "skipped" and "Runner.initialize_kv_cache is not defined" in reason
+    assert len(group_warnings(caplog, patch)) == 1
+
+
+def test_group_wholly_absent_is_not_applicable_without_warning(tmp_path, monkeypatch, caplog):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER, version="0.9")
+    runner = make_named(tmp_path, monkeypatch, "runner", RUNNER_027, version="0.9")
+    seam = registry.Target(layer, "Layer._run_prefill", mark, distribution=layer, min_version="1.0",
+                           parameters=("self", "q", "state"), group="seam")
+    hook = registry.Target(runner, "Runner.initialize_kv_cache", mark, distribution=runner, min_version="1.0",
+                           max_version="1.5", parameters=("self", "kv_cache_config"), group="seam")
+    patch = registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="old stack", targets=(seam, hook))
+    registry.register_patch(patch, strict=True)
+    with caplog.at_level("WARNING", logger="kda_patches"):
+        importlib.import_module(layer)
+        importlib.import_module(runner)
+    assert get_ledger().patch_state(patch.name)[0] == "not-applicable"
+    assert group_warnings(caplog, patch) == []
+
+
+def test_imported_member_is_checked_by_its_real_object(tmp_path, monkeypatch):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runner = make_named(tmp_path, monkeypatch, "runner", RUNNER_027)
+    runner_module = importlib.import_module(runner)
+
+    def initialize_kv_cache(self, kv_cache_config, kv_cache_allocation_context):
+        return "replaced"
+
+    monkeypatch.setattr(runner_module.Runner, "initialize_kv_cache", initialize_kv_cache)  # source says 0.27
+    patch = seam_patch(layer, runner)
+    registry.register_patch(patch)
+    importlib.import_module(layer)
+    assert sys.modules[layer].Layer()._run_prefill(1, None) == 2
+    assert "kv_cache_allocation_context" in get_ledger().patch_state(patch.name)[1]
+
+
+RUNNER_REDEFINED_AT_IMPORT = RUNNER_027 + """
+
+def _initialize(self, kv_cache_config, kv_cache_allocation_context):
+    return "bound"
+
+Runner.initialize_kv_cache = _initialize  # the source's def says (self, kv_cache_config); the import differs
+"""
+
+
+def test_member_failing_its_runtime_check_reverts_the_applied_ones(tmp_path, monkeypatch, caplog):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runner = make_named(tmp_path, monkeypatch, "runner", RUNNER_REDEFINED_AT_IMPORT)
+    patch = seam_patch(layer, runner)
+    registry.register_patch(patch)
+    layer_module = importlib.import_module(layer)
+    original = vars(layer_module.Layer)["_run_prefill"].__wrapped__
+    assert registry.is_applied(patch, patch.targets[0])  # the static check passed
+    with caplog.at_level("WARNING", logger="kda_patches"):
+        importlib.import_module(runner)
+    assert vars(layer_module.Layer)["_run_prefill"] is original
+    assert layer_module.Layer()._run_prefill(1, None) == 2
+    targets = get_ledger().snapshot()["patches"][patch.name]["targets"]
+    seam = targets[f"{layer}:Layer._run_prefill"]
+    assert seam["state"] == "skipped" and f"reverted {layer}:Layer._run_prefill" in seam["reason"]
+    assert targets[f"{runner}:Runner.initialize_kv_cache"]["state"] == "skipped"
+    assert "kv_cache_allocation_context" in targets[f"{runner}:Runner.initialize_kv_cache"]["reason"]
+    assert len(group_warnings(caplog, patch)) == 1
+
+
+def test_group_verdict_is_computed_once(tmp_path, monkeypatch):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runners = [make_named(tmp_path, monkeypatch, "runner", RUNNER_027) for _ in range(2)]
+    targets = [registry.Target(layer, "Layer._run_prefill", mark, distribution=layer, group="g")]
+    targets += [registry.Target(r, "Runner.initialize_kv_cache", mark, distribution=r, group="g") for r in runners]
+    patch = registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="three members", targets=tuple(targets))
+    reads = []
+    real_read = registry.read_static_parameters
+    monkeypatch.setattr(registry, "read_static_parameters", lambda t: reads.append(t.key) or real_read(t))
+    registry.register_patch(patch)
+    for name in (layer, *runners):
+        importlib.import_module(name)
+    assert sorted(reads) == sorted(f"{r}:Runner.initialize_kv_cache" for r in runners)
+    assert all(registry.is_applied(patch, t) for t in patch.targets)
+    registry.revert_patch(patch)
+
+
+def test_public_predicates_on_plain_data():
+    target = registry.Target("m", "C.f", add_one, distribution="d", min_version="0.28", max_version="0.30",
+                             parameters=("self", "a"))
+    patch = registry.Patch("p", "s", (target,))
+    assert registry.version_in_range(target, "0.29.0rc1") and not registry.version_in_range(target, "0.30.0")
+    assert registry.newer_than_all(patch, "d", "0.30.0rc2") and not registry.newer_than_all(patch, "d", "0.27")
+    assert registry.fingerprint_matches(target, ("self", "a")) and not registry.fingerprint_matches(target, None)
+    assert registry.check_key(patch, "m:C.f", "0.28.0", ("self", "a")).ok
+    assert registry.check_key(patch, "m:C.f", "0.28.0", ("self", "a", "b")).state == "skipped"
+    assert registry.check_key(patch, "m:C.f", "0.28.0", registry.ABSENT).state == "not-applicable"
+    assert registry.check_key(patch, "m:C.f", "0.26.0", ("self",)).state == "not-applicable"

@@ -1,0 +1,109 @@
+"""static_check: locate and read definitions from source without importing anything."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+import uuid
+
+from kda_patches import static_check
+
+
+def write_package(tmp_path, monkeypatch) -> tuple[str, str]:
+    """A package whose ``__init__`` raises on import, with a re-exporting submodule and a namespace part."""
+    top = f"pkg_{uuid.uuid4().hex[:10]}"
+    root = tmp_path / top
+    (root / "ops" / "triton").mkdir(parents=True)
+    (root / "__init__.py").write_text("raise RuntimeError('imported by accident')\n__version__ = '9.9'\n")
+    (root / "ops" / "__init__.py").write_text("raise RuntimeError('imported by accident')\n")
+    (root / "ops" / "triton" / "utils.py").write_text(textwrap.dedent("""
+        def clear_ssm_states(ssm_states, has_initial_state):
+            pass
+    """))
+    (root / "ops" / "kda.py").write_text(textwrap.dedent("""
+        import os
+        from .triton.utils import clear_ssm_states
+        from .triton.utils import clear_ssm_states as renamed
+
+        class Base:
+            def forward(self, x, *args, scale=1, **kwargs):
+                pass
+
+        class Layer(Base):
+            if os.environ.get("NEVER_SET_HERE"):
+                def _run_prefill(self, q):
+                    pass
+            else:
+                def _run_prefill(self, q, k):
+                    pass
+
+            @classmethod
+            def build(cls, config, /, flag):
+                pass
+
+            @staticmethod
+            def helper(a):
+                pass
+    """))
+    namespace = f"ns_{uuid.uuid4().hex[:10]}"
+    (tmp_path / namespace / "inner").mkdir(parents=True)  # namespace packages: no __init__
+    (tmp_path / namespace / "inner" / "mod.py").write_text("def f(a):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return top, namespace
+
+
+def test_finds_submodule_sources_without_importing_any_package(tmp_path, monkeypatch):
+    top, namespace = write_package(tmp_path, monkeypatch)
+    assert static_check.find_module_source(f"{namespace}.inner.mod") == tmp_path / namespace / "inner" / "mod.py"
+    assert static_check.find_module_source(f"{namespace}.inner") is None  # a namespace package has no source
+    assert static_check.find_module_source(f"{top}.ops.kda") == tmp_path / top / "ops" / "kda.py"
+    assert static_check.find_module_source(f"{top}.ops") == tmp_path / top / "ops" / "__init__.py"
+    assert static_check.find_module_source(top) == tmp_path / top / "__init__.py"
+    assert static_check.find_module_source(f"{top}.ops.missing") is None
+    assert static_check.find_module_source(f"{top}.ops.kda.sub") is None
+    assert static_check.find_module_source(f"missing_{uuid.uuid4().hex}.x") is None
+    assert [name for name in sys.modules if name.startswith(top)] == []
+
+
+def test_reads_parameters_as_inspect_lists_them(tmp_path, monkeypatch):
+    top, _ = write_package(tmp_path, monkeypatch)
+    source = static_check.find_module_source(f"{top}.ops.kda")
+    read = static_check.read_parameters
+
+    class Layer:
+        def forward(self, x, *args, scale=1, **kwargs):
+            pass
+
+        @classmethod
+        def build(cls, config, /, flag):
+            pass
+
+        @staticmethod
+        def helper(a):
+            pass
+
+    for name in ("forward", "build", "helper"):
+        expected = tuple(inspect.signature(getattr(Layer, name)).parameters)
+        owner = "Base" if name == "forward" else "Layer"
+        assert read(source, f"{owner}.{name}") == expected
+    assert read(source, "Layer._run_prefill") == ("self", "q")  # the first definition in the class body
+    assert read(source, "Layer.forward") is None  # inherited, not defined by Layer
+    assert read(source, "Missing.forward") is None
+    assert read(source, "Layer") is None  # a class has no parameters to read
+
+
+def test_follows_relative_reexports(tmp_path, monkeypatch):
+    top, _ = write_package(tmp_path, monkeypatch)
+    source = static_check.find_module_source(f"{top}.ops.kda")
+    expected = ("ssm_states", "has_initial_state")
+    assert static_check.read_parameters(source, "clear_ssm_states", module_name=f"{top}.ops.kda") == expected
+    assert static_check.read_parameters(source, "renamed", module_name=f"{top}.ops.kda") == expected
+    assert static_check.read_parameters(source, "clear_ssm_states") is None  # relative: needs the module name
+    assert [name for name in sys.modules if name.startswith(top)] == []
+
+
+def test_reads_a_literal_version(tmp_path, monkeypatch):
+    top, _ = write_package(tmp_path, monkeypatch)
+    assert static_check.read_module_version(tmp_path / top / "__init__.py") == "9.9"
+    assert static_check.read_module_version(tmp_path / top / "ops" / "kda.py") is None
