@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kda_patches.install import PTH_NAME, install_pth, site_packages_dir, uninstall_pth
+from kda_patches.install import PTH_NAME, install_pth, uninstall_pth
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = f"python{sys.version_info[0]}.{sys.version_info[1]}"
@@ -57,11 +57,12 @@ import sys
 
 if __name__ == "__main__":
     import multiprocessing
-    import os
+    import sysconfig
 
-    from kda_patches.install import install_pth, uninstall_pth
+    from kda_patches.install import install_pth, site_packages_dir, uninstall_pth
 
-    out = sys.argv[1]
+    out, expected = sys.argv[1], sys.argv[2]
+    assert site_packages_dir() == sysconfig.get_paths()["purelib"] == sys.argv[3], site_packages_dir()
     context = multiprocessing.get_context("spawn")
 
     def probe(tag):
@@ -72,39 +73,35 @@ if __name__ == "__main__":
         child.join()
         assert child.exitcode == 0, child.exitcode
 
-    expected = sys.argv[2]
-    existing = open(expected).read() if os.path.exists(expected) else None
-    try:
-        if existing is None:
-            probe("before")
-        path = install_pth()
-        assert path == expected, (path, expected)
-        probe("installed")
-        assert uninstall_pth() == expected
-        probe("uninstalled")
-    finally:
-        if existing is None:
-            uninstall_pth()
-        else:  # somebody had installed it already: put their file back
-            with open(expected, "w") as handle:
-                handle.write(existing)
+    probe("before")
+    assert install_pth() == expected
+    probe("installed")
+    assert uninstall_pth() == expected
+    probe("uninstalled")
 """
 
 
 def test_venv_install_activates_spawned_children_without_code(tmp_path: Path) -> None:
-    expected = os.path.join(sysconfig.get_paths()["purelib"], PTH_NAME)
-    assert site_packages_dir() == sysconfig.get_paths()["purelib"]
-    parent, out = tmp_path / "parent.py", tmp_path / "probes.txt"
+    """``install_pth()`` in a throwaway venv of its own: never writes into the venv running the suite."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(purelib).is_relative_to(venv)
+    # kda-patches "installed" in the throwaway venv the way an editable install does it: its tree on the path.
+    (Path(purelib) / "kda_tree.pth").write_text(f"{REPO}\n")
+    running_pth = os.path.join(sysconfig.get_paths()["purelib"], PTH_NAME)
+    existed = os.path.exists(running_pth)
+    parent, out, expected = tmp_path / "parent.py", tmp_path / "probes.txt", os.path.join(purelib, PTH_NAME)
     parent.write_text(textwrap.dedent(SPAWN_PARENT))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KDA_PATCHES")}
-    result = subprocess.run([sys.executable, str(parent), str(out), expected], env=env, capture_output=True,
-                            text=True, timeout=180)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KDA_PATCHES", "PYTHON"))}
+    result = subprocess.run([python, str(parent), str(out), expected, purelib], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
-    lines = out.read_text().splitlines()
-    assert lines[-2:] == ["installed True", "uninstalled False"]
-    if len(lines) == 3:
-        assert lines[0] == "before False"
-    assert not os.path.exists(expected) or len(lines) == 2
+    assert out.read_text().splitlines() == ["before False", "installed True", "uninstalled False"]
+    assert not os.path.exists(expected)
+    assert os.path.exists(running_pth) == existed  # the running venv's site-packages was left alone
 
 
 def base_interpreter() -> str | None:
@@ -115,8 +112,7 @@ def base_interpreter() -> str | None:
 
 def test_user_site_install_and_a_later_uninstalled_package(tmp_path: Path) -> None:
     python = base_interpreter()
-    if python is None:
-        pytest.skip("base interpreter not found")
+    assert python is not None, f"the venv's base interpreter {sys.base_prefix}/bin/{VERSION} is not executable"
     # A copy of the package stands in for an installation that is removed afterwards.
     copy = tmp_path / "installed"
     shutil.copytree(REPO / "kda_patches", copy / "kda_patches", ignore=shutil.ignore_patterns("__pycache__"))
