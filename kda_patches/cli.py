@@ -1,4 +1,4 @@
-"""``kda-patches`` command line: status, doctor, install, uninstall, run, regress, bench.
+"""``kda-patches`` command line: status, doctor, install, uninstall, run, regress, bench, conformance.
 
 ``kda-run`` (the second console script) is ``kda-patches run`` without the subcommand.
 Only ``doctor``, ``regress`` and ``bench`` import torch/vLLM (doctor says so in its output).
@@ -128,11 +128,12 @@ def command_run(args: argparse.Namespace) -> int:
     return 0  # launch execs; reached only by test doubles
 
 
-DELEGATED = {"regress": "kda_patches.regress.cli", "bench": "kda_patches.bench"}
+DELEGATED = {"regress": "kda_patches.regress.cli", "bench": "kda_patches.bench",
+             "conformance": "kda_patches.releases.cli"}
 
 
 def command_delegate(module: str, argv: list[str]) -> int:
-    """Hand the remaining arguments to ``module.main(argv)`` (regress, bench own their options)."""
+    """Hand the remaining arguments to ``module.main(argv)`` (regress, bench, conformance own their options)."""
     import importlib
 
     return int(importlib.import_module(module).main(argv) or 0)

