@@ -15,8 +15,8 @@ questions the registry asks of a live module, without running any of it:
   base-class names (e.g. which Kimi class defines ``_run_prefill`` in ``vllm_ascend.ops.kimi_kda``).
 
 Module-level bindings are read from the module body including ``if`` / ``try`` / ``with`` blocks (both
-branches); an unconditional binding wins over a conditional one, a later one over an earlier one, as at
-run time for the usual ``try: import ... except ImportError: ...`` fallbacks.
+branches); the first binding in statement order wins, the rule of :mod:`kda_patches.static_check` (whose
+``read_parameters`` this reader uses for signatures), so both readers always agree on what a name is.
 """
 
 from __future__ import annotations
@@ -80,37 +80,41 @@ def _is_classmethod(node: ast.AST) -> bool:
 
 
 def _scope_bindings(body: list[ast.stmt]) -> dict[str, ast.AST]:
-    """Return name -> binding node of one scope (module or class body); unconditional bindings win."""
-    unconditional: dict[str, ast.AST] = {}
-    conditional: dict[str, ast.AST] = {}
+    """Return name -> binding node of one scope (module or class body).
 
-    def visit(statements: list[ast.stmt], into: dict[str, ast.AST]) -> None:
+    The first binding in statement order wins, descending into ``if`` / ``with`` / ``try`` blocks (``try``
+    body, ``else``, ``finally``, then handlers): the rule of :mod:`kda_patches.static_check`, so that a
+    definition this reader finds is the one whose signature that reader reports.
+    """
+    bindings: dict[str, ast.AST] = {}
+
+    def bind(name: str, node: ast.AST) -> None:
+        bindings.setdefault(name, node)
+
+    def visit(statements: list[ast.stmt]) -> None:
         for statement in statements:
             if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                into[statement.name] = statement
+                bind(statement.name, statement)
             elif isinstance(statement, (ast.Import, ast.ImportFrom)):
                 for alias in statement.names:
                     if alias.name != "*":
-                        into[alias.asname or alias.name.split(".")[0]] = statement
+                        bind(alias.asname or alias.name.split(".")[0], statement)
             elif isinstance(statement, (ast.Assign, ast.AnnAssign)):
                 targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
                 for target in targets:
                     if isinstance(target, ast.Name):
-                        into[target.id] = statement
-            elif isinstance(statement, ast.If):
-                visit(statement.body, conditional)
-                visit(statement.orelse, conditional)
+                        bind(target.id, statement)
+            elif isinstance(statement, (ast.If, ast.For, ast.While)):
+                visit(statement.body + statement.orelse)
+            elif isinstance(statement, (ast.With, ast.AsyncWith)):
+                visit(statement.body)
             elif isinstance(statement, ast.Try):
-                visit(statement.body, conditional)
+                visit(statement.body + statement.orelse + statement.finalbody)
                 for handler in statement.handlers:
-                    visit(handler.body, conditional)
-                visit(statement.orelse, conditional)
-                visit(statement.finalbody, conditional)
-            elif isinstance(statement, ast.With):
-                visit(statement.body, into)
+                    visit(handler.body)
 
-    visit(body, unconditional)
-    return {**conditional, **unconditional}
+    visit(body)
+    return bindings
 
 
 class ReleaseSource:
