@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kda-patches-installed
 PIP := $(VPY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup setup-vllm013 demo test lint bench gpu-check clean
+.PHONY: setup setup-vllm013 demo test lint bench gpu-check mutants clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ demo: setup
 
 test: setup setup-vllm013
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
+
+# Hand-picked mutants against their killing tests, on a temporary copy (slow; not part of `test`).
+# MUTANTS_ARGS: e.g. --repeat 3, --only NAME, --worktree.
+mutants: setup
+	$(VPY) scripts/mutants.py $(MUTANTS_ARGS)
 
 lint: setup
 	$(VPY) -m ruff check kda_patches tests bootstrap.py

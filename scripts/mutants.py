@@ -1,0 +1,384 @@
+#!/usr/bin/env python3
+"""Hand-picked mutants: does the suite notice when a known-critical line goes wrong?
+
+Each :class:`Mutant` names one file, one exact snippet of its current code, the replacement that makes the
+code wrong in a specific, realistic way, and the pytest node ids that should fail because of it. The script
+
+1. copies the repository (``git archive HEAD``, or the working tree with ``--worktree``) into a temporary
+   directory -- the tree this script lives in is never modified;
+2. runs every listed test once on the unmutated copy (a test that already fails would "kill" anything);
+3. for each mutant: checks that the snippet occurs exactly once (otherwise: ERROR, the code moved -- never
+   counted as killed), applies it, runs its tests in the copy, and restores the file;
+4. prints ``killed`` / ``survived`` / ``ERROR`` per mutant (with ``--repeat N``: how many of N runs killed it).
+
+The tests run under ``.venv``'s interpreter (vLLM, torch, triton) with the copy first on ``sys.path``
+(``PYTHONPATH`` and the working directory): ``.venv`` holds this package as an *editable* install pointing
+at the original tree, so the runner checks that ``kda_patches`` and every ``kda_patches.*`` module it loaded
+came from the copy, and reports an ERROR otherwise. Subprocesses that a test starts with ``PYTHONPATH``
+scrubbed would see the original tree: a mutant's killing tests must fail in the pytest process itself.
+
+Exit status: 0 when every mutant was killed in every run; 1 when any survived or errored; 2 on a
+baseline failure. Slow (the state-copy tests run under the Triton interpreter): not part of ``make test``.
+
+    .venv/bin/python scripts/mutants.py [--repeat N] [--only NAME ...] [--worktree] [--lock FILE] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PYTHON = REPO / ".venv" / "bin" / "python"
+TIMEOUT_S = 1800
+WRONG_TREE = 97  # the runner's exit status when kda_patches did not come from the copy
+
+# Runs inside the copy: refuses to report a result unless the package under test is the copy's.
+RUNNER = r"""
+import os, sys
+copy = os.path.realpath(sys.argv[1]) + os.sep
+
+def foreign():
+    return sorted(f"{name} from {module.__file__}" for name, module in list(sys.modules.items())
+                  if (name == "kda_patches" or name.startswith("kda_patches."))
+                  and getattr(module, "__file__", None) and not os.path.realpath(module.__file__).startswith(copy))
+
+import kda_patches
+if foreign():
+    print("mutants: kda_patches is not imported from the copy:", *foreign(), sep="\n  ", file=sys.stderr)
+    sys.exit(WRONG_TREE)
+import pytest
+status = pytest.main(sys.argv[2:])
+if foreign():
+    print("mutants: modules loaded from outside the copy during the run:", *foreign(), sep="\n  ", file=sys.stderr)
+    sys.exit(WRONG_TREE)
+sys.exit(int(status))
+""".replace("WRONG_TREE", str(WRONG_TREE))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """One named code change and the tests expected to fail on it.
+
+    Attributes:
+        name: short unique name (``--only`` selects by it).
+        path: file relative to the repository root.
+        original: exact snippet of the current code; must occur exactly once in ``path``.
+        replacement: what the snippet becomes.
+        tests: pytest node ids (``file::test``; a bare file or ``file::test[param]`` works too).
+        owner: who owns the killing tests (named in the report when the mutant survives).
+        why: the bug the mutant stands for.
+    """
+
+    name: str
+    path: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+    owner: str
+    why: str
+
+
+ROUTING = "kda_patches/kimi/routing.py"
+CHECKER = "kda_patches/kv_layout/checker.py"
+KERNELS = "kda_patches/state_copy/kernels.py"
+SEMANTICS = "tests/state_copy/test_state_copy_semantics.py"
+PROPERTY = "tests/state_copy/test_state_copy_property.py"
+KIMI_ROUTING_TESTS = "tests/kimi/test_kimi_prefill_routing.py"
+KV_CHECKER_TESTS = "tests/kv_layout/test_kv_checker.py"
+GDN_TESTS = "tests/patches/test_gdn_host_flags.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- issue #12's table: survived or flaky before the issue --------------------------------------------
+    Mutant("routing-fold-foreign-index", ROUTING,
+           "if indices is not self.indices or not foldable_flags(flags, indices, self.state):",
+           "if not foldable_flags(flags, indices, self.state):",
+           (KIMI_ROUTING_TESTS,), "E (routing)",
+           "gather_index folds has_initial_state into a gather whose index tensor is not the call's state_indices"),
+    Mutant("settle-route-ignores-elision", ROUTING,
+           "if route.gathers == 1 and route.scatters == 1 and route.folded == route.elided:",
+           "if route.gathers == 1 and route.scatters == 1:",
+           (KIMI_ROUTING_TESTS,), "E (routing)",
+           "a fork that no longer calls clear_ssm_states after a folded gather is counted routed"),
+    Mutant("checker-candidate-filter", CHECKER,
+           "touching = (lo[pi] < hi[pj]) & (lo[pj] < hi[pi])",
+           "touching = (lo[pi] < hi[pj] - 1) & (lo[pj] < hi[pi])",
+           (KV_CHECKER_TESTS,), "B (kv_layout)",
+           "run pairs whose spans overlap by one byte are never examined (real overlaps accepted)"),
+    Mutant("checker-equal-stride-k-hi", CHECKER,
+           "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 1",
+           "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 2",
+           (KV_CHECKER_TESTS,), "B (kv_layout)",
+           "equal-stride pairs: the last overlapping block offset k is missed (real overlaps accepted)"),
+    Mutant("fused-gather-index-n-valid", KERNELS,
+           "        valid = valid & (flag != 0)\n    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
+           "        valid = (valid | (cache_row == NUM_ROWS)) & (flag != 0)\n"
+           "    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
+           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates", PROPERTY), "D (state_copy)",
+           "the fused gather reads row N (one past the cache) for a flagged index == N"),
+    # -- killed before the issue (kept so that they stay killed) -----------------------------------------
+    Mutant("fused-mask-negative-valid", KERNELS,
+           "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n"
+           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+           "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)",
+           "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n"
+           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+           "    valid = (cache_row >= -1) & (cache_row < NUM_ROWS)",
+           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates",
+            f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"), "D (state_copy)",
+           "fused kernel treats index -1 as a valid row"),
+    Mutant("fused-mask-index-n-valid", KERNELS,
+           "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n"
+           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+           "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)",
+           "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n"
+           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+           "    valid = (cache_row >= 0) & (cache_row <= NUM_ROWS)",
+           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates",
+            f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"), "D (state_copy)",
+           "fused kernel (gather and scatter) treats index == N as a valid row"),
+    Mutant("fallback-mask-negative-valid", KERNELS,
+           "    in_payload = offsets < PAYLOAD\n"
+           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+           "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)",
+           "    in_payload = offsets < PAYLOAD\n"
+           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+           "    valid = (cache_row >= -1) & (cache_row < NUM_ROWS)",
+           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates",
+            f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"), "D (state_copy)",
+           "fallback (byte) kernel treats index -1 as a valid row"),
+    Mutant("fallback-mask-index-n-valid", KERNELS,
+           "    in_payload = offsets < PAYLOAD\n"
+           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+           "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)",
+           "    in_payload = offsets < PAYLOAD\n"
+           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+           "    valid = (cache_row >= 0) & (cache_row <= NUM_ROWS)",
+           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates",
+            f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"), "D (state_copy)",
+           "fallback (byte) kernel treats index == N as a valid row"),
+    Mutant("plan-signature-check", "kda_patches/state_copy/plan.py",
+           "if (state.dtype != self._dtype or state.shape != self._shape or state.stride() != self._strides\n"
+           "                or state.device != self._device or state.data_ptr() % 16 != self._alignment):",
+           "if (state.dtype != self._dtype or state.shape != self._shape\n"
+           "                or state.device != self._device or state.data_ptr() % 16 != self._alignment):",
+           ("tests/state_copy/test_state_copy_lifecycle.py::test_signature_change_refused",), "D (state_copy)",
+           "a sealed plan launches on a cache whose strides changed since prepare"),
+    Mutant("bypass-not-counted", ROUTING,
+           '    ledger.count(LEDGER_PATH, "calls_bypassed")\n',
+           "",
+           (KIMI_ROUTING_TESTS,), "E (routing)",
+           "a bypassed prefill call is not counted calls_bypassed"),
+    Mutant("registry-drift-ignored", "kda_patches/registry.py",
+           "return target.parameters is None or (parameters is not None and tuple(parameters) == target.parameters)",
+           "return target.parameters is None or parameters is not None",
+           ("tests/test_registry.py::test_signature_drift_is_skipped_with_one_warning",
+            "tests/test_registry.py::test_strict_turns_drift_into_import_error"), "B (registry)",
+           "a target whose signature drifted is wrapped anyway"),
+    Mutant("gdn-initial-state-off", "kda_patches/patches/gdn_host_flags.py",
+           "has_initial = tuple(num_computed[row] > 0 for row in rows)",
+           "has_initial = tuple(num_computed[row] >= 0 for row in rows)",
+           (GDN_TESTS,), "B (gdn_host_flags tests)",
+           "every prefill row claims an initial state (any_initial_state_cpu always true)"),
+    Mutant("gdn-cu-seqlens-not-cumulative", "kda_patches/patches/gdn_host_flags.py",
+           "cu_seqlens.append(cu_seqlens[-1] + query_lens[row])",
+           "cu_seqlens.append(query_lens[row])",
+           (GDN_TESTS,), "B (gdn_host_flags tests)",
+           "cu_seqlens_host holds the lengths, not their running sum"),
+)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """Result of one mutant in one run: ``killed``, ``survived`` or ``ERROR`` plus a short detail."""
+
+    result: str
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def copy_tree(destination: Path, worktree: bool) -> None:
+    """Copy the repository into ``destination``: ``HEAD`` by default, the working tree with ``worktree``."""
+    if not worktree:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", "HEAD"], check=True,
+                                 capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(destination, filter="data")
+        return
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():  # a tracked file deleted in the working tree is listed but absent
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+
+
+@contextlib.contextmanager
+def heavy_lock(path: str | None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` for the block (no-op when None): one heavy job at a time."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def run_tests(python: str, copy: Path, tests: tuple[str, ...], lock: str | None, stop_first: bool) -> tuple[int, str]:
+    """Run ``tests`` in ``copy`` with the copy's package first on the path; return (exit status, output tail)."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("KDA_PATCHES", "PYTHONPATH", "PYTHONHOME", "TRITON_"))}
+    env.update(PYTHONPATH=str(copy), TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
+    args = [python, "-c", RUNNER, str(copy), "-q", "-p", "no:cacheprovider", *(["-x"] if stop_first else []),
+            *tests]
+    with heavy_lock(lock):
+        try:
+            result = subprocess.run(args, cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return -999, f"timed out after {TIMEOUT_S} s"
+    output = (result.stdout + result.stderr).strip().splitlines()
+    return result.returncode, "\n".join(output[-12:])
+
+
+def missing_tests(copy: Path, tests: tuple[str, ...]) -> list[str]:
+    """Return the node ids whose file does not exist in ``copy`` (the test moved or was renamed)."""
+    return [test for test in tests if not (copy / test.split("::")[0]).exists()]
+
+
+def run_mutant(mutant: Mutant, python: str, copy: Path, lock: str | None) -> Outcome:
+    """Apply ``mutant`` to ``copy``, run its tests, restore the file; return the outcome."""
+    path = copy / mutant.path
+    if not path.exists():
+        return Outcome("ERROR", f"{mutant.path} does not exist (the code moved): update the mutant")
+    source = path.read_text()
+    found = source.count(mutant.original)
+    if found != 1:
+        return Outcome("ERROR", f"snippet found {found} times in {mutant.path} (expected once: the code moved "
+                                "or the snippet is ambiguous); update the mutant")
+    absent = missing_tests(copy, mutant.tests)
+    if absent:
+        return Outcome("ERROR", f"test files missing: {', '.join(absent)}")
+    began = time.monotonic()
+    path.write_text(source.replace(mutant.original, mutant.replacement))
+    try:
+        status, tail = run_tests(python, copy, mutant.tests, lock, stop_first=True)
+    finally:
+        path.write_text(source)
+    seconds = time.monotonic() - began
+    if status == 0:
+        return Outcome("survived", "", seconds)
+    if status == 1:
+        failed = [line for line in tail.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        return Outcome("killed", failed[0] if failed else "tests failed", seconds)
+    if status < 0 and status != -999:
+        return Outcome("killed", f"test process died of signal {-status} (a crash is a kill)", seconds)
+    if status == WRONG_TREE:
+        return Outcome("ERROR", "kda_patches was not imported from the copy:\n" + tail, seconds)
+    return Outcome("ERROR", f"pytest exit status {status}:\n{tail}", seconds)
+
+
+def run_baseline(mutants: tuple[Mutant, ...], python: str, copy: Path, lock: str | None) -> tuple[bool, str]:
+    """Run every listed (existing) test once on the unmutated copy; return (passed, output tail)."""
+    tests = tuple(dict.fromkeys(test for mutant in mutants for test in mutant.tests
+                                if test not in missing_tests(copy, (test,))))
+    if not tests:
+        return True, ""
+    status, tail = run_tests(python, copy, tests, lock, stop_first=False)
+    return status == 0, f"exit status {status}\n{tail}"
+
+
+def print_table(mutants: tuple[Mutant, ...], runs: list[dict[str, Outcome]]) -> bool:
+    """Print one line per mutant (killed in k/N runs); return True when every mutant was killed in every run."""
+    width = max(len(mutant.name) for mutant in mutants)
+    clean = True
+    print(f"\n{'mutant':<{width}}  result      runs  seconds  detail")
+    for mutant in mutants:
+        outcomes = [run[mutant.name] for run in runs]
+        killed = sum(outcome.result == "killed" for outcome in outcomes)
+        errors = [outcome for outcome in outcomes if outcome.result == "ERROR"]
+        if errors:
+            result, detail = "ERROR", errors[0].detail.splitlines()[0]
+        elif killed == len(outcomes):
+            result, detail = "killed", outcomes[0].detail
+        else:
+            result, detail = "survived", f"killing tests owned by {mutant.owner}: {', '.join(mutant.tests)}"
+        clean = clean and result == "killed"
+        seconds = max(outcome.seconds for outcome in outcomes)
+        print(f"{mutant.name:<{width}}  {result:<10}  {killed}/{len(outcomes)}  {seconds:7.1f}  {detail}")
+    for mutant in mutants:
+        for number, run in enumerate(runs, 1):
+            outcome = run[mutant.name]
+            if outcome.result == "ERROR" and "\n" in outcome.detail:
+                print(f"\n--- {mutant.name} (run {number}) ---\n{outcome.detail}")
+                break
+    return clean
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/mutants.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=1, help="run everything N times (default 1)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--worktree", action="store_true",
+                        help="copy the working tree (uncommitted changes included) instead of HEAD")
+    parser.add_argument("--lock", metavar="FILE", help="hold an flock on FILE around each pytest run")
+    parser.add_argument("--python", default=str(DEFAULT_PYTHON), help="interpreter with the test environment")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the mutants; return 0 when all were killed in every run, 1 otherwise, 2 on a baseline failure."""
+    args = parse_args(argv)
+    names = [mutant.name for mutant in MUTANTS]
+    assert len(set(names)) == len(names), "mutant names must be unique"
+    if args.list:
+        for mutant in MUTANTS:
+            print(f"{mutant.name}: {mutant.path}: {mutant.why} [{mutant.owner}]")
+        return 0
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:
+        print(f"unknown mutant(s): {', '.join(unknown)}; known: {', '.join(names)}", file=sys.stderr)
+        return 2
+    mutants = tuple(mutant for mutant in MUTANTS if not args.only or mutant.name in args.only)
+    runs: list[dict[str, Outcome]] = []
+    for number in range(1, args.repeat + 1):
+        with tempfile.TemporaryDirectory(prefix="kda-mutants-") as scratch:
+            copy = Path(scratch) / "repo"
+            copy.mkdir()
+            copy_tree(copy, args.worktree)
+            print(f"run {number}/{args.repeat}: copy of {'the working tree' if args.worktree else 'HEAD'} "
+                  f"in {copy}", flush=True)
+            passed, tail = run_baseline(mutants, args.python, copy, args.lock)
+            if not passed:
+                print(f"baseline FAILED: the listed tests fail on the unmutated copy, so no kill means "
+                      f"anything:\n{tail}", file=sys.stderr)
+                return 2
+            run: dict[str, Outcome] = {}
+            for mutant in mutants:
+                run[mutant.name] = outcome = run_mutant(mutant, args.python, copy, args.lock)
+                print(f"  {mutant.name}: {outcome.result} ({outcome.seconds:.1f} s)", flush=True)
+            runs.append(run)
+    return 0 if print_table(mutants, runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
