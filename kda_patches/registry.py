@@ -39,7 +39,8 @@ with versions and parameters read from release sources):
 - :func:`check_key` ``(patch, key, found, parameters) -> Verdict`` (one key on one stack)
 - :func:`group_verdict` ``(patch, group, version_of, read) -> GroupVerdict`` (all members of a group)
 
-``Verdict.state`` is ``ok`` (would be applied), ``not-applicable`` or ``skipped``.
+``Verdict.state`` is ``ok`` (would be applied), ``not-applicable`` or ``skipped``; a declared gap
+(``Target.inert``) is ``not-applicable`` with a reason starting ``inert:``.
 """
 
 from __future__ import annotations
@@ -80,15 +81,22 @@ class Target:
         group: targets of one patch with the same group are applied together or not at all (None: alone).
         shapes: names of code-shape checks (``kda_patches.releases.shapes``) the wrapper relies on;
             read by release conformance, unused at runtime.
+        inert: a declared gap: this range of the target is known and deliberately NOT wrapped (the text says
+            why, e.g. "no adapter for vLLM 0.26-0.29 KV reshaping"); such a target is never applied and is
+            ``not-applicable`` with reason ``inert: <text>``, which also keeps the range from looking like an
+            unverified newer release. ``wrapper`` may be None.
     """
 
     __slots__ = ("module", "qualname", "wrapper", "stack", "distribution", "min_version", "max_version",
-                 "parameters", "group", "shapes")
+                 "parameters", "group", "shapes", "inert")
 
-    def __init__(self, module: str, qualname: str, wrapper: Wrapper, stack: str = "vllm",
+    def __init__(self, module: str, qualname: str, wrapper: Wrapper | None, stack: str = "vllm",
                  distribution: str = "vllm", min_version: str | None = None, max_version: str | None = None,
                  parameters: tuple[str, ...] | None = None, group: str | None = None,
-                 shapes: tuple[str, ...] = ()) -> None:
+                 shapes: tuple[str, ...] = (), inert: str | None = None) -> None:
+        if wrapper is None and inert is None:
+            raise ValueError(f"target {module}:{qualname} has no wrapper; declare it inert (with the reason) "
+                             "or give it a wrapper")
         self.module = module
         self.qualname = qualname
         self.wrapper = wrapper
@@ -99,6 +107,7 @@ class Target:
         self.parameters = None if parameters is None else tuple(parameters)
         self.group = group
         self.shapes = tuple(shapes)
+        self.inert = inert
 
     def __repr__(self) -> str:
         return f"Target({self.key!r}, {version_range(self)!r}, group={self.group!r})"
@@ -306,6 +315,9 @@ def check_key(patch: Patch, key: str, found: str | None, parameters: tuple[str, 
     module, _, qualname = key.partition(":")
     if parameters is ABSENT:
         return Verdict(key, "not-applicable", f"{qualname} is not defined in {module}", target)
+    if target.inert is not None:
+        return Verdict(key, "not-applicable", f"inert: {target.inert} ({version_range(target)}, found {found})",
+                       target)
     if not fingerprint_matches(target, parameters):
         return Verdict(key, "skipped", f"signature drifted: found ({', '.join(parameters)}), expected "
                        f"({', '.join(target.parameters)}) (version {found or 'unknown'})", target)

@@ -449,3 +449,19 @@ def test_public_predicates_on_plain_data():
     assert registry.check_key(patch, "m:C.f", "0.28.0", ("self", "a", "b")).state == "skipped"
     assert registry.check_key(patch, "m:C.f", "0.28.0", registry.ABSENT).state == "not-applicable"
     assert registry.check_key(patch, "m:C.f", "0.26.0", ("self",)).state == "not-applicable"
+
+
+def test_inert_range_is_declared_not_applicable_and_never_wrapped(tmp_path, monkeypatch):
+    name = make_module(tmp_path, monkeypatch, ENGINE, version="0.27.0")
+    live = registry.Target(name, "Engine.step", add_one, distribution=name, min_version="0.13", max_version="0.14",
+                           parameters=("self", "value"))
+    gap = registry.Target(name, "Engine.step", None, distribution=name, min_version="0.26", max_version="0.30",
+                          inert="no adapter for this era")
+    patch = registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="declared gap", targets=(live, gap))
+    registry.register_patch(patch, strict=True)  # without the gap, 0.27 would be newer than every range
+    module = importlib.import_module(name)
+    assert module.Engine().step(1) == 10
+    state, reason = get_ledger().patch_state(patch.name)
+    assert state == "not-applicable" and reason.startswith("inert: no adapter for this era")
+    with pytest.raises(ValueError, match="declare it inert"):
+        registry.Target(name, "Engine.step", None)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 CHUNK_SIZES: tuple[int, ...] = (64, 128)
 BUILD_PARAMETERS = ("self", "common_prefix_len", "common_attn_metadata", "num_accepted_tokens",
                     "num_decode_draft_tokens_cpu", "fast_build")
+ASCEND_029_BUILD_PARAMETERS = (*BUILD_PARAMETERS, "num_actual_reqs")
 LEDGER_PATH = "gdn_host_flags"
 
 
@@ -54,7 +55,7 @@ def _host_list(value: Any) -> list[int]:
     return [int(item) for item in value.tolist()] if hasattr(value, "tolist") else [int(v) for v in value]
 
 
-def compute_host_flags(common_attn_metadata: Any, metadata: Any) -> HostFlags | None:
+def compute_host_flags(common_attn_metadata: Any, metadata: Any, num_reqs: int | None = None) -> HostFlags | None:
     """Compute the host flags of a batch from CPU metadata only.
 
     Args:
@@ -63,10 +64,14 @@ def compute_host_flags(common_attn_metadata: Any, metadata: Any) -> HostFlags | 
             vLLM 0.3x) or ``num_computed_tokens_cpu`` (vLLM 0.13-era).
         metadata: the built GDN metadata; reads ``num_decodes`` and ``spec_sequence_masks_cpu``
             to select the same prefill rows as the builder.
+        num_reqs: the builder's ``num_actual_reqs`` (vllm-ascend 0.29+): only the first ``num_reqs``
+            rows are real, the rest are graph padding the builder drops (None: every row is real).
     Returns:
         The :class:`HostFlags`, or None when the host copies needed are absent.
     """
     query_start = _host_list(common_attn_metadata.query_start_loc_cpu)
+    if num_reqs is not None:
+        query_start = query_start[: num_reqs + 1]
     query_lens = [end - start for start, end in pairwise(query_start)]
     computed = getattr(common_attn_metadata, "num_computed_tokens_cpu", None)
     if computed is not None:
@@ -75,12 +80,14 @@ def compute_host_flags(common_attn_metadata: Any, metadata: Any) -> HostFlags | 
         seq_upper = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None)
         if seq_upper is None:
             return None
-        num_computed = [seq - qlen for seq, qlen in zip(_host_list(seq_upper), query_lens, strict=True)]
+        seq_lens = _host_list(seq_upper)[: len(query_lens)]
+        num_computed = [seq - qlen for seq, qlen in zip(seq_lens, query_lens, strict=True)]
 
     rows = list(range(len(query_lens)))
     spec_mask = getattr(metadata, "spec_sequence_masks_cpu", None)
     if spec_mask is not None:
-        rows = [row for row, is_spec in zip(rows, _host_list(spec_mask), strict=True) if not is_spec]
+        mask = _host_list(spec_mask)[: len(rows)]
+        rows = [row for row, is_spec in zip(rows, mask, strict=True) if not is_spec]
     elif metadata.num_decodes > 0:
         rows = rows[metadata.num_decodes:]
 
@@ -107,7 +114,8 @@ def wrap_build(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``build()``: run the original, then attach host flags to prefill batches.
 
     A subclass override that calls ``super().build()`` is wrapped too; only the outermost call
-    computes and counts, so each batch is flagged once.
+    computes and counts, so each batch is flagged once. vllm-ascend 0.29+ passes ``num_actual_reqs``
+    (6th argument): the flags then describe only those real rows, as the builder's own metadata does.
     """
     metadata, outermost = _outermost_build.run(wrapped, args, kwargs)
     if not outermost:
@@ -116,7 +124,8 @@ def wrap_build(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     ledger.count(LEDGER_PATH, "builds_seen")
     if getattr(metadata, "num_prefills", 0) > 0:
         common = kwargs["common_attn_metadata"] if "common_attn_metadata" in kwargs else args[1]
-        flags = compute_host_flags(common, metadata)
+        num_reqs = kwargs.get("num_actual_reqs", args[5] if len(args) > 5 else None)
+        flags = compute_host_flags(common, metadata, num_reqs)
         if flags is None:
             ledger.count(LEDGER_PATH, "prefill_builds_without_host_metadata")
         else:
@@ -125,25 +134,31 @@ def wrap_build(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return metadata
 
 
-def _build_target(module: str, qualname: str, stack: str, distribution: str,
-                  min_version: str | None, max_version: str | None) -> Target:
-    return Target(module=module, qualname=qualname, wrapper=wrap_build, stack=stack,
-                  distribution=distribution, min_version=min_version, max_version=max_version,
-                  parameters=BUILD_PARAMETERS)
+def _build_target(module: str, qualname: str, stack: str, distribution: str, min_version: str | None,
+                  max_version: str | None, parameters: tuple[str, ...] = BUILD_PARAMETERS) -> Target:
+    return Target(module=module, qualname=qualname, wrapper=wrap_build, stack=stack, distribution=distribution,
+                  min_version=min_version, max_version=max_version, parameters=parameters)
 
 
+_ASCEND_BUILDER = ("vllm_ascend.ops.gdn_attn_builder", "AscendGDNAttentionMetadataBuilder.build")
+
+# Ranges as the released sources show them (kda-patches conformance re-reads them): the upstream builder
+# has the same six parameters in vLLM 0.13.0 and 0.26.0-0.33.0; the Kimi K3 NVIDIA builder first ships in
+# 0.27.1, the ROCm one in 0.32.0; vllm-ascend 0.26.0rc1-0.28.0rc1 have six parameters, 0.29.0rc1-0.30.0rc2
+# seven (+ num_actual_reqs). Upper bounds are the first release not read yet.
 PATCH = Patch(
     name="gdn_host_flags",
     summary="attach CPU-side prefill facts to GDN metadata so prefill decisions need no device sync",
     targets=(
         _build_target("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder.build",
-                      "vllm", "vllm", "0.13", "0.40"),
+                      "vllm", "vllm", "0.13", "0.34"),
         _build_target("vllm.models.kimi_k3.nvidia.kda_metadata", "KimiK3KDAMetadataBuilder.build",
-                      "vllm", "vllm", "0.30", "0.40"),
+                      "vllm", "vllm", "0.27", "0.34"),
         _build_target("vllm.models.kimi_k3.amd.kda_metadata", "KimiK3ROCmKDAMetadataBuilder.build",
-                      "vllm", "vllm", "0.30", "0.40"),
-        _build_target("vllm_ascend.ops.gdn_attn_builder", "AscendGDNAttentionMetadataBuilder.build",
-                      "vllm-ascend", "vllm-ascend", None, None),
+                      "vllm", "vllm", "0.32", "0.34"),
+        _build_target(*_ASCEND_BUILDER, "vllm-ascend", "vllm-ascend", "0.26", "0.29"),
+        _build_target(*_ASCEND_BUILDER, "vllm-ascend", "vllm-ascend", "0.29", "0.31",
+                      parameters=ASCEND_029_BUILD_PARAMETERS),
         _build_target("vllm_fl.dispatch.backends.vendor.ascend.impl.gdn_attn_builder",
                       "AscendGDNAttentionMetadataBuilder.build", "vllm-plugin-FL", "vllm-plugin-fl", None, None),
     ),

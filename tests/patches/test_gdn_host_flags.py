@@ -133,25 +133,75 @@ def test_decode_only_batch_gets_no_flags(builder):
     assert after.get("builds_flagged", 0) == before.get("builds_flagged", 0)
 
 
+def hand_flags(prefills: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[bool, ...], dict[int, int]]:
+    """The expected flags written out from the batch's own inputs: (query_len, computed) per prefill row."""
+    cu_seqlens = [0]
+    for query_len, _ in prefills:
+        cu_seqlens.append(cu_seqlens[-1] + query_len)
+    has_initial = tuple(computed > 0 for _, computed in prefills)
+    totals = {size: sum((query_len + size - 1) // size for query_len, _ in prefills) for size in (64, 128)}
+    return tuple(cu_seqlens), has_initial, totals
+
+
 def test_added_work_reads_no_device_tensor(builder):
-    """Device-side fields become meta tensors (reading a value raises); the flags still come out right."""
+    """Device-side fields become meta tensors (reading a value raises); the flags still equal what the builder's
+    own device fields say and what the batch's inputs say by hand."""
     meta_probe = torch.zeros(3, device="meta")
     with pytest.raises((NotImplementedError, RuntimeError)):
         meta_probe.tolist()
-    rng = random.Random(7)
+    rng = random.Random()
     for _ in range(10):
         decodes = [rng.randint(2, 300) for _ in range(rng.randint(0, 4))]
-        prefills = [(rng.randint(1, 300), rng.choice([0, 0, rng.randint(1, 500)])) for _ in range(rng.randint(1, 6))]
+        # query_len >= 2: a one-token row with prior state is a decode, and decodes must come first
+        prefills = [(rng.randint(2, 300), rng.choice([0, 0, rng.randint(1, 500)])) for _ in range(rng.randint(1, 6))]
         real = make_batch(decodes, prefills)
-        built = builder.build(0, real)
+        built = type(builder).build.__wrapped__(builder, 0, real)  # the unpatched builder: its own fields only
         on_meta = dataclasses.replace(real, query_start_loc=real.query_start_loc.to("meta"),
                                       seq_lens=real.seq_lens.to("meta"),
                                       block_table_tensor=real.block_table_tensor.to("meta"),
                                       slot_mapping=real.slot_mapping.to("meta"))
         flags = gdn_host_flags.compute_host_flags(on_meta, built)
-        assert flags.cu_seqlens_host == built.cu_seqlens_host
-        assert flags.has_initial_state_host == built.has_initial_state_host
-        assert flags.prefill_chunk_totals == built.prefill_chunk_totals
+        cu_seqlens, has_initial, totals = hand_flags(prefills)
+        assert flags.cu_seqlens_host == tuple(built.prefill_query_start_loc.tolist()) == cu_seqlens, (decodes, prefills)
+        assert flags.has_initial_state_host == tuple(built.prefill_has_initial_state.tolist()) == has_initial
+        assert flags.any_initial_state_cpu == any(has_initial)
+        assert flags.prefill_chunk_totals == totals
+
+
+class UnpaddingBuilder(gdn_attn.GDNAttentionMetadataBuilder):
+    """The vllm-ascend 0.29+ build signature (``+ num_actual_reqs``) over the real builder: like the fork, it
+    drops the graph-padding rows past ``num_actual_reqs`` (``CommonAttentionMetadata.unpadded``) before building."""
+
+    def build(self, common_prefix_len, common_attn_metadata, num_accepted_tokens=None,
+              num_decode_draft_tokens_cpu=None, fast_build=False, num_actual_reqs=None):
+        if num_actual_reqs is not None and num_actual_reqs < common_attn_metadata.num_reqs:
+            real_tokens = int(common_attn_metadata.query_start_loc_cpu[num_actual_reqs])
+            common_attn_metadata = common_attn_metadata.unpadded(real_tokens, num_actual_reqs)
+        return super().build(common_prefix_len, common_attn_metadata, num_accepted_tokens,
+                             num_decode_draft_tokens_cpu, fast_build)
+
+
+@pytest.mark.parametrize("as_keyword", [True, False])
+def test_num_actual_reqs_limits_the_flags_to_real_rows(builder, as_keyword):
+    """Padding rows past ``num_actual_reqs`` carry tokens here (a full-width graph dummy): counting them would
+    add a prefill row the builder does not have."""
+    import wrapt
+
+    assert tuple(registry.signature_parameters(UnpaddingBuilder.build)) == gdn_host_flags.ASCEND_029_BUILD_PARAMETERS
+    padded_class = type("PaddedBuilder", (UnpaddingBuilder,), {})
+    wrapt.wrap_function_wrapper(padded_class, "build", gdn_host_flags.wrap_build)
+    child = object.__new__(padded_class)
+    child.__dict__.update(builder.__dict__)
+    prefills = [(9, 0), (70, 12)]
+    common = make_batch([5], [*prefills, (3, 0), (4, 0)])  # the last two rows play graph padding
+    num_actual = 3
+    metadata = (child.build(0, common, num_actual_reqs=num_actual) if as_keyword
+                else child.build(0, common, None, None, False, num_actual))
+    cu_seqlens, has_initial, totals = hand_flags(prefills)
+    assert tuple(metadata.prefill_query_start_loc.tolist()) == cu_seqlens  # the builder dropped the padding
+    assert metadata.cu_seqlens_host == cu_seqlens
+    assert metadata.has_initial_state_host == has_initial
+    assert metadata.prefill_chunk_totals == totals
 
 
 def test_host_list_refuses_device_tensors():
