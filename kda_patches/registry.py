@@ -122,7 +122,7 @@ class Patch:
     """A registered patch: a name (also its switch value), a one-line summary and its targets.
 
     Raises:
-        ValueError: when targets sharing a key have overlapping version ranges or different groups.
+        ValueError: when targets sharing a key have overlapping version ranges.
     """
 
     __slots__ = ("name", "summary", "targets")
@@ -135,9 +135,6 @@ class Patch:
             siblings = self.siblings(key)
             for index, first in enumerate(siblings):
                 for second in siblings[index + 1:]:
-                    if first.group != second.group:
-                        raise ValueError(f"patch {name!r}: targets of {key} declare different groups "
-                                         f"({first.group!r}, {second.group!r}); siblings must share one")
                     if _ranges_overlap(first, second):
                         raise ValueError(f"patch {name!r}: targets of {key} have overlapping version ranges "
                                          f"({version_range(first)} and {version_range(second)}); make them disjoint")
@@ -154,7 +151,7 @@ class Patch:
         return [target for target in self.targets if target.key == key]
 
     def group_keys(self, group: str) -> list[str]:
-        """Return the keys of the members of ``group``, in declaration order."""
+        """Return the keys with a target in ``group``, in declaration order (members on some stack)."""
         return list(dict.fromkeys(target.key for target in self.targets if target.group == group))
 
 
@@ -328,6 +325,10 @@ def group_verdict(patch: Patch, group: str, version_of: Callable[[Target], str |
                   read: Callable[[Target], tuple[str, ...] | None]) -> GroupVerdict:
     """Decide every member of ``group`` together.
 
+    A key is a member on a stack when its in-range sibling is in ``group``, or when no sibling is in range
+    and one of them is in ``group`` (then it fails the group). Siblings may thus move a key between groups
+    by version (e.g. a bind hook coupled to one era's allocator and to the next era's).
+
     Args:
         patch: the patch declaring the group.
         group: the group name.
@@ -340,8 +341,12 @@ def group_verdict(patch: Patch, group: str, version_of: Callable[[Target], str |
     for key in patch.group_keys(group):
         found = version_of(patch.siblings(key)[0])
         target = select_target(patch, key, found)
+        if target is not None and target.group != group:
+            continue  # on this stack the key's in-range sibling belongs to another group (or none)
         members[key] = check_key(patch, key, found, read(target) if target is not None else ABSENT)
     failing = [verdict for verdict in members.values() if not verdict.ok]
+    if not members:
+        return GroupVerdict(group, "not-applicable", f"group {group!r} has no member on this stack", members)
     if not failing:
         return GroupVerdict(group, "ok", f"all {len(members)} members of group {group!r} check", members)
     state = "not-applicable" if len(failing) == len(members) and all(
@@ -470,27 +475,27 @@ def _check_group(patch: Patch, group: str, trigger: str, trigger_module: Any) ->
     return verdict
 
 
-def _fail_group(patch: Patch, group: str, state: str, reason: str, members: dict[str, Verdict] | None,
-                strict: bool, own: tuple[str, str, str] | None = None) -> None:
-    """Record every member of a failed group (one warning), reverting members already applied.
+def _fail_group(patch: Patch, group: str, state: str, reason: str, keys: list[str], strict: bool,
+                own: tuple[str, str, str] | None = None) -> None:
+    """Record every member ``keys`` of a failed group (one warning), reverting members already applied.
 
     ``own`` is ``(key, state, reason)`` of the member whose own check failed, recorded with its own state.
     """
     reverted = []
-    for key in patch.group_keys(group):
+    for key in keys:
         applied = _applied.pop((patch.name, key), None)
         if applied is not None:
             setattr(applied.parent, applied.attribute, applied.original)
             reverted.append(key)
     if reverted:
         reason = f"{reason}; reverted {', '.join(reverted)}"
-    _groups[(patch.name, group)] = GroupVerdict(group, state, reason, members or {})
+    _groups[(patch.name, group)] = GroupVerdict(group, state, reason, {})
     _reported.add((patch.name, group))
-    for key in patch.group_keys(group):
+    for key in keys:
         get_ledger().record_target(patch.name, key, state, reason)
     if own is not None:
         get_ledger().record_target(patch.name, own[0], own[1], f"{own[2]} ({reason})")
-    stack = patch.siblings(patch.group_keys(group)[0])[0].stack
+    stack = patch.siblings((keys or patch.group_keys(group))[0])[0].stack
     if state != "not-applicable":
         message = f"kda_patches: patch {patch.name!r} group {group!r} [{stack}] {state}: {reason}"
         _logger().warning(message)
@@ -499,32 +504,48 @@ def _fail_group(patch: Patch, group: str, state: str, reason: str, members: dict
                                "original code, or install a supported version)")
 
 
+def _refuse_in_group(patch: Patch, key: str, group: str, verdict: GroupVerdict, strict: bool) -> str:
+    """Record a failed group verdict for ``key`` (the whole group, once; later members without a warning)."""
+    if (patch.name, group) in _reported:
+        # already recorded for the whole group: no second warning; STRICT still refuses this import
+        _report(patch, key, patch.siblings(key)[0].stack, verdict.state, verdict.reason, strict, warn=False)
+    else:
+        _fail_group(patch, group, verdict.state, verdict.reason, list(verdict.members) or [key], strict)
+    return verdict.state
+
+
 def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
     """Check and wrap the in-range sibling of ``key`` in its imported ``module``; record the outcome."""
     siblings = patch.siblings(key)
-    group = siblings[0].group
     if (patch.name, key) in _applied:
         return "applied"
-    if group is not None:
-        verdict = _check_group(patch, group, siblings[0].module, module)
-        if not verdict.ok:
-            if (patch.name, group) in _reported:
-                # already recorded for the whole group: no second warning; STRICT still refuses this import
-                _report(patch, key, siblings[0].stack, verdict.state, verdict.reason, strict, warn=False)
-            else:
-                _fail_group(patch, group, verdict.state, verdict.reason, verdict.members, strict)
-            return verdict.state
     found = find_version(siblings[0], module)
     target = select_target(patch, key, found)
-    parameters = ABSENT if target is None else read_live_parameters(target, module)
-    verdict = check_key(patch, key, found, parameters)
+    if target is None:  # no range holds this version: fails every group a sibling belongs to
+        verdict = check_key(patch, key, found, ABSENT)
+        _report(patch, key, siblings[0].stack, verdict.state, verdict.reason, strict)
+        for group in dict.fromkeys(t.group for t in siblings if t.group is not None):
+            group_state = _check_group(patch, group, siblings[0].module, module)
+            if not group_state.ok and (patch.name, group) not in _reported:
+                _fail_group(patch, group, group_state.state, group_state.reason,
+                            [k for k in group_state.members if k != key], strict)
+        return verdict.state
+    group = target.group
+    if group is not None:
+        group_state = _check_group(patch, group, target.module, module)
+        if not group_state.ok:
+            return _refuse_in_group(patch, key, group, group_state, strict)
+    verdict = check_key(patch, key, found, read_live_parameters(target, module))
     if not verdict.ok:
         if group is not None:
             _fail_group(patch, group, "skipped", f"group {group!r} not applied: member {key} failed its "
-                        f"check at import: {verdict.reason}", None, strict, own=(key, verdict.state, verdict.reason))
+                        f"check at import: {verdict.reason}", list(_groups[(patch.name, group)].members), strict,
+                        own=(key, verdict.state, verdict.reason))
             return verdict.state
         _report(patch, key, siblings[0].stack, verdict.state, verdict.reason, strict)
         return verdict.state
+    if target.inert is not None:  # unreachable: check_key never says ok for an inert target
+        return "not-applicable"
     try:
         parent, attribute, raw = resolve_attribute(module, target.qualname)
         import wrapt  # deferred: see kda_patches.hooks for why
@@ -535,7 +556,8 @@ def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
         reason = f"{type(error).__name__}: {error}"
         if group is not None:
             _fail_group(patch, group, "skipped", f"group {group!r} not applied: member {key} failed to "
-                        f"wrap: {reason}", None, strict, own=(key, "failed", reason))
+                        f"wrap: {reason}", list(_groups[(patch.name, group)].members), strict,
+                        own=(key, "failed", reason))
             return "failed"
         _report(patch, key, target.stack, "failed", reason, strict)
         return "failed"

@@ -465,3 +465,54 @@ def test_inert_range_is_declared_not_applicable_and_never_wrapped(tmp_path, monk
     assert state == "not-applicable" and reason.startswith("inert: no adapter for this era")
     with pytest.raises(ValueError, match="declare it inert"):
         registry.Target(name, "Engine.step", None)
+
+
+def test_hook_out_of_range_imported_first_keeps_the_seam_unwrapped(tmp_path, monkeypatch, caplog):
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runner = make_named(tmp_path, monkeypatch, "runner", RUNNER_027, version="0.9")
+    patch = seam_patch(layer, runner, min_version="1.0", max_version="1.5")
+    registry.register_patch(patch)
+    with caplog.at_level("WARNING", logger="kda_patches"):
+        importlib.import_module(runner)
+        importlib.import_module(layer)
+    assert sys.modules[layer].Layer()._run_prefill(1, None) == 2
+    targets = get_ledger().snapshot()["patches"][patch.name]["targets"]
+    assert targets[f"{runner}:Runner.initialize_kv_cache"]["state"] == "not-applicable"
+    assert targets[f"{layer}:Layer._run_prefill"]["state"] == "skipped"
+    assert "found 0.9" in targets[f"{layer}:Layer._run_prefill"]["reason"]
+    assert len(group_warnings(caplog, patch)) == 1
+
+
+ALLOCATOR = """
+class Runner:
+    def _reshape(self, raw):
+        return raw
+"""
+BINDER = """
+class Layer:
+    def bind(self, kv_cache):
+        return kv_cache
+"""
+
+
+@pytest.mark.parametrize(("version", "applied"), [("0.28", {"_reshape", "bind"}), ("0.31", {"allocate", "bind"})])
+def test_a_key_joins_the_group_of_its_in_range_sibling(tmp_path, monkeypatch, version, applied):
+    """bind is coupled to the reshape seam in one era and to the allocator in the next (siblings, two groups)."""
+    runner = make_named(tmp_path, monkeypatch, "runner", ALLOCATOR + (
+        "\ndef allocate(config):\n    return config\n" if version == "0.31" else ""), version=version)
+    binder = make_named(tmp_path, monkeypatch, "binder", BINDER, version=version)
+    opts = {"distribution": "stack"}
+    monkeypatch.setattr(registry, "find_version", lambda target, module=None: version)
+    targets = (
+        registry.Target(runner, "Runner._reshape", mark, min_version="0.27", max_version="0.30", group="a", **opts),
+        registry.Target(runner, "allocate", mark, min_version="0.30", max_version="0.34", group="b", **opts),
+        registry.Target(binder, "Layer.bind", mark, min_version="0.27", max_version="0.30", group="a", **opts),
+        registry.Target(binder, "Layer.bind", mark, min_version="0.30", max_version="0.34", group="b", **opts),
+    )
+    patch = registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="two eras", targets=targets)
+    registry.register_patch(patch, strict=True)
+    importlib.import_module(binder)
+    importlib.import_module(runner)
+    wrapped = {t.qualname.split(".")[-1] for t in patch.targets if registry.is_applied(patch, t)}
+    assert wrapped == applied
+    registry.revert_patch(patch)
