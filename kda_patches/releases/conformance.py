@@ -168,32 +168,30 @@ def check_target(patch: registry.Patch, key: str, stack: Stack, decision: regist
 def runtime_decisions(patch: registry.Patch, stack: Stack) -> dict[str, registry.Verdict | None]:
     """Return, per key, the registry's decision on ``stack`` (None: the key's module is absent, never checked).
 
-    Grouped keys get their member verdict from :func:`registry.group_verdict` when any member's module is
-    shipped (the runtime checks the whole group when the first member imports): a failed group applies none.
+    Mirrors :func:`kda_patches.registry.apply_target` with its public predicates: the key's in-range sibling
+    (:func:`registry.select_target`) decides its group; a grouped key takes the group's verdict
+    (:func:`registry.group_verdict`, every member read from source as the runtime reads members not yet
+    imported) when the group fails, else its own :func:`registry.check_key`; a key no range holds fails the
+    groups of its siblings (``group_verdict`` counts it as a failing member).
     """
     decisions: dict[str, registry.Verdict | None] = {}
     groups: dict[str, registry.GroupVerdict] = {}
     for key in patch.keys():
         first = patch.siblings(key)[0]
-        group = first.group
-        if group is not None:
-            members = patch.group_keys(group)
-            if not any(stack.module_present(patch.siblings(k)[0].module) for k in members):
-                decisions[key] = None
-                continue
-            if group not in groups:
-                groups[group] = registry.group_verdict(patch, group, stack.version_of, stack.read)
-            verdict = groups[group]
-            member = verdict.members[key]
-            decisions[key] = member if verdict.ok else registry.Verdict(key, verdict.state, verdict.reason,
-                                                                        member.target)
-            continue
         if not stack.module_present(first.module):
             decisions[key] = None
             continue
         found = stack.version_of(first)
         target = registry.select_target(patch, key, found)
-        decisions[key] = registry.check_key(patch, key, found, stack.read(target) if target else registry.ABSENT)
+        own = registry.check_key(patch, key, found, stack.read(target) if target else registry.ABSENT)
+        group = target.group if target is not None else None
+        if group is not None:
+            if group not in groups:
+                groups[group] = registry.group_verdict(patch, group, stack.version_of, stack.read)
+            verdict = groups[group]
+            if not verdict.ok:
+                own = registry.Verdict(key, verdict.state, verdict.reason, target)
+        decisions[key] = own
     return decisions
 
 
