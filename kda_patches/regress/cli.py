@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"registered name or module:function (default {DEFAULT_WORKLOAD})")
     parser.add_argument("--list-workloads", action="store_true", help="list the registered workloads and exit")
     parser.add_argument("--param", action="append", default=[], type=parse_param, metavar="KEY=VALUE",
-                        help="keyword parameter of the workload, VALUE as JSON (repeatable)")
+                        help="keyword parameter of the workload, VALUE as JSON (repeatable); for --workload vllm: "
+                             "model=DIR, prompts=FILE.jsonl, max_tokens, ignore_eos, logprobs, and any vLLM "
+                             "engine argument (tensor_parallel_size=2, distributed_executor_backend=ray, ...)")
     parser.add_argument("--baseline", metavar="DIR",
                         help="baseline store: reuse the stored unpatched outputs (recorded when missing)")
     parser.add_argument("--update-baseline", action="store_true",
@@ -81,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                     update_baseline=args.update_baseline, rtol=args.rtol, atol=args.atol, expect=expect,
                     work_dir=args.work_dir, timeout_s=args.timeout, pythonpath=tuple(args.pythonpath),
                     stream_logs=args.verbose)
+    if report.baseline.source == report.patched.source == "not run" and report.errors and not args.json:
+        # Refused before any run (bad workload parameters): the one error is the whole answer.
+        print(f"kda-patches regress: error: {'; '.join(report.errors)}", file=sys.stderr)
+        return report.exit_code
     if args.json:
         json.dump(report_as_dict(report), sys.stdout, indent=1, sort_keys=True, default=str)
         sys.stdout.write("\n")

@@ -19,15 +19,18 @@ def summarize_ledger(ledger: dict[str, Any]) -> dict[str, Any]:
     """Return the per-process summary of one ledger snapshot.
 
     Returns:
-        ``{"pid", "role", "patches": {name: {"state", "reason", "applied_targets"}}, "counters", "final"}``;
-        ``final`` is the ledger's own end-of-process marker when it has one, else None.
+        ``{"pid", "role", "argv", "enabled", "patches": {name: {"state", "reason", "applied_targets"}},
+        "counters", "final"}``; ``enabled`` is the process's ``KDA_PATCHES`` switch, ``argv`` its first
+        three arguments (Ray actors are told apart by them), ``final`` the ledger's own end-of-process
+        marker when it has one, else None.
     """
     patches = {}
     for name, entry in sorted(ledger.get("patches", {}).items()):
         applied = sorted(key for key, target in entry.get("targets", {}).items() if target.get("state") == "applied")
         patches[name] = {"state": entry.get("state"), "reason": entry.get("reason", ""),
                          "applied_targets": applied}
-    return {"pid": ledger.get("pid"), "role": ledger.get("role"), "patches": patches,
+    return {"pid": ledger.get("pid"), "role": ledger.get("role"), "argv": list(ledger.get("argv") or []),
+            "enabled": bool((ledger.get("switches") or {}).get("KDA_PATCHES")), "patches": patches,
             "counters": {path: dict(values) for path, values in sorted(ledger.get("counters", {}).items())},
             "final": ledger.get("final")}
 

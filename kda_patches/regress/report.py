@@ -68,6 +68,11 @@ def format_report(report: ABReport) -> str:
     lines += [f"  note: {message}" for message in report.notes]
     for met, explanation in report.expectations:
         lines.append(f"  expect {'ok  ' if met else 'FAIL'} {explanation}")
+    if report.ranks:
+        patched = sum(check.met for check in report.ranks)
+        lines.append(f"  ranks: {patched} of {len(report.ranks)} expected processes patched")
+        for check in report.ranks:
+            lines.append(f"    {'ok  ' if check.met else 'FAIL'} {check.label} ({check.role}): {check.detail}")
     for run in (report.baseline, report.patched):
         if run.error and run.log_tail:
             lines.append(f"--- last lines of the {run.label} run's log ({run.log_path}):")
@@ -103,6 +108,7 @@ def report_as_dict(report: ABReport, include_outputs: bool = False) -> dict[str,
             "comparison": comparison, "baseline_action": report.baseline_action,
             "baseline_file": report.baseline_file,
             "expectations": [{"met": met, "explanation": text} for met, text in report.expectations],
+            "ranks": [asdict(check) for check in report.ranks],
             "errors": report.errors, "notes": report.notes, "work_dir": report.work_dir,
             "runs": {"baseline": run_dict(report.baseline), "patched": run_dict(report.patched)},
             "patched_counter_totals": total_counters(report.patched.ledgers)}

@@ -6,6 +6,9 @@ original code). Both get their own ``KDA_PATCHES_STATUS_DIR``, so every process 
 its ledger; the baseline's ledgers must show no applied patch, the patched run's are aggregated
 into the report. Other ``KDA_PATCHES_*`` switches of the caller (``DISABLE``/``ONLY`` for bisecting)
 pass through. With a baseline directory the unpatched outputs are stored once and reused.
+A workload's ``validate`` hook runs first, in this process: bad parameters are one error and no
+run starts. For workloads that describe their vLLM engine, every rank's ledger is checked
+(:mod:`kda_patches.regress.ranks`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from kda_patches.regress import baseline as store
 from kda_patches.regress.compare import Comparison, compare_outputs
 from kda_patches.regress.ledgers import check_expectation, collect_ledgers, find_applied_patches
 from kda_patches.regress.processes import terminate_group, wait_for_group_exit
-from kda_patches.regress.workloads import Workload
+from kda_patches.regress.ranks import RankCheck, check_ranks
+from kda_patches.regress.workloads import Workload, load_callable
 
 _OVERRIDDEN = ("KDA_PATCHES", "KDA_PATCHES_STRICT", "KDA_PATCHES_STATUS_DIR", "KDA_PATCHES_ROLE")
 _LOG_TAIL_LINES = 40
@@ -67,6 +71,7 @@ class ABReport:
     baseline_file: str | None = None
     comparison: Comparison | None = None
     expectations: list[tuple[bool, str]] = field(default_factory=list)
+    ranks: list[RankCheck] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     work_dir: str | None = None
@@ -80,10 +85,12 @@ class ABReport:
 
     @property
     def exit_code(self) -> int:
-        """0: equal and every expectation met; 1: different or an expectation unmet; 2: error."""
+        """0: equal, every expectation met and every rank patched; 1: different, an expectation
+        unmet or a rank missing/unpatched; 2: error."""
         if self.verdict == "error":
             return 2
-        if self.verdict == "different" or not all(met for met, _ in self.expectations):
+        if (self.verdict == "different" or not all(met for met, _ in self.expectations)
+                or not all(check.met for check in self.ranks)):
             return 1
         return 0
 
@@ -207,6 +214,15 @@ def run_ab(workload: Workload, params: dict[str, Any] | None = None, *, cache_di
         The :class:`ABReport`; its ``exit_code`` is what the CLI returns.
     """
     params = json.loads(json.dumps(params or {}))
+    if workload.validate:
+        try:
+            params = load_callable(workload.validate)(params)
+        except ValueError as error:
+            report = ABReport(workload=workload.name, target=workload.target, params=params, rtol=rtol, atol=atol,
+                              baseline=RunResult(label="baseline", source="not run"),
+                              patched=RunResult(label="patched", source="not run"))
+            report.errors.append(f"workload {workload.name!r}: {error}")
+            return report
     keep = work_dir is not None
     work_dir = os.path.abspath(work_dir) if keep else tempfile.mkdtemp(prefix="kda-regress-")
     report = ABReport(workload=workload.name, target=workload.target, params=params, rtol=rtol, atol=atol,
@@ -239,6 +255,12 @@ def run_ab(workload: Workload, params: dict[str, Any] | None = None, *, cache_di
         report.comparison = compare_outputs(report.baseline.outputs, report.patched.outputs, rtol, atol)
         expectations = workload.expect if expect is None else expect
         report.expectations = [check_expectation(report.patched.ledgers, item) for item in expectations]
+        engine = report.patched.outputs.get(workload.engine_key) if workload.engine_key and isinstance(
+            report.patched.outputs, dict) else None
+        if workload.engine_key and not isinstance(engine, dict):
+            report.errors.append(f"the workload's outputs have no {workload.engine_key!r} engine description")
+        elif engine is not None:
+            report.ranks = check_ranks(engine, report.patched.ledgers)
     if not keep and not report.errors:
         shutil.rmtree(work_dir, ignore_errors=True)
         report.work_dir = None

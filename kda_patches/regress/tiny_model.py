@@ -4,8 +4,11 @@ Qwen3-Next mixes Gated DeltaNet (linear-attention) layers with full-attention la
 exactly what ``gdn_host_flags`` and the KV-cache layout patches touch. The model is built with
 transformers from a fixed seed (no download) and saved with ``save_pretrained`` into a cache
 directory keyed by a hash of its configuration, the seed and the transformers version, so every
-process of every run serves byte-identical weights. Building imports torch and transformers;
-importing this module does not.
+process of every run serves byte-identical weights. The directory also holds a word-level
+tokenizer built offline (token ``i`` is the word ``w<i>``; ``<s>``=0, ``</s>``=1), so text prompts
+and vLLM's own ``vllm bench`` (which tokenizes its random prompts) work on it too. The vocabulary
+is 10240 because ``vllm bench latency`` draws prompt ids below 10000. Building imports torch,
+transformers and tokenizers; importing this module does not.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from typing import Any
 
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "kda-patches")
 MODEL_SEED = 20261129
+TOKENIZER_FORMAT = 1  # part of the cache key: bump when the tokenizer files change
 
 # Constraints from vLLM's CPU GDN kernels: linear key head dim == value head dim, a multiple of 32.
 TINY_QWEN3_NEXT_CONFIG: dict[str, Any] = {
-    "vocab_size": 2048,
+    "vocab_size": 10240,
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 4,
@@ -64,8 +68,8 @@ def compute_model_key(config: dict[str, Any], seed: int) -> str:
     """
     import transformers
 
-    payload = json.dumps({"config": config, "seed": seed, "transformers": transformers.__version__},
-                         sort_keys=True)
+    payload = json.dumps({"config": config, "seed": seed, "transformers": transformers.__version__,
+                          "tokenizer": TOKENIZER_FORMAT}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -84,6 +88,29 @@ def build_tiny_model(target_dir: str, config: dict[str, Any], seed: int) -> None
     model_config = Qwen3NextConfig(**config)
     model = Qwen3NextForCausalLM(model_config).to(torch.bfloat16)
     model.save_pretrained(target_dir, safe_serialization=True)
+    build_tiny_tokenizer(target_dir, int(config["vocab_size"]))
+
+
+def build_tiny_tokenizer(target_dir: str, vocab_size: int) -> None:
+    """Save a word-level fast tokenizer whose token ``i`` is ``w<i>`` (``<s>``=0 bos/pad/unk, ``</s>``=1 eos).
+
+    Decoding joins words with spaces and encoding splits on whitespace, so decode-then-encode
+    (what ``vllm bench``'s random dataset does) returns the same ids.
+
+    Args:
+        target_dir: the model directory.
+        vocab_size: number of tokens (the model's ``vocab_size``).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1} | {f"w{index}": index for index in range(2, vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<s>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<s>", unk_token="<s>")
+    fast.save_pretrained(target_dir)
 
 
 def fingerprint_model(model_dir: str) -> str:

@@ -4,6 +4,9 @@ A workload is a callable that takes keyword parameters and returns JSON-able out
 allowed, see :mod:`kda_patches.regress.compare`). It runs in a fresh interpreter; the runner
 passes ``cache_dir`` when the callable accepts a parameter of that name.
 
+The built-in ``vllm`` workload (:mod:`kda_patches.regress.vllm_workload`) serves any local model
+with prompts from a JSON-lines file and engine arguments passed through.
+
 The embedded default, ``tiny-qwen3-next``, serves the tiny random-weight Qwen3-Next model of
 :mod:`kda_patches.regress.tiny_model` with the real CPU vLLM engine: greedy sampling over fixed
 prompt token ids of varied lengths, chunked prefill with a 96-token budget (so long prompts are
@@ -41,6 +44,10 @@ class Workload:
         expect: ``patch:counter`` requirements on the patched run: some process has the patch
             ``applied`` with that counter > 0 (proves the patched path really ran).
         timeout_s: wall-clock limit of one run.
+        validate: ``module:function`` called in the parent with the parameters before any run; it
+            returns the (normalized) parameters or raises ``ValueError`` naming what is wrong.
+        engine_key: key of the outputs that describes the vLLM engine's layout; when set, the
+            patched run must have a patched ledger from every rank (:mod:`kda_patches.regress.ranks`).
     """
 
     name: str
@@ -48,6 +55,8 @@ class Workload:
     summary: str = ""
     expect: tuple[str, ...] = ()
     timeout_s: float = 900.0
+    validate: str = ""
+    engine_key: str | None = None
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -57,6 +66,17 @@ WORKLOADS: dict[str, Workload] = {
         summary="tiny random-weight Qwen3-Next (GDN + full attention) on the real CPU vLLM engine, greedy, "
                 "chunked prefill + prefix continuation",
         expect=("gdn_host_flags:builds_flagged",),
+        engine_key="engine",
+    ),
+    "vllm": Workload(
+        name="vllm",
+        target="kda_patches.regress.vllm_workload:run_vllm_prompts",
+        summary="any local model: --param model=DIR --param prompts=FILE.jsonl (one {\"prompt_token_ids\": [...]} "
+                "or {\"prompt\": \"...\"} per line, optional \"max_tokens\"), other --param are vLLM engine "
+                "arguments (tensor_parallel_size, distributed_executor_backend, max_model_len, ...); greedy",
+        timeout_s=3600.0,
+        validate="kda_patches.regress.vllm_workload:validate_params",
+        engine_key="engine",
     ),
 }
 
@@ -115,18 +135,20 @@ def generate_together(llm: Any, prompts: list[list[int]], sampling: Any, tag: st
 
     Args:
         llm: a ``vllm.LLM``.
-        prompts: token ids per request.
-        sampling: the ``SamplingParams`` of every request.
+        prompts: per request, token ids or a vLLM prompt dict (``{"prompt": text}``,
+            ``{"prompt_token_ids": [...]}``).
+        sampling: the ``SamplingParams`` of every request, or one per request.
         tag: request-id prefix (unique per call).
     Returns:
         The finished ``RequestOutput`` per prompt, in prompt order.
     """
     engine = llm.llm_engine
     client = engine.engine_core
+    per_request = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
     client.call_utility("pause_scheduler", "keep", False)
     ids = [f"{tag}-{index}" for index in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
+    for request_id, prompt, params in zip(ids, prompts, per_request, strict=True):
+        engine.add_request(request_id, prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}, params)
     client.call_utility("resume_scheduler")
     finished: dict[str, Any] = {}
     while engine.has_unfinished_requests():
@@ -158,9 +180,11 @@ def run_tiny_qwen3_next(cache_dir: str | None = None, max_tokens: int = 12,
         prefix_caching: enable vLLM prefix caching (mamba ``align`` mode), so round two's
             continuation prefills from a cached state.
     Returns:
-        ``{"model": {...}, "requests": [{name, prompt_len, cached_prompt_tokens, token_ids, logprobs}]}``.
+        ``{"model": {...}, "engine": {...}, "requests": [{name, prompt_len, cached_prompt_tokens, token_ids,
+        logprobs}]}``.
     """
     from kda_patches.regress.tiny_model import TINY_QWEN3_NEXT_CONFIG, ensure_tiny_model, fingerprint_model
+    from kda_patches.regress.vllm_workload import describe_engine
 
     model_dir = ensure_tiny_model(cache_dir)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -173,6 +197,7 @@ def run_tiny_qwen3_next(cache_dir: str | None = None, max_tokens: int = 12,
     prompts, generator = make_prompts(vocab_size=TINY_QWEN3_NEXT_CONFIG["vocab_size"])
     vocab = TINY_QWEN3_NEXT_CONFIG["vocab_size"]
     try:
+        engine = describe_engine(llm)
         first = generate_together(llm, prompts, sampling, "round1")
         requests = [describe_request(f"round1-len{len(p)}", out) for p, out in zip(prompts, first, strict=True)]
         continued = (prompts[CONTINUED_PROMPT] + list(first[CONTINUED_PROMPT].outputs[0].token_ids)
@@ -185,4 +210,4 @@ def run_tiny_qwen3_next(cache_dir: str | None = None, max_tokens: int = 12,
     finally:
         shutdown_engine(llm)
     return {"model": {"dir": os.path.basename(model_dir), "sha256": fingerprint_model(model_dir)},
-            "requests": requests}
+            "engine": engine, "requests": requests}
