@@ -7,7 +7,8 @@ relies on (``Target.shapes``), and ``kda-patches conformance`` checks each one o
 
 The shapes are data: :data:`SHAPES` maps a name to a :class:`Shape` built from a few predicates over the
 target's function body (:func:`gathers`, :func:`scatters`, :func:`calls`, :func:`reads_attribute`) or over the
-release (:func:`module_exists`, :func:`class_attribute`, :func:`any_calls`, :func:`all_of`). A patch owner adds
+release (:func:`module_exists`, :func:`class_attribute`, :func:`any_calls`, :func:`all_of`), plus
+:func:`clears_by_mask` for the native boolean-mask clear. A patch owner adds
 a shape by adding one entry here and naming it in the record.
 
 Each predicate returns a :class:`ShapeResult`: ``ok`` and the evidence (``file:line`` of the match, or what was
@@ -125,6 +126,31 @@ def calls(function: str, args: tuple[str | None, ...] | None = None) -> Predicat
     return predicate
 
 
+def _is_mask_clear(target: ast.AST, container: str, flags: str) -> bool:
+    """``container[~flags, ...]`` (the ``...`` optional) as an assignment target."""
+    if not (isinstance(target, ast.Subscript) and _is_name(target.value, container)):
+        return False
+    parts = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
+    head, rest = parts[0], parts[1:]
+    return isinstance(head, ast.UnaryOp) and isinstance(head.op, ast.Invert) and _is_name(head.operand, flags) \
+        and all(isinstance(part, ast.Constant) and part.value is Ellipsis for part in rest)
+
+
+def clears_by_mask(container: str, flags: str) -> Predicate:
+    """Body zeroes rows by a negated boolean mask: ``container[~flags, ...] = 0`` (the native clear)."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        found = _body_nodes(context)
+        if isinstance(found, ShapeResult):
+            return found
+        definition, nodes = found
+        for node in nodes:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value == 0 \
+                    and any(_is_mask_clear(target, container, flags) for target in node.targets):
+                return ShapeResult(True, f"{_where(definition, node)} {ast.unparse(node)}")
+        return ShapeResult(False, f"no `{container}[~{flags}, ...] = 0` in {definition.qualname}")
+    return predicate
+
+
 def reads_attribute(dotted: str) -> Predicate:
     """Body reads the attribute chain ``dotted`` (e.g. ``self.kv_cache``)."""
     def predicate(context: ShapeContext) -> ShapeResult:
@@ -198,6 +224,18 @@ SHAPES: dict[str, Shape] = _shapes(
     Shape("scatter:recurrent_state[state_indices]=",
           "the prefill scatters the final state by index assignment `recurrent_state[state_indices] = ...`",
           scatters("recurrent_state", "state_indices")),
+    *(Shape(f"gather:ssm_state[{index}]", f"the prefill gathers the initial state by indexing `ssm_state[{index}]`",
+            gathers("ssm_state", index)) for index in ("prefill_state_indices", "non_spec_state_indices_tensor")),
+    *(Shape(f"scatter:ssm_state[{index}]=",
+            f"the prefill scatters the final state by index assignment `ssm_state[{index}] = ...`",
+            scatters("ssm_state", index)) for index in ("prefill_state_indices", "non_spec_state_indices_tensor")),
+    *(Shape(f"clear:initial_state[~{flags}, ...]=0",
+            f"the prefill clears rows without initial state natively: `initial_state[~{flags}, ...] = 0`",
+            clears_by_mask("initial_state", flags)) for flags in ("prefill_has_initial_state", "has_initial_state")),
+    Shape("clear:clear_ssm_states(_, prefill_has_initial_state)",
+          "the prefill clears rows without initial state by calling "
+          "`clear_ssm_states(initial_state, prefill_has_initial_state)`",
+          calls("clear_ssm_states", (None, "prefill_has_initial_state"))),
     Shape("read:self.kv_cache",
           "the layer reads its cache tensors from `self.kv_cache` (the seam swaps slot 1 for the call)",
           reads_attribute("self.kv_cache")),

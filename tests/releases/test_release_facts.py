@@ -125,3 +125,35 @@ def test_upstream_kimi_prefill_shapes(version: str) -> None:
         assert check_shape(shape, source, None, forward).ok, shape
     gather = source.resolve("vllm.models.kimi_k3.nvidia.kda", "gather_initial_states")
     assert gather.module == "vllm.model_executor.layers.mamba.ops.gather_initial_states"
+
+
+GDN = "vllm.model_executor.layers.mamba.gdn"
+
+
+@pytest.mark.parametrize(("version", "module", "qualname", "index", "flags"), [
+    *[(v, f"{GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", "prefill_state_indices",
+       "prefill_has_initial_state") for v in ("0.32.0", "0.33.0")],
+    *[(v, f"{GDN}.olmo_gdn_linear_attn", "OlmoHybridGatedDeltaNetAttention._forward_core",
+       "non_spec_state_indices_tensor", "has_initial_state") for v in ("0.32.0", "0.33.0")],
+])
+def test_upstream_gdn_native_state_copy(version: str, module: str, qualname: str, index: str, flags: str) -> None:
+    source = vllm(version)
+    seam = source.resolve(module, qualname)
+    for shape in (f"gather:ssm_state[{index}]", f"clear:initial_state[~{flags}, ...]=0",
+                  f"scatter:ssm_state[{index}]=", "read:self.kv_cache"):
+        assert check_shape(shape, source, None, seam).ok, shape
+
+
+@pytest.mark.parametrize("version", ASCEND)
+def test_ascend_gdn_forward_core(version: str) -> None:
+    source = ascend(version)
+    assert [info.name for info in source.classes_defining("vllm_ascend.ops.gdn", "_forward_core")] == [
+        "AscendGatedDeltaNetAttention"]
+    assert source.classes_defining("vllm_ascend.ops.gdn", "_forward_core")[0].bases == ("GatedDeltaNetAttention",)
+    seam = source.resolve("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core")
+    assert source.parameters("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core") == (
+        "self", "mixed_qkv", "b", "a", "core_attn_out")
+    for shape in ("gather:ssm_state[prefill_state_indices]", "clear:clear_ssm_states(_, prefill_has_initial_state)",
+                  "scatter:ssm_state[prefill_state_indices]="):
+        assert check_shape(shape, source, None, seam).ok, shape
+    assert source.resolve("vllm_ascend.ops.gdn", "clear_ssm_states").module == "vllm_ascend.ops.triton.fla.utils"

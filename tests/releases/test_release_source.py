@@ -9,7 +9,15 @@ import textwrap
 import pytest
 
 from kda_patches.registry import Target
-from kda_patches.releases.shapes import SHAPES, ShapeContext, check_shape, class_attribute, gathers, module_exists
+from kda_patches.releases.shapes import (
+    SHAPES,
+    ShapeContext,
+    check_shape,
+    class_attribute,
+    clears_by_mask,
+    gathers,
+    module_exists,
+)
 from kda_patches.releases.source import ReleaseSource
 
 
@@ -145,6 +153,25 @@ def test_gather_ignores_other_containers_and_stores(tmp_path: pathlib.Path) -> N
     context = ShapeContext(source, None, source.resolve("m", "f"))
     assert not gathers("recurrent_state", "state_indices")(context).ok
     assert gathers("other", "state_indices")(context).ok
+
+
+def test_native_mask_clear(tmp_path: pathlib.Path) -> None:
+    source = write_tree(tmp_path, {"m.py": """
+        def native(ssm_state, idx, flags):
+            initial_state = ssm_state[idx]
+            initial_state[~flags, ...] = 0
+        def not_negated(ssm_state, idx, flags):
+            initial_state = ssm_state[idx]
+            initial_state[flags, ...] = 0
+        def other_value(ssm_state, idx, flags):
+            initial_state = ssm_state[idx]
+            initial_state[~flags] = 1
+    """})
+    check = clears_by_mask("initial_state", "flags")
+    results = {q: check(ShapeContext(source, None, source.resolve("m", q))) for q in
+               ("native", "not_negated", "other_value")}
+    assert results["native"].ok and results["native"].evidence.endswith("initial_state[~flags, ...] = 0")
+    assert not results["not_negated"].ok and not results["other_value"].ok
 
 
 def test_shape_on_a_missing_target_is_missing(tmp_path: pathlib.Path) -> None:
