@@ -1,0 +1,105 @@
+"""Parent side of the released-code A/B runs: two fresh processes per case, then bitwise comparison.
+
+Baseline = ``KDA_PATCHES=0``; patched = ``KDA_PATCHES=1``; both ``KDA_PATCHES_STRICT=1`` and
+``TRITON_INTERPRET=1``; same seed (fresh per test run, printed on failure). Each child saves a
+``torch.save`` dict (see the child scripts); this module runs both at once and compares them.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+CHILD_TIMEOUT_S = 600
+
+
+def fresh_seed() -> int:
+    """Return a new random seed (the inputs are fresh every run; the seed is in every failure message)."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def child_env(patched: bool, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Return the environment of one side: the overlay off or on, STRICT and the Triton interpreter in both."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("KDA_PATCHES") or key == "KDA_PATCHES_RELEASE_CACHE"}
+    env.update({"KDA_PATCHES": "1" if patched else "0", "KDA_PATCHES_STRICT": "1", "TRITON_INTERPRET": "1"})
+    env.update(extra or {})
+    return env
+
+
+def run_pair(script: str, args: list[str], extra: dict[str, str] | None = None,
+             base_extra: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``script ARGS... OUT`` unpatched and patched (concurrently); return both saved dicts.
+
+    Raises:
+        AssertionError: a child failed (its exit status and stderr tail are in the message).
+    """
+    with tempfile.TemporaryDirectory(prefix="kda-released-") as folder:
+        outs = [os.path.join(folder, f"{side}.pt") for side in ("baseline", "patched")]
+        envs = [child_env(False, base_extra), child_env(True, extra)]
+        procs = [subprocess.Popen([sys.executable, str(HERE / script), *args, out], env=env, cwd=str(HERE),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for out, env in zip(outs, envs, strict=True)]
+        logs = [proc.communicate(timeout=CHILD_TIMEOUT_S)[0] for proc in procs]
+        for side, proc, log in zip(("baseline", "patched"), procs, logs, strict=True):
+            assert proc.returncode == 0, f"{side} child {script} {args} exited {proc.returncode}:\n{log[-6000:]}"
+        return tuple(torch.load(out, weights_only=False) for out in outs)  # type: ignore[return-value]
+
+
+def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Return the tensor's bits as integers (so NaN patterns compare bit for bit)."""
+    return tensor.view(BITS[tensor.dtype]) if tensor.dtype in BITS else tensor
+
+
+def differing(first: torch.Tensor, second: torch.Tensor) -> str | None:
+    """Return a description of the first differences of two tensors' bits, or None when equal bitwise."""
+    if first.shape != second.shape or first.dtype != second.dtype:
+        return f"shape/dtype {tuple(first.shape)}/{first.dtype} vs {tuple(second.shape)}/{second.dtype}"
+    if torch.equal(raw_bits(first), raw_bits(second)):
+        return None
+    where = (raw_bits(first) != raw_bits(second)).flatten().nonzero().flatten()
+    return f"{where.numel()} elements differ, first at flat {where[:6].tolist()}"
+
+
+def compare_runs(baseline: dict[str, Any], patched: dict[str, Any]) -> list[str]:
+    """Return every difference between two runs' outputs and cache snapshots (empty when bitwise equal)."""
+    problems = []
+    if len(baseline["outputs"]) != len(patched["outputs"]):
+        problems.append(f"{len(baseline['outputs'])} vs {len(patched['outputs'])} outputs")
+    for i, (first, second) in enumerate(zip(baseline["outputs"], patched["outputs"], strict=False)):
+        if (problem := differing(first, second)) is not None:
+            problems.append(f"output {i}: {problem}")
+    if len(baseline["snapshots"]) != len(patched["snapshots"]):
+        problems.append(f"{len(baseline['snapshots'])} vs {len(patched['snapshots'])} cache snapshots")
+    for step, (first, second) in enumerate(zip(baseline["snapshots"], patched["snapshots"], strict=False)):
+        for name in sorted(set(first) | set(second)):
+            if name not in first or name not in second:
+                problems.append(f"snapshot {step}: cache {name} missing on one side")
+            elif (problem := differing(first[name], second[name])) is not None:
+                problems.append(f"snapshot {step} (after batch {step}), cache {name}: {problem}")
+    return problems
+
+
+def counters(run: dict[str, Any], path: str) -> dict[str, int]:
+    """Return the ledger counters of ``path`` (e.g. ``kimi_prefill``) of a run."""
+    return dict(run["ledger"].get("counters", {}).get(path, {}))
+
+
+def describe_standins(run: dict[str, Any]) -> str:
+    """Return the stood-in names of a run (declared list + what the release files actually bound)."""
+    lines = [f"  {name}: {what}" for name, what in sorted(run["standins"].items())]
+    bound = {kind: sorted(f"{module}.{name}" for module, names in run["bound"].items()
+                          for name, k in names.items() if k == kind)
+             for kind in ("standin", "inert", "release")}
+    lines.append(f"  bound as stand-in: {', '.join(bound['standin'])}")
+    lines.append(f"  bound inert (placeholders, unused by the executed path): {', '.join(bound['inert'])}")
+    lines.append(f"  executed from the release: {', '.join(bound['release'])}")
+    return "\n".join(lines)
