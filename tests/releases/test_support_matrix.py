@@ -1,0 +1,44 @@
+"""``patches/SUPPORT_MATRIX.md`` equals a fresh conformance run over the default matrix, and that run is clean.
+
+Acceptance of the release-conformance issue: no patch is *broken* on any listed stack, and every *inert* or
+*stands down* verdict carries its reason. When a patch record changes, regenerate the file with
+``kda-patches conformance --write-matrix`` and commit it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from kda_patches.releases.matrix import MATRIX_PATH, default_stacks, render_matrix, run_matrix
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    return run_matrix()
+
+
+def test_committed_matrix_matches_a_fresh_run(reports: list[dict]) -> None:
+    committed = (ROOT / MATRIX_PATH).read_text(encoding="utf-8")
+    fresh = render_matrix(reports)
+    assert committed == fresh, (f"{MATRIX_PATH} is stale: run `kda-patches conformance --write-matrix` and commit "
+                                "it (the first differing line is shown by pytest's diff above)")
+
+
+def test_every_listed_stack_is_read_and_no_patch_is_broken(reports: list[dict]) -> None:
+    assert [report["stack"].split(" + ")[0] for report in reports] == default_stacks()
+    broken = [f"{report['stack']} {name}: {entry['reason']}" for report in reports
+              for name, entry in report["patches"].items() if entry["verdict"] == "broken"]
+    assert broken == []
+    for report in reports:
+        for name, entry in report["patches"].items():
+            assert entry["verdict"] in ("works", "stands down", "inert"), (report["stack"], name)
+            if entry["verdict"] != "works":
+                assert len(entry["reason"]) > 20, (report["stack"], name, entry["reason"])
+
+
+def test_readme_links_the_matrix() -> None:
+    assert "SUPPORT_MATRIX.md" in (ROOT / "patches" / "README.md").read_text(encoding="utf-8")
