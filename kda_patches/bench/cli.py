@@ -1,4 +1,4 @@
-"""Command line of the benchmarks: ``kda-patches bench state-copy --output FILE --seed N --trials N``."""
+"""Command line of the benchmarks: ``kda-patches bench state-copy|gdn-state-copy --output FILE --seed N ...``."""
 
 from __future__ import annotations
 
@@ -48,7 +48,27 @@ def build_parser() -> argparse.ArgumentParser:
                        help="extra fused configurations, BYTES[/WARPS[/stream]][,...], e.g. 16384/4,8192/4/stream")
     state.add_argument("--fallback-variants", type=parse_variants, default=[],
                        help="extra fallback configurations to measure, BYTES[/WARPS][,...]")
+    add_gdn_parser(commands)
     return parser
+
+
+def add_gdn_parser(commands: argparse._SubParsersAction) -> None:
+    """Add ``gdn-state-copy`` (:mod:`kda_patches.bench.gdn_state_copy`; defaults are its GDN shapes/cases)."""
+    gdn = commands.add_parser("gdn-state-copy", help="GDN prefill state copy: upstream's native gather/clear/"
+                              "scatter vs the plan's flagged gather + cast-folded scatter (seed 000 method)")
+    gdn.add_argument("--output", required=True, help="JSON file to write (must not exist)")
+    gdn.add_argument("--seed", type=int, default=0, help="RNG seed of indices, flags and data")
+    gdn.add_argument("--trials", type=int, default=30, help="rounds per case (each round shuffles the order)")
+    gdn.add_argument("--plot", default=None, help="PNG plot path (default: OUTPUT with .png)")
+    gdn.add_argument("--device", default="cuda", help="cuda (default) or cpu (TRITON_INTERPRET=1 smoke run)")
+    gdn.add_argument("--rows", type=int, default=1024, help="cache rows N")
+    gdn.add_argument("--shapes", default="qwen3.6-27b-tp4=12,128,128;qwen3.5-397b-tp8=8,128,128",
+                     help="NAME=H,V,K[;...] per-rank GDN recurrent-state shapes")
+    gdn.add_argument("--cases", default="float32:float32,bfloat16:float32,bfloat16:bfloat16",
+                     help="CACHE:FINAL[,...] cache and final-state dtype pairs")
+    gdn.add_argument("--gap-items", type=int, default=8192, help="page gap between rows, in items")
+    gdn.add_argument("--selected", type=parse_ints, default=[1, 8, 64, 256], help="selected counts")
+    gdn.add_argument("--graph-calls", type=int, default=50, help="calls captured per CUDA graph")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,4 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         from kda_patches.bench.state_copy import run_benchmark
 
         return run_benchmark(args)
+    if args.benchmark == "gdn-state-copy":
+        from kda_patches.bench.gdn_state_copy import run_gdn_benchmark
+
+        return run_gdn_benchmark(args)
     return 2

@@ -1,4 +1,7 @@
-"""Counting entries into the Triton JIT and compiler while a benchmark runs (after every plan is sealed)."""
+"""Counting entries into the Triton JIT, the interpreter's launch entry and the compiler while a benchmark
+runs (after every plan is sealed). Sealed plans launch through stored launchers (compiled) or the
+interpreter executor they kept (``TRITON_INTERPRET=1``), so every count stays 0 unless something
+re-enters Triton."""
 
 from __future__ import annotations
 
@@ -6,14 +9,15 @@ from typing import Any
 
 
 class CompilerEntryCounter:
-    """Context manager that counts calls of ``JITFunction.run`` and ``triton.compile`` (without blocking them).
+    """Context manager that counts calls of ``JITFunction.run``, ``InterpretedFunction.run`` and
+    ``triton.compile`` (without blocking them).
 
     Attributes:
         counts: ``{entry point: calls}`` accumulated over every ``with`` block.
     """
 
     def __init__(self) -> None:
-        self.counts: dict[str, int] = {"JITFunction.run": 0, "triton.compile": 0}
+        self.counts: dict[str, int] = {"JITFunction.run": 0, "InterpretedFunction.run": 0, "triton.compile": 0}
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _wrap(self, owner: Any, attribute: str, key: str) -> None:
@@ -29,9 +33,11 @@ class CompilerEntryCounter:
     def __enter__(self) -> CompilerEntryCounter:
         import triton
         import triton.compiler.compiler as compiler_module
+        from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
         self._wrap(JITFunction, "run", "JITFunction.run")
+        self._wrap(InterpretedFunction, "run", "InterpretedFunction.run")
         self._wrap(compiler_module, "compile", "triton.compile")
         self._wrap(triton, "compile", "triton.compile")
         return self

@@ -161,25 +161,7 @@ def measure_case(impls: dict[str, dict[str, Any]], state: torch.Tensor, selected
     check_correctness(impls, state, index_sets[0], flag_sets[0], packed)
     calls = {(name, op): call for name, impl in impls.items()
              for op, call in make_calls(impl, state, index_sets, flag_sets, packed).items()}
-    modes: dict[str, Any] = {"wall": timing.time_wall, "enqueue": timing.time_enqueue}
-    if device.type == "cuda":
-        modes["event"] = timing.time_eager_event
-    samples: dict[tuple[str, str, str], list[float]] = {}
-    order = list(calls)
-    for step in range(args.trials):
-        shuffler.shuffle(order)
-        for key in order:
-            for mode, measure in modes.items():
-                samples.setdefault((*key, mode), []).append(measure(calls[key], step, device))
-    if device.type == "cuda":
-        graphs = {key: timing.capture_graph(call, args.graph_calls, device) for key, call in calls.items()}
-        for _ in range(args.trials):
-            shuffler.shuffle(order)
-            for key in order:
-                samples.setdefault((*key, "graph"), []).append(timing.time_graph(graphs[key], args.graph_calls,
-                                                                                 device))
-        del graphs
-        torch.cuda.empty_cache()
+    samples = timing.measure_rounds(calls, args.trials, args.graph_calls, device, shuffler)
     return [{"dtype": str(state.dtype).removeprefix("torch."), "selected": selected, "impl": impl, "op": op,
              "mode": mode, "samples_us": values, "median_us": timing.median(values)}
             for (impl, op, mode), values in samples.items()]

@@ -114,6 +114,40 @@ def measure_copy_ceiling(device: torch.device, nbytes: int = 2 << 30, repeats: i
     return {"bytes_per_s": 2 * nbytes / (median(samples) * 1e-6), "samples_us": samples, "nbytes": nbytes}
 
 
+def measure_rounds(calls: dict[tuple[str, ...], Call], trials: int, graph_calls: int, device: torch.device,
+                   shuffler: Any) -> dict[tuple[str, ...], list[float]]:
+    """Time every call in every mode, shuffling the order of the calls in each round (seed 000 method).
+
+    Args:
+        calls: ``{key: call}``; every call gets the same inputs and allocation boundaries.
+        trials: rounds per mode.
+        graph_calls: calls captured per CUDA graph (graph mode: CUDA only).
+        device: the device the calls run on.
+        shuffler: a ``random.Random`` (the order of each round).
+    Returns:
+        ``{(*key, mode): raw samples in us}`` for modes wall, enqueue, and on CUDA event and graph.
+    """
+    modes: dict[str, Any] = {"wall": time_wall, "enqueue": time_enqueue}
+    if device.type == "cuda":
+        modes["event"] = time_eager_event
+    samples: dict[tuple[str, ...], list[float]] = {}
+    order = list(calls)
+    for step in range(trials):
+        shuffler.shuffle(order)
+        for key in order:
+            for mode, measure in modes.items():
+                samples.setdefault((*key, mode), []).append(measure(calls[key], step, device))
+    if device.type == "cuda":
+        graphs = {key: capture_graph(call, graph_calls, device) for key, call in calls.items()}
+        for _ in range(trials):
+            shuffler.shuffle(order)
+            for key in order:
+                samples.setdefault((*key, "graph"), []).append(time_graph(graphs[key], graph_calls, device))
+        del graphs
+        torch.cuda.empty_cache()
+    return samples
+
+
 def median(samples: Sequence[float]) -> float:
     """Return the median of ``samples`` (the mean of the middle two for an even count)."""
     ordered = sorted(samples)

@@ -4,10 +4,13 @@ Two kernels, each serving both directions through the ``SCATTER`` constexpr:
 
 - :func:`copy_rows_kernel` (the fused plan): typed elements, one program per
   ``(payload tile, selected row)``; gather reads cache row ``indices[s]`` into packed row ``s``,
-  scatter writes packed row ``s`` into cache row ``indices[s]`` (cast to the cache element type).
+  scatter reads packed row ``s`` in the final-state dtype and writes cache row ``indices[s]`` in the
+  cache dtype (the cast folded in: :func:`~kda_patches.state_copy.casts.cast_bits`).
 - :func:`copy_row_bytes_kernel` (the fallback plan): the same semantics on raw bytes (any dtype),
   over a flat 1-D grid in which one row is split into ``TILES`` byte tiles, so that one row is
   copied by many programs (a one-program-per-row loop is 4-8x slower).
+- :func:`scatter_cast_items_kernel` (the fallback plan's scatter when the final-state dtype differs
+  from the cache dtype): the byte kernel's flat grid and masks, on typed items, with the folded cast.
 
 Shared contract (checked on the host by :mod:`kda_patches.state_copy.layout` before launch):
 
@@ -31,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kda_patches.state_copy.casts import cast_bits
+
 
 @triton.jit
 def copy_rows_kernel(
@@ -45,6 +50,10 @@ def copy_rows_kernel(
     EVEN: tl.constexpr,
     SCATTER: tl.constexpr,
     STREAM: tl.constexpr,
+    SRC: tl.constexpr,
+    DST: tl.constexpr,
+    NAN_RULE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
 ):
     """Copy one ``BLOCK``-element tile of one selected row (fused plan).
 
@@ -55,8 +64,8 @@ def copy_rows_kernel(
         cache_ptr: ``*T`` (T = float32 or bfloat16), the cache ``[NUM_ROWS, H, V, K]``: inner
             ``[H, V, K]`` dense (``PAYLOAD`` items), row stride ``ROW_STRIDE`` items; alignment is
             whatever the cache signature recorded (the plan compiles for that class).
-        packed_ptr: ``*T`` for gather (the output) or ``*T`` for scatter (the input, already in the
-            cache dtype), contiguous ``[S, PAYLOAD]``, 16-byte aligned.
+        packed_ptr: ``*T`` for gather (the output) or ``*F`` for scatter (the input in the final-state
+            dtype F: float32, bfloat16 or float16), contiguous ``[S, PAYLOAD]``, 16-byte aligned.
         index_ptr: ``*int32`` or ``*int64``, contiguous ``[S]``, 16-byte aligned; any values
             (negative or ``>= NUM_ROWS`` mean invalid).
         flag_ptr: ``*int1`` (torch.bool), contiguous ``[>= S]``, 16-byte aligned; read by gather
@@ -69,6 +78,8 @@ def copy_rows_kernel(
         SCATTER: False gathers (cache -> packed), True scatters (packed -> cache).
         STREAM: mark the streamed side (cache reads of a gather; packed reads and cache writes of a
             scatter) ``evict_first`` so it does not push the packed states out of the L2.
+        SRC, DST: scatter only: kind codes (0 FP32, 1 BF16, 2 FP16) of F and T; equal codes copy bits.
+        NAN_RULE, NAN_BITS: scatter only: the NaN rule probed at prepare (:mod:`~kda_patches.state_copy.casts`).
     """
     tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
@@ -89,11 +100,14 @@ def copy_rows_kernel(
     if SCATTER:
         if STREAM:
             values = tl.load(packed_items, mask=copy_mask, eviction_policy="evict_first")
-            tl.store(cache_items, values.to(cache_ptr.dtype.element_ty), mask=copy_mask,
-                     eviction_policy="evict_first")
         else:
             values = tl.load(packed_items, mask=copy_mask)
-            tl.store(cache_items, values.to(cache_ptr.dtype.element_ty), mask=copy_mask)
+        if SRC != DST:
+            values = cast_bits(values, SRC, DST, NAN_RULE, NAN_BITS).to(cache_ptr.dtype.element_ty, bitcast=True)
+        if STREAM:
+            tl.store(cache_items, values, mask=copy_mask, eviction_policy="evict_first")
+        else:
+            tl.store(cache_items, values, mask=copy_mask)
     else:
         if STREAM:
             values = tl.load(cache_items, mask=copy_mask, other=0, eviction_policy="evict_first")
@@ -121,7 +135,8 @@ def copy_row_bytes_kernel(
     """Copy one ``BLOCK``-byte tile of one selected row as raw bytes (fallback plan).
 
     Grid: ``(S * TILES,)``; program ``p`` copies byte tile ``p % TILES`` of selected row
-    ``p // TILES``. The caller casts a scatter's packed input to the cache dtype first.
+    ``p // TILES``. A scatter whose final states are not in the cache dtype runs
+    :func:`scatter_cast_items_kernel` instead (bytes cannot be cast).
 
     Args:
         cache_ptr: ``*uint8``, the cache bytes: row ``r`` is ``PAYLOAD`` contiguous bytes at
@@ -157,3 +172,50 @@ def copy_row_bytes_kernel(
     else:
         values = tl.load(cache_bytes, mask=copy_mask, other=0)
         tl.store(packed_bytes, values, mask=in_payload)
+
+
+@triton.jit
+def scatter_cast_items_kernel(
+    cache_ptr,
+    packed_ptr,
+    index_ptr,
+    flag_ptr,
+    NUM_ROWS: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    PAYLOAD: tl.constexpr,
+    TILES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SRC: tl.constexpr,
+    DST: tl.constexpr,
+    NAN_RULE: tl.constexpr,
+    NAN_BITS: tl.constexpr,
+):
+    """Scatter one ``BLOCK``-item tile of one selected row, casting F -> T (fallback plan, typed).
+
+    Grid: ``(S * TILES,)``, as :func:`copy_row_bytes_kernel`; invalid indices are skipped.
+
+    Args:
+        cache_ptr: ``*T`` (float32, bfloat16 or float16): row ``r`` is ``PAYLOAD`` contiguous items at
+            ``cache_ptr + r * ROW_STRIDE``; alignment is whatever the cache signature recorded.
+        packed_ptr: ``*F`` (float32, bfloat16 or float16, not T), contiguous ``[S, PAYLOAD]``, 16-byte aligned.
+        index_ptr: ``*int32`` or ``*int64``, contiguous ``[S]``, 16-byte aligned.
+        flag_ptr: ``*int1``, never read (kept so every variant has the same launch signature).
+        NUM_ROWS: number of cache rows ``N``.
+        ROW_STRIDE: ``cache.stride(0)`` in items (``>= PAYLOAD``).
+        PAYLOAD: items per row.
+        TILES: ``cdiv(PAYLOAD, BLOCK)``.
+        BLOCK: items per program (power of two).
+        SRC, DST, NAN_RULE, NAN_BITS: the folded cast (:func:`~kda_patches.state_copy.casts.cast_bits`).
+    """
+    program = tl.program_id(0).to(tl.int64)
+    row = program // TILES
+    tile = program % TILES
+    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    in_payload = offsets < PAYLOAD
+    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
+    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
+    safe_row = tl.where(valid, cache_row, 0)
+    copy_mask = valid & in_payload
+    values = tl.load(packed_ptr + row * PAYLOAD + offsets, mask=copy_mask)
+    values = cast_bits(values, SRC, DST, NAN_RULE, NAN_BITS).to(cache_ptr.dtype.element_ty, bitcast=True)
+    tl.store(cache_ptr + safe_row * ROW_STRIDE + offsets, values, mask=copy_mask)

@@ -4,8 +4,10 @@ Same signatures and the exact same semantics as :class:`~kda_patches.state_copy.
 
 - gather: packed row ``s`` is cache row ``indices[s]``; rows whose index is negative or ``>= N``, or
   whose flag is false, are zeros; duplicates are fine; the result has the cache dtype.
-- scatter: packed row ``s`` is cast to the cache dtype and written to cache row ``indices[s]``;
-  invalid indices are skipped; valid destinations must be unique (caller precondition).
+- scatter: packed row ``s`` (final states of any dtype: FP32, BF16, FP16, ...) is cast to the cache
+  dtype with torch's ``.to()`` -- the cast the plans fold into their scatter kernels and must equal bit
+  for bit, NaN and Inf included -- and written to cache row ``indices[s]``; invalid indices are
+  skipped; valid destinations must be unique (caller precondition).
 
 These do host synchronizations (boolean indexing) and are meant for tests, not for serving.
 """
@@ -53,7 +55,7 @@ def scatter_states(state: torch.Tensor, packed: torch.Tensor, indices: torch.Ten
 
     Args:
         state: cache ``[N, H, V, K]``, modified in place.
-        packed: ``[S, H, V, K]`` final states (any floating dtype).
+        packed: ``[S, H, V, K]`` final states of any dtype (cast with ``packed.to(state.dtype)``).
         indices: ``[S]`` int32/int64 destination rows; invalid ones are skipped.
     Returns:
         None.

@@ -1,12 +1,18 @@
 """State-copy plans: compiled per cache layout at startup, sealed, then launched without the JIT.
 
 Lifecycle (seed 000, DESIGN §4.1): :meth:`StateCopyPlan.prepare` checks the cache layout, snapshots
-the compiler configuration and compiles exactly four variants (INT32/INT64 indices x gather/scatter)
-on disposable one-row scratch that keeps the cache's 16-byte alignment class and never aliases the
-live cache; it runs each variant once on that scratch and checks the result. :meth:`~StateCopyPlan.seal`
+the compiler configuration, decides the folded cast of every final-state dtype the model can produce
+(``final_dtypes``, :mod:`~kda_patches.state_copy.casts`) and compiles exactly ``2 + 2 * F`` variants
+for ``F`` final dtypes: two gathers (INT32/INT64 indices) and two scatters (INT32/INT64) per final
+dtype -- the seed's four variants when ``F == 1``, four more per added final dtype counting the
+gathers again, as the issue phrases it "four per final dtype"; six for the default BF16 cache
+(BF16 and FP32 finals). All are compiled on disposable one-row scratch that keeps the cache's 16-byte
+alignment class and never aliases the live cache; each runs once on that scratch and its result is
+checked against torch (the scatters against torch's ``.to()`` cast, bit for bit). :meth:`~StateCopyPlan.seal`
 checks that the configuration did not drift and that no JIT pre-run hook appeared. Only a sealed
 plan launches, and only for a cache with the prepared signature (device, dtype, shape, strides,
-``data_ptr % 16``), at most ``max_selected`` rows, same-device INT32/INT64 indices.
+``data_ptr % 16``), at most ``max_selected`` rows, same-device INT32/INT64 indices, and final states
+of a prepared final dtype (any other is refused before launch: final dtypes are decided at startup).
 
 :class:`FusedStatePlan` runs the typed tiled kernel; :class:`FallbackStatePlan` the masked byte-copy
 kernel (any dtype). Worker-level initialization (dedup, all-or-nothing publishing) and per-layer
@@ -20,13 +26,37 @@ from typing import Any, ClassVar
 import torch
 import triton
 
-from kda_patches.state_copy import kernels, layout
+from kda_patches.state_copy import casts, kernels, layout
 from kda_patches.state_copy.device import PLAN_FALLBACK, PLAN_FUSED, device_kind, interpreter_active, synchronize
-from kda_patches.state_copy.errors import refuse
+from kda_patches.state_copy.errors import LayoutError, refuse
 from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
 
 MAX_GRID_ROWS = 65535  # grid dimension 1 limit: the fused plan puts selected rows there
-_OPS = ("gather", "scatter")
+
+
+
+def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Return whether two tensors hold the same bytes (NaN payloads and -0.0 included)."""
+    return torch.equal(first.reshape(-1).view(torch.uint8), second.reshape(-1).view(torch.uint8))
+
+
+def normalize_final_dtypes(final_dtypes: Any, cache_dtype: torch.dtype, layer: str | None = None
+                           ) -> tuple[torch.dtype, ...]:
+    """Return the final-state dtypes a plan prepares: deduplicated, in order; default ``(cache, float32)``.
+
+    Raises:
+        LayoutError: not a non-empty tuple/list of FP32/BF16/FP16 dtypes.
+    """
+    if final_dtypes is None:
+        final_dtypes = (cache_dtype, torch.float32) if cache_dtype in casts.KIND_CODES else (cache_dtype,)
+    if isinstance(final_dtypes, torch.dtype) or not isinstance(final_dtypes, (tuple, list)) or not final_dtypes:
+        refuse("final_dtype", f"final_dtypes must be a non-empty tuple of torch dtypes, got {final_dtypes!r}",
+               layer, LayoutError)
+    for dtype in final_dtypes:
+        if dtype not in casts.KIND_CODES and dtype != cache_dtype:
+            refuse("final_dtype", f"final-state dtype {dtype!r} has no folded cast into the {cache_dtype} cache "
+                   "(supported: torch.float32, torch.bfloat16, torch.float16)", layer, LayoutError)
+    return tuple(dict.fromkeys(final_dtypes))
 
 
 class StateCopyPlan:
@@ -46,8 +76,12 @@ class StateCopyPlan:
     kernel: ClassVar[Any] = None
 
     def __init__(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
-                 layer: str | None, stream: bool = False) -> None:
+                 layer: str | None, stream: bool = False,
+                 final_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
         self.layout = layout.describe_layout(state, layer)
+        self.final_dtypes = normalize_final_dtypes(final_dtypes, state.dtype, layer)
+        self._casts = {dtype: casts.probe_nan_policy(dtype, state.dtype, state.device, layer)
+                       for dtype in self.final_dtypes}
         if not 0 <= max_selected <= MAX_GRID_ROWS:
             refuse("max_selected", f"max_selected must be in [0, {MAX_GRID_ROWS}], got {max_selected}", layer)
         self.signature = layout.cache_signature(state)
@@ -63,22 +97,26 @@ class StateCopyPlan:
         self._device_index = state.device.index if state.device.index is not None else (
             torch.cuda.current_device() if self._check_device else None)
         self._configuration = snapshot_configuration()
-        if pre_run_hook_count(self.kernel):
-            refuse("jit_hook", f"{self.kernel.__name__} carries JIT pre-run hooks before prepare; remove them "
-                   "(they would never run on direct launches)", layer)
-        self._interpreted = interpreter_active()
         self._stream = bool(stream)
-        self._constexprs_by_op, self._num_warps = self._kernel_config(block_bytes, num_warps)
+        self._num_warps = self._configure(block_bytes, num_warps)
+        self._kernels = tuple(dict.fromkeys(self._variant_kernel(key) for key in self._variant_keys()))
+        for kernel in self._kernels:
+            if pre_run_hook_count(kernel):
+                refuse("jit_hook", f"{kernel.__name__} carries JIT pre-run hooks before prepare; remove them "
+                       "(they would never run on direct launches)", layer)
+        self._interpreted = interpreter_active()
         self._true_flags = torch.ones(max(self.max_selected, 1), dtype=torch.bool, device=state.device)
-        self._variants: dict[tuple[str, torch.dtype], Any] = {}
+        self._variants: dict[tuple[Any, ...], Any] = {}
         self._compile_on_scratch(layer)
         self._gathers = {dtype: self._variants[("gather", dtype)] for dtype in layout.INDEX_DTYPES}
-        self._scatters = {dtype: self._variants[("scatter", dtype)] for dtype in layout.INDEX_DTYPES}
+        self._scatters = {final: {dtype: self._variants[("scatter", dtype, final)] for dtype in layout.INDEX_DTYPES}
+                          for final in self.final_dtypes}
 
     @classmethod
     def prepare(cls, state: torch.Tensor, max_selected: int, block_bytes: int | None = None,
-                num_warps: int | None = None, layer: str | None = None, stream: bool = False) -> StateCopyPlan:
-        """Compile and test-run the four variants for ``state``'s layout on scratch.
+                num_warps: int | None = None, layer: str | None = None, stream: bool = False,
+                final_dtypes: tuple[torch.dtype, ...] | None = None) -> StateCopyPlan:
+        """Compile and test-run the ``2 + 2 * len(final_dtypes)`` variants for ``state``'s layout on scratch.
 
         Args:
             state: the live cache ``[N, H, V, K]`` (only its metadata and alignment class are used).
@@ -87,20 +125,39 @@ class StateCopyPlan:
             num_warps: warps per program (default: the kind's default).
             layer: layer name for error messages.
             stream: fused plan only: ``evict_first`` hints on the streamed side (an experiment; off).
+            final_dtypes: the dtypes the scatter's final states may have (FP32, BF16, FP16); default
+                ``(cache dtype, torch.float32)`` deduplicated.
         Returns:
             An unsealed plan.
         Raises:
-            StateCopyError: layout refused, hooks present, or a variant failed on scratch.
+            StateCopyError: layout refused, a final dtype without an exact cast, hooks present, or a
+                variant failed on scratch.
         """
-        return cls(state, max_selected, block_bytes, num_warps, layer, stream)
+        return cls(state, max_selected, block_bytes, num_warps, layer, stream, final_dtypes)
 
     # -- preparation ------------------------------------------------------------------------
-    def _kernel_config(self, block_bytes: int | None, num_warps: int | None
-                       ) -> tuple[dict[str, tuple[Any, ...]], int]:
+    def _configure(self, block_bytes: int | None, num_warps: int | None) -> int:
+        """Fix the tile configuration (the grid is the same for every variant); return the warps."""
+        raise NotImplementedError
+
+    def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
+        """Return the ``@triton.jit`` kernel of the variant ``key`` (``(op, index dtype[, final dtype])``)."""
+        raise NotImplementedError
+
+    def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Return the kernel constexprs of the variant ``key``, in parameter order."""
         raise NotImplementedError
 
     def _grid(self, count: int) -> tuple[int, int]:
         raise NotImplementedError
+
+    def _variant_keys(self) -> list[tuple[Any, ...]]:
+        """Return every variant key: gathers per index dtype, scatters per (index dtype, final dtype)."""
+        keys: list[tuple[Any, ...]] = []
+        for index_dtype in layout.INDEX_DTYPES:
+            keys.append(("gather", index_dtype))
+            keys.extend(("scatter", index_dtype, final) for final in self.final_dtypes)
+        return keys
 
     def _build_scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return a one-row scratch cache (same alignment class, own storage) and a scratch packed row."""
@@ -114,27 +171,33 @@ class StateCopyPlan:
     def _compile_on_scratch(self, layer: str | None) -> None:
         cache, packed = self._build_scratch()
         pattern = torch.arange(self.layout.payload, device=self._device) % 251 - 125
-        cache.view(-1).copy_(pattern.to(self._dtype))
-        for index_dtype in layout.INDEX_DTYPES:
+        stored = pattern.to(self._dtype)
+        # scatter sources with fractions, so the scratch run also checks the rounding of the folded cast
+        finals = {dtype: (pattern * 0.3183099).to(dtype).view(1, *self._inner) for dtype in self.final_dtypes}
+        for key in self._variant_keys():
+            op, index_dtype = key[0], key[1]
+            name = f"{self.kind}/{op}/{casts.dtype_name(index_dtype)}" + (
+                f"/{casts.dtype_name(key[2])}" if op == "scatter" else "")
             indices = torch.zeros(1, dtype=index_dtype, device=self._device)
-            for op in _OPS:
-                name = f"{self.kind}/{op}/{str(index_dtype).removeprefix('torch.')}"
-                try:
-                    variant = compile_variant(name, self.kernel, (cache, packed, indices, self._true_flags),
-                                              self._constexprs_by_op[op], self._num_warps, self._interpreted,
-                                              self.kind == PLAN_FALLBACK)
-                    if op == "gather":
-                        packed.fill_(0)
-                    else:
-                        cache.view(-1).fill_(0)
-                    variant.launch(self._grid(1), cache, packed, indices, self._true_flags)
-                    synchronize(self._device)
-                except Exception as exc:
-                    refuse("prepare", f"variant {name} failed to compile or run on scratch: {exc!r}", layer)
-                if not torch.equal(cache.view(-1), pattern.to(self._dtype)) or not torch.equal(
-                        packed.view(-1), pattern.to(self._dtype)):
-                    refuse("prepare", f"variant {name} produced wrong bytes on scratch", layer)
-                self._variants[(op, index_dtype)] = variant
+            source = packed if op == "gather" else finals[key[2]]
+            cache.view(-1).copy_(stored)
+            packed.fill_(0)
+            if op == "scatter":
+                cache.view(-1).fill_(0)
+            try:
+                variant = compile_variant(name, self._variant_kernel(key), (cache, source, indices, self._true_flags),
+                                          self._variant_constexprs(key), self._num_warps, self._interpreted,
+                                          self._variant_kernel(key) is kernels.copy_row_bytes_kernel)
+                variant.launch(self._grid(1), cache, source, indices, self._true_flags)
+                synchronize(self._device)
+            except Exception as exc:
+                refuse("prepare", f"variant {name} failed to compile or run on scratch: {exc!r}", layer)
+            expected = stored if op == "gather" else source.view(-1).to(self._dtype)
+            written = packed if op == "gather" else cache
+            untouched = cache if op == "gather" else stored  # a gather must not write the cache
+            if not (_same_bytes(written, expected) and _same_bytes(untouched, stored)):
+                refuse("prepare", f"variant {name} produced wrong bytes on scratch", layer)
+            self._variants[key] = variant
 
     def seal(self) -> StateCopyPlan:
         """Freeze the plan: refuse if the compiler configuration drifted or a JIT pre-run hook appeared.
@@ -148,13 +211,14 @@ class StateCopyPlan:
         if drift:
             refuse("config_drift", "compiler configuration changed between prepare and seal ("
                    + "; ".join(drift) + "); restart the worker so the plan is prepared again")
-        if pre_run_hook_count(self.kernel):
-            refuse("jit_hook", f"a JIT pre-run hook appeared on {self.kernel.__name__} before seal; remove it")
+        for kernel in self._kernels:
+            if pre_run_hook_count(kernel):
+                refuse("jit_hook", f"a JIT pre-run hook appeared on {kernel.__name__} before seal; remove it")
         self.sealed = True
         return self
 
     def variant_names(self) -> list[str]:
-        """Return the names of the compiled variants (always four)."""
+        """Return the names of the compiled variants (``2 + 2 * len(final_dtypes)``)."""
         return sorted(variant.name for variant in self._variants.values())
 
     # -- serving ----------------------------------------------------------------------------
@@ -167,9 +231,10 @@ class StateCopyPlan:
                 or state.device != self._device or state.data_ptr() % 16 != self._alignment):
             refuse("signature", f"cache signature changed since prepare: prepared {self.signature}, got "
                    f"{layout.cache_signature(state)}; re-initialize the plans after re-binding the KV cache", layer)
-        if self.kernel.pre_run_hooks:
-            refuse("jit_hook", f"a JIT pre-run hook appeared on {self.kernel.__name__} after seal; state-copy "
-                   "launches bypass the JIT, so remove the hook or restart without it", layer)
+        for kernel in self._kernels:
+            if kernel.pre_run_hooks:
+                refuse("jit_hook", f"a JIT pre-run hook appeared on {kernel.__name__} after seal; state-copy "
+                       "launches bypass the JIT, so remove the hook or restart without it", layer)
         if self._check_device and torch._C._cuda_getDevice() != self._device_index:
             refuse("device", f"current CUDA device is {torch.cuda.current_device()}, plan is for "
                    f"{self._device}; call under torch.cuda.device({self._device_index})", layer)
@@ -214,13 +279,16 @@ class StateCopyPlan:
 
     def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
                 layer: str | None = None) -> None:
-        """Write packed rows into the cache, cast to its dtype (semantics of :func:`naive.scatter_states`).
+        """Write packed rows into the cache, cast to its dtype in the same pass (semantics of
+        :func:`naive.scatter_states`: bit for bit torch's ``packed.to(state.dtype)``).
 
         Args:
             state: the cache (must match the prepared signature), modified in place.
-            packed: ``[S, H, V, K]`` final states (cast to the cache dtype first when needed).
+            packed: ``[S, H, V, K]`` final states in one of the prepared ``final_dtypes``.
             indices: ``[S]`` int32/int64 destination rows; invalid ones are skipped; valid ones unique.
             layer: layer name for error messages.
+        Raises:
+            StateCopyRefused: ``final_dtype`` when ``packed.dtype`` was not prepared (nothing is launched).
         """
         if torch.compiler.is_compiling():
             refuse("compile", "an unbound plan cannot be traced; use the LayerStatePlan binding from "
@@ -228,22 +296,28 @@ class StateCopyPlan:
         indices = self._check_call(state, indices, layer)
         count = indices.shape[0]
         if not isinstance(packed, torch.Tensor) or packed.shape != (count, *self._inner) \
-                or packed.device != self._device or not packed.dtype.is_floating_point:
+                or packed.device != self._device or packed.dtype not in casts.KIND_CODES:
             layout.check_packed(packed, count, state, layer)
+        scatters = self._scatters.get(packed.dtype)
+        if scatters is None:
+            refuse("final_dtype", f"final states of dtype {packed.dtype} were not prepared for this layer's plan "
+                   f"(prepared: {', '.join(map(casts.dtype_name, self.final_dtypes))}); final dtypes are decided "
+                   "at startup: pass them in final_dtypes to initialize()", layer)
         if not count:
             return
-        if packed.dtype != self._dtype:
-            packed = packed.to(self._dtype)
         if not packed.is_contiguous() or packed.data_ptr() % 16:
             packed = packed.clone(memory_format=torch.contiguous_format)
-        self._scatters[indices.dtype].launch(self._grid(count), state, packed, indices, self._true_flags)
+        scatters[indices.dtype].launch(self._grid(count), state, packed, indices, self._true_flags)
 
     def describe(self) -> dict[str, Any]:
         """Return the plan as a JSON-serialisable dict (for the ledger and the benchmark)."""
         return {"kind": self.kind, "sealed": self.sealed, "max_selected": self.max_selected,
                 "device_kind": device_kind(self._device), "layout": self.layout.as_dict(),
                 "alignment": self._alignment, "num_warps": self._num_warps, "stream": self._stream,
-                "constexprs": {op: [str(v) for v in values] for op, values in self._constexprs_by_op.items()},
+                "final_dtypes": [casts.dtype_name(dtype) for dtype in self.final_dtypes],
+                "casts": [policy.as_dict() for policy in self._casts.values()],
+                "constexprs": {variant.name: [str(v) for v in self._variant_constexprs(key)]
+                               for key, variant in self._variants.items()},
                 "variants": self.variant_names()}
 
 
@@ -255,38 +329,64 @@ class FusedStatePlan(StateCopyPlan):
     DEFAULT_BLOCK_BYTES = 8192  # H200 sweep: same time as 16-64 KiB tiles at >= 64 rows, fastest at 1-8 rows
     DEFAULT_NUM_WARPS = 4
 
-    def _kernel_config(self, block_bytes: int | None, num_warps: int | None
-                       ) -> tuple[dict[str, tuple[Any, ...]], int]:
+    def _configure(self, block_bytes: int | None, num_warps: int | None) -> int:
         items = max((block_bytes or self.DEFAULT_BLOCK_BYTES) // self.layout.element_size, 16)
         block = min(triton.next_power_of_2(items), triton.next_power_of_2(self.layout.payload))
         self._tiles = triton.cdiv(self.layout.payload, block)
-        base = (self.layout.num_rows, self.layout.row_stride, self.layout.payload, block,
-                self.layout.payload % block == 0)
-        warps = num_warps or (self.DEFAULT_NUM_WARPS if block >= 1024 else 2)
-        return {"gather": (*base, False, self._stream), "scatter": (*base, True, self._stream)}, warps
+        self._base = (self.layout.num_rows, self.layout.row_stride, self.layout.payload, block,
+                      self.layout.payload % block == 0)
+        return num_warps or (self.DEFAULT_NUM_WARPS if block >= 1024 else 2)
+
+    def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
+        return kernels.copy_rows_kernel
+
+    def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
+        if key[0] == "gather":
+            code = casts.KIND_CODES.get(self._dtype, 0)
+            return (*self._base, False, self._stream, code, code, 0, 0)
+        return (*self._base, True, self._stream, *self._casts[key[2]].constexprs())
 
     def _grid(self, count: int) -> tuple[int, int]:
         return (self._tiles, count)
 
 
 class FallbackStatePlan(StateCopyPlan):
-    """Masked byte copy (any dtype): a flat grid in which each row is split over many programs."""
+    """Masked byte copy (any dtype): a flat grid in which each row is split over many programs.
+
+    A scatter whose final dtype differs from the cache dtype cannot be a byte copy: it runs the typed
+    masked variant :func:`~kda_patches.state_copy.kernels.scatter_cast_items_kernel` (same grid, same
+    masks, the folded cast), so the semantics are the byte copy's plus torch's cast.
+    """
 
     kind = PLAN_FALLBACK
     kernel = kernels.copy_row_bytes_kernel
     DEFAULT_BLOCK_BYTES = 16384
     DEFAULT_NUM_WARPS = 8
 
-    def _kernel_config(self, block_bytes: int | None, num_warps: int | None
-                       ) -> tuple[dict[str, tuple[Any, ...]], int]:
+    def _configure(self, block_bytes: int | None, num_warps: int | None) -> int:
         size = self.layout.element_size
         payload_bytes = self.layout.payload * size
         block = min(triton.next_power_of_2(max(block_bytes or self.DEFAULT_BLOCK_BYTES, 16)),
                     triton.next_power_of_2(payload_bytes))
         self._tiles = triton.cdiv(payload_bytes, block)
-        base = (self.layout.num_rows, self.layout.row_stride * size, payload_bytes, self._tiles, block)
-        warps = num_warps or (self.DEFAULT_NUM_WARPS if block >= 8192 else 4)
-        return {"gather": (*base, False), "scatter": (*base, True)}, warps
+        self._bytes_base = (self.layout.num_rows, self.layout.row_stride * size, payload_bytes, self._tiles, block)
+        # the typed cast scatter covers the same bytes per program, so its grid is the byte kernel's
+        self._items_base = (self.layout.num_rows, self.layout.row_stride, self.layout.payload, self._tiles,
+                            max(block // size, 1))
+        return num_warps or (self.DEFAULT_NUM_WARPS if block >= 8192 else 4)
+
+    def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
+        if key[0] == "scatter" and not self._casts[key[2]].identity:
+            return kernels.scatter_cast_items_kernel
+        return kernels.copy_row_bytes_kernel
+
+    def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
+        if key[0] == "gather":
+            return (*self._bytes_base, False)
+        policy = self._casts[key[2]]
+        if policy.identity:
+            return (*self._bytes_base, True)
+        return (*self._items_base, *policy.constexprs())
 
     def _grid(self, count: int) -> tuple[int, int]:
         return (count * self._tiles, 1)

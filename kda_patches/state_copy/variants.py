@@ -4,7 +4,8 @@ Serving never enters the Triton JIT: :func:`compile_variant` compiles a kernel o
 ``JITFunction.warmup`` on scratch tensors) and returns a :class:`CompiledVariant` whose
 :meth:`~CompiledVariant.launch` calls the compiled launcher with the stored function handle,
 bypassing the JIT's argument binder and cache lookup. Under ``TRITON_INTERPRET=1`` there is no
-compiler; :class:`InterpretedVariant` runs the interpreter with the same argument order.
+compiler; :class:`InterpretedVariant` runs the interpreter's executor on the kernel function it
+took at prepare, with the same argument order, so it too never enters ``InterpretedFunction.run``.
 
 Pointer arguments of a compiled launch are raw ``data_ptr()`` integers; the compiled signature
 (pointer element types, 16-byte divisibility of each pointer) was fixed at compile time by the
@@ -105,22 +106,35 @@ class CompiledVariant:
 
 
 class InterpretedVariant:
-    """One kernel run by the Triton interpreter (CPU tensors, ``TRITON_INTERPRET=1``)."""
+    """One kernel run by the Triton interpreter (CPU tensors, ``TRITON_INTERPRET=1``).
 
-    __slots__ = ("_args", "kernel", "name", "takes_bytes")
+    Like :class:`CompiledVariant`, it keeps what the JIT entry would look up and launches without
+    re-entering it: the interpreter's rewritten kernel function (``InterpretedFunction.rewrite()``,
+    taken at prepare) run by the interpreter's grid executor. ``InterpretedFunction.run`` and
+    ``__getitem__`` are never called after prepare, so a test guard on them sees a plan that re-enters
+    Triton's launch path on the CPU, as the guard on ``JITFunction.run`` does on a GPU.
+    """
+
+    __slots__ = ("_arg_names", "_args", "_executor", "_function", "kernel", "name", "takes_bytes")
 
     def __init__(self, name: str, kernel: Any, constexprs: tuple[Any, ...], takes_bytes: bool) -> None:
+        from triton.runtime.interpreter import GridExecutor
+
         self.name = name
         self.kernel = kernel
         self.takes_bytes = takes_bytes
         self._args = constexprs
+        self._function = kernel.rewrite() if hasattr(kernel, "rewrite") else kernel.fn  # older interpreters
+        self._arg_names = list(kernel.arg_names)
+        self._executor = GridExecutor
 
     def launch(self, grid: tuple[int, int], cache: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
                flags: torch.Tensor) -> None:
         """Run the interpreter over ``grid`` (same contract as :meth:`CompiledVariant.launch`)."""
         if self.takes_bytes:
             cache, packed = as_bytes(cache), as_bytes(packed)
-        self.kernel.run(cache, packed, indices, flags, *self._args, grid=grid, warmup=False)
+        # no pre-run hooks: direct launches never run them (the plan refuses a kernel that has any)
+        self._executor(self._function, self._arg_names, grid, [])(cache, packed, indices, flags, *self._args)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

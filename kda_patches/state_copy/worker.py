@@ -1,7 +1,7 @@
 """Worker-level plan initialization and the per-layer bindings the Kimi prefill wrapper calls.
 
-:func:`initialize` prepares one compiled plan per distinct ``(plan kind, cache signature)``, seals
-them all, and only then creates one :class:`LayerStatePlan` binding per layer. Any failure raises a
+:func:`initialize` prepares one compiled plan per distinct ``(plan kind, cache signature, final-dtype
+set)``, seals them all, and only then creates one :class:`LayerStatePlan` binding per layer. Any failure raises a
 ``RuntimeError`` that names the layer and the reason, and no binding exists (the caller publishes
 the returned bindings to its layers all at once). Nothing is registered globally: two workers in one
 process initialize independently.
@@ -16,10 +16,13 @@ import torch
 
 from kda_patches.ledger import get_ledger
 from kda_patches.state_copy import ops as _ops  # noqa: F401  (registers the custom ops before any trace)
+from kda_patches.state_copy.casts import dtype_name
 from kda_patches.state_copy.device import route_plan
-from kda_patches.state_copy.errors import LEDGER_SECTION
+from kda_patches.state_copy.errors import LEDGER_SECTION, LayoutError, refuse
 from kda_patches.state_copy.layout import cache_signature, describe_layout
-from kda_patches.state_copy.plan import PLAN_CLASSES, StateCopyPlan
+from kda_patches.state_copy.plan import PLAN_CLASSES, StateCopyPlan, normalize_final_dtypes
+
+FinalDtypes = tuple[torch.dtype, ...] | Mapping[str, tuple[torch.dtype, ...]] | None
 
 
 class LayerStatePlan:
@@ -59,14 +62,16 @@ class LayerStatePlan:
         return self.plan.gather(state, indices, flags, self.layer_name)
 
     def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor) -> None:
-        """Scatter final states into the cache (cast to its dtype); invalid indices are skipped.
+        """Scatter final states into the cache, cast to its dtype in the same kernel; invalid indices are skipped.
 
         Args:
             state: this layer's recurrent-state cache, modified in place.
-            packed: ``[S, H, V, K]`` final states.
+            packed: ``[S, H, V, K]`` final states in one of the layer's prepared final dtypes (read in
+                that dtype; the cache gets bit for bit ``packed.to(state.dtype)``).
             indices: ``[S]`` int32/int64 destination rows (valid ones unique).
         Raises:
-            StateCopyRefused / LayoutError: the call breaks the plan contract (nothing is launched).
+            StateCopyRefused / LayoutError: the call breaks the plan contract, e.g. ``final_dtype``: a
+                final dtype not prepared at startup (nothing is launched).
         """
         if torch.compiler.is_compiling():
             torch.ops.kda_patches.state_scatter(state, packed, indices, self.layer_name)
@@ -84,25 +89,59 @@ def _fail(layer: str, exc: BaseException, stage: str) -> RuntimeError:
     return RuntimeError(message)
 
 
-def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int | str | None = None
-               ) -> dict[str, LayerStatePlan]:
+def resolve_final_dtypes(states: Mapping[str, torch.Tensor], final_dtypes: FinalDtypes
+                         ) -> dict[str, tuple[torch.dtype, ...]]:
+    """Return each layer's final-state dtypes (deduplicated, in order) from ``initialize``'s argument.
+
+    Raises:
+        RuntimeError: a mapping key that names no layer, or a bad dtype (naming the layer).
+    """
+    if isinstance(final_dtypes, Mapping):
+        unknown = sorted(set(final_dtypes) - set(states))
+        if unknown:
+            try:
+                refuse("final_dtype", f"final_dtypes names layers that have no state: {unknown}; key it by the "
+                       "names of the states passed to initialize()", unknown[0], LayoutError)
+            except LayoutError as exc:
+                raise _fail(unknown[0], exc, "routing") from exc
+    resolved = {}
+    for name, state in states.items():
+        wanted = final_dtypes.get(name) if isinstance(final_dtypes, Mapping) else final_dtypes
+        try:
+            resolved[name] = normalize_final_dtypes(wanted, state.dtype, name)
+        except Exception as exc:
+            raise _fail(name, exc, "routing") from exc
+    return resolved
+
+
+def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int | str | None = None,
+               final_dtypes: FinalDtypes = None) -> dict[str, LayerStatePlan]:
     """Prepare and seal the plans of a worker's layers; return one binding per layer.
 
     Args:
         states: layer name -> that layer's recurrent-state cache ``[N, H, V, K]`` (bound, final layout).
         max_selected: the most rows one call may select (``scheduler_config.max_num_seqs``).
         soc: Ascend SoC version for NPU caches (probed from torch_npu when None).
+        final_dtypes: the dtypes the layers' final states (the scatter's input) may have, decided
+            here at startup: a tuple of torch dtypes (FP32, BF16, FP16) for every layer, or a mapping
+            layer name -> tuple (layers it leaves out, and ``None``, get the default); default
+            ``(cache dtype, torch.float32)`` deduplicated. Each plan compiles exactly
+            ``2 + 2 * F`` variants for its ``F`` final dtypes (two gathers, INT32/INT64, and two
+            scatters per final dtype: the issue's "four per final dtype"), all on scratch before
+            seal; a scatter of any other dtype is refused before launch.
     Returns:
-        ``{layer_name: LayerStatePlan}``; layers with the same plan kind and cache signature share
-        one compiled plan. Nothing is published anywhere: the caller attaches them all at once.
+        ``{layer_name: LayerStatePlan}``; layers with the same plan kind, cache signature and
+        final-dtype set share one compiled plan. Nothing is published anywhere: the caller attaches
+        them all at once. The ledger fact of each layer records its ``final_dtypes`` and casts.
     Raises:
-        RuntimeError: naming the first layer that failed (layout, routing, compile, scratch run or
-            seal) and why; no binding is returned.
+        RuntimeError: naming the first layer that failed (layout, routing, final dtypes, compile,
+            scratch run or seal) and why; no binding is returned.
     """
     from kda_patches import current_flags
 
     force_triton = current_flags().force_triton
-    groups: dict[tuple[str, tuple[Any, ...]], list[str]] = {}
+    finals = resolve_final_dtypes(states, final_dtypes)
+    groups: dict[tuple[Any, ...], list[str]] = {}
     routes = {}
     for name, state in states.items():
         try:
@@ -110,12 +149,14 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
             routes[name] = route_plan(state.device, state.dtype, soc, name)
         except Exception as exc:
             raise _fail(name, exc, "routing") from exc
-        groups.setdefault((routes[name].kind, cache_signature(state)), []).append(name)
+        final_set = tuple(sorted(finals[name], key=str))  # a set: the order given does not split tables
+        groups.setdefault((routes[name].kind, cache_signature(state), final_set), []).append(name)
 
-    plans: dict[tuple[str, tuple[Any, ...]], StateCopyPlan] = {}
+    plans: dict[tuple[Any, ...], StateCopyPlan] = {}
     for key, names in groups.items():
         try:
-            plans[key] = PLAN_CLASSES[key[0]].prepare(states[names[0]], max_selected, layer=names[0])
+            plans[key] = PLAN_CLASSES[key[0]].prepare(states[names[0]], max_selected, layer=names[0],
+                                                      final_dtypes=finals[names[0]])
         except Exception as exc:
             raise _fail(names[0], exc, "prepare") from exc
     for key, plan in plans.items():
@@ -128,10 +169,13 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
     ledger = get_ledger()
     tables = {key: f"{key[0]}#{number}" for number, key in enumerate(plans)}
     for key, names in groups.items():
+        described = plans[key].describe()
         for name in names:
             ledger.set_fact(LEDGER_SECTION, name, {
                 **routes[name].as_dict(), "table": tables[key], "shared_by": len(names),
                 "signature": [str(part) for part in key[1]], "max_selected": int(max_selected),
+                "final_dtypes": [dtype_name(dtype) for dtype in finals[name]], "casts": described["casts"],
+                "variants": len(described["variants"]),
                 "native_op": "never (KDA_PATCHES_FORCE_TRITON=1)" if force_triton else "none available"})
     ledger.count(LEDGER_SECTION, "tables_prepared", len(plans))
     ledger.set_fact(LEDGER_SECTION, "initialization", {"ok": True, "layers": len(bindings), "tables": len(plans)})

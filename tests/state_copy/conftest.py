@@ -46,10 +46,18 @@ def make_cache(device: torch.device) -> Callable[..., PagedCache]:
     return factory
 
 
+GUARDED_ENTRIES = ("JITFunction.run", "JITFunction.__getitem__", "InterpretedFunction.run",
+                   "InterpretedFunction.__getitem__", "triton.compiler.compile", "triton.compile")
+
+
 class CompilerGuard:
-    """Records entries into the Triton JIT and compiler once armed (each entry also raises).
+    """Records entries into Triton's launch path and compiler once armed (each entry also raises).
 
     Arm it after the plans are sealed: preparing a plan compiles (that is allowed), serving must not.
+    The guard covers the compiled JIT (``JITFunction.run``/``__getitem__``, ``triton.compile``) and the
+    interpreter's entry (``InterpretedFunction.run``/``__getitem__``): under ``TRITON_INTERPRET=1`` the
+    kernels are ``InterpretedFunction`` objects, and a sealed plan launches through the executor it
+    kept at prepare, never through those entries, so a plan that re-enters Triton fails on the CPU too.
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,12 +72,15 @@ class CompilerGuard:
         return entry
 
     def arm(self) -> CompilerGuard:
-        """Make ``JITFunction.run`` and ``triton.compile`` raise (and be recorded) until the test ends."""
+        """Make every entry of :data:`GUARDED_ENTRIES` raise (and be recorded) until the test ends."""
         import triton
         import triton.compiler.compiler as compiler_module
+        from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
-        self._monkeypatch.setattr(JITFunction, "run", self._refuse("JITFunction.run"))
+        for owner, attribute in ((JITFunction, "run"), (JITFunction, "__getitem__"), (InterpretedFunction, "run"),
+                                 (InterpretedFunction, "__getitem__")):
+            self._monkeypatch.setattr(owner, attribute, self._refuse(f"{owner.__name__}.{attribute}"))
         self._monkeypatch.setattr(compiler_module, "compile", self._refuse("triton.compiler.compile"))
         self._monkeypatch.setattr(triton, "compile", self._refuse("triton.compile"))
         return self

@@ -45,7 +45,10 @@ class PagedCache:
 def build_cache(device: torch.device, dtype: torch.dtype = torch.float32, num_rows: int = 6,
                 inner: tuple[int, int, int] = (2, 3, 8), gap: int = 5, offset: int = 3,
                 seed: int = 0) -> PagedCache:
-    """Build a random :class:`PagedCache` whose gaps and offset prefix hold a NaN-pattern poison.
+    """Build a random :class:`PagedCache` whose gaps, offset prefix and tail hold a NaN-pattern poison.
+
+    The backing goes on for one more row stride after row ``N - 1`` (the tail), so a kernel that takes
+    ``index == N`` as valid reads or writes poisoned memory in bounds, which the tests then see.
 
     Args:
         device: where to allocate.
@@ -60,7 +63,7 @@ def build_cache(device: torch.device, dtype: torch.dtype = torch.float32, num_ro
     """
     generator = torch.Generator().manual_seed(seed)
     stride0 = inner[0] * inner[1] * inner[2] + gap
-    total = offset + num_rows * stride0
+    total = offset + (num_rows + 1) * stride0
     backing = torch.full((total,), -7, dtype=BITS[dtype]).view(dtype)
     state = backing.as_strided((num_rows, *inner), (stride0, inner[1] * inner[2], inner[2], 1), offset)
     state.copy_((torch.randn((num_rows, *inner), generator=generator) * 3).to(dtype))

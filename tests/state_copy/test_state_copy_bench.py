@@ -19,7 +19,31 @@ def test_bench_smoke_run_writes_raw_samples_and_refuses_overwrite(tmp_path, devi
     assert impls == {"fused", "fallback", "torch-native", "fused-64w2-stream", "reference-contiguous-copy"}
     assert all(len(record["samples_us"]) == 2 for record in result["records"])
     assert {record["mode"] for record in result["records"]} >= {"wall", "enqueue"}
-    assert result["compiler_entries_after_seal"] == {"JITFunction.run": 0, "triton.compile": 0}
+    assert result["compiler_entries_after_seal"] == {"JITFunction.run": 0, "InterpretedFunction.run": 0,
+                                                     "triton.compile": 0}
     assert result["summary"]["checks"]["compiler_entries_after_seal"]["met"] is True
     assert main(argv) == 2  # the output exists: refused, untouched
     assert json.loads(output.read_text()) == result
+
+
+def test_gdn_bench_smoke_run_native_vs_plan_with_cast_cases(tmp_path, device):
+    output = tmp_path / "gdn.json"
+    argv = ["gdn-state-copy", "--output", str(output), "--device", str(device), "--rows", "12",
+            "--shapes", "tiny=2,3,8;tinier=1,4,8", "--gap-items", "5", "--selected", "1,3", "--trials", "2",
+            "--graph-calls", "3", "--cases", "float32:float32,bfloat16:float32", "--seed", "3"]
+    assert main(argv) == 0
+    result = json.loads(output.read_text())
+    assert result["benchmark"] == "gdn-state-copy" and len(result["source_sha256"]) == 64
+    cases = {(r["shape"], r["dtype"], r["final_dtype"]) for r in result["records"]}
+    assert cases == {(shape, cache, final) for shape in ("tiny", "tinier")
+                     for cache, final in (("float32", "float32"), ("bfloat16", "float32"))}
+    impls = {(r["dtype"], r["final_dtype"], r["impl"]) for r in result["records"]}
+    assert ("float32", "float32", "plan+torch-cast") not in impls  # only where the dtypes differ
+    assert {impl for _, _, impl in impls} == {"native", "plan", "plan+torch-cast"}
+    assert {r["op"] for r in result["records"]} == {"gather", "scatter", "pair"}
+    assert all(len(r["samples_us"]) == 2 for r in result["records"])
+    assert result["compiler_entries_after_seal"] == {"JITFunction.run": 0, "InterpretedFunction.run": 0,
+                                                     "triton.compile": 0}
+    plan = result["plans"]["tiny/bfloat16:float32"]
+    assert plan["final_dtypes"] == ["float32"] and len(plan["variants"]) == 4
+    assert main(argv) == 2 and json.loads(output.read_text()) == result

@@ -131,17 +131,23 @@ def test_configuration_drift_between_prepare_and_seal(cache, device, plan_class,
     plan.scatter(cache.state, out, indices)
 
 
-def test_four_variants_reused_for_every_count(cache, device, plan_class, no_compiler):
+def test_four_variants_reused_for_every_count(cache, make_cache, device, plan_class, no_compiler):
     plan = plan_class.prepare(cache.state, 5).seal()
-    no_compiler.arm()
-    assert len(plan.variant_names()) == 4
-    table = dict(plan._variants)
+    half = make_cache(dtype=torch.bfloat16, num_rows=6)
+    two_finals = plan_class.prepare(half.state, 5).seal()  # default finals: (bfloat16, float32)
+    no_compiler.arm()  # sees the compiled JIT and the interpreter's entry alike
+    assert len(plan.variant_names()) == 4 and len(two_finals.variant_names()) == 2 + 2 * 2
+    tables = [(plan, cache, dict(plan._variants)), (two_finals, half, dict(two_finals._variants))]
     for count in range(0, 6):
         for index_dtype in (torch.int32, torch.int64):
             indices = torch.arange(count, dtype=index_dtype, device=device)
             out = plan.gather(cache.state, indices)
             plan.scatter(cache.state, out, indices)
-    assert plan._variants == table and all(plan._variants[key] is table[key] for key in table)
+            initial = two_finals.gather(half.state, indices)
+            two_finals.scatter(half.state, initial, indices)
+            two_finals.scatter(half.state, initial.float() / 3, indices)
+    for current, _, table in tables:
+        assert current._variants == table and all(current._variants[key] is table[key] for key in table)
     assert no_compiler.entries == []  # zero compiler entries after seal
 
 

@@ -1,0 +1,151 @@
+"""Summary, target checks, table and plot of a GDN state-copy benchmark result (``bench gdn-state-copy``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GDN_TARGETS = {
+    "pair_speedup_vs_native_min": 2.0,  # >= 64 rows, FP32 cache + FP32 finals and BF16 cache + FP32 finals
+    "scatter_graph_over_floor_max": 1.10,  # graph replay, >= 64 rows
+}
+SPEEDUP_CASES = (("float32", "float32"), ("bfloat16", "float32"))
+MODES = ("graph", "event", "wall", "enqueue")
+
+
+def floor_us(result: dict[str, Any], inner: list[int], cache: str, final: str, selected: int, op: str
+             ) -> float | None:
+    """Return the bytes / copy-ceiling floor of one op in microseconds (None without a ceiling).
+
+    The scatter reads the finals in their dtype and writes the cache dtype; the gather reads and writes
+    the cache dtype; the pair is both.
+    """
+    ceiling = result.get("copy_ceiling")
+    if not ceiling:
+        return None
+    items = selected * inner[0] * inner[1] * inner[2]
+    scatter = items * (ELEMENT_BYTES[final] + ELEMENT_BYTES[cache])
+    gather = items * 2 * ELEMENT_BYTES[cache]
+    moved = {"scatter": scatter, "gather": gather, "pair": scatter + gather}[op]
+    return moved / ceiling["bytes_per_s"] * 1e6
+
+
+def summarize_gdn(result: dict[str, Any]) -> dict[str, Any]:
+    """Return one row per (shape, cache, final, selected, op) with every impl's medians, and the checks."""
+    table: dict[tuple[Any, ...], dict[str, dict[str, float]]] = {}
+    inners = {}
+    for record in result["records"]:
+        key = (record["shape"], record["dtype"], record["final_dtype"], record["selected"], record["op"])
+        inners[record["shape"]] = record["inner"]
+        table.setdefault(key, {}).setdefault(record["impl"], {})[record["mode"]] = record["median_us"]
+    rows = []
+    checks: dict[str, Any] = {}
+    for key in sorted(table, key=lambda k: (k[0], k[1], k[2], k[4], k[3])):
+        shape, cache, final, selected, op = key
+        impls = table[key]
+        floor = floor_us(result, inners[shape], cache, final, selected, op)
+        row: dict[str, Any] = {"shape": shape, "dtype": cache, "final_dtype": final, "selected": selected,
+                               "op": op, "floor_us": floor, "impls": impls}
+        native, plan = impls.get("native", {}), impls.get("plan", {})
+        row["speedup_vs_native"] = {mode: native[mode] / plan[mode] for mode in MODES
+                                    if native.get(mode) and plan.get(mode)}
+        row["plan_graph_over_floor"] = plan["graph"] / floor if plan.get("graph") and floor else None
+        rows.append(row)
+        tag = f"{shape}/{cache}:{final}/{selected}"
+        if selected >= 64 and op == "pair" and (cache, final) in SPEEDUP_CASES:
+            for mode in ("graph", "wall"):
+                checks[f"pair_speedup_vs_native[{mode}] {tag}"] = _check(
+                    row["speedup_vs_native"].get(mode), GDN_TARGETS["pair_speedup_vs_native_min"], "min")
+        if selected >= 64 and op == "scatter":
+            checks[f"scatter_graph_over_floor {tag}"] = _check(row["plan_graph_over_floor"],
+                                                              GDN_TARGETS["scatter_graph_over_floor_max"], "max")
+    entries = sum(result["compiler_entries_after_seal"].values())
+    checks["compiler_entries_after_seal"] = {"value": entries, "target": 0, "met": entries == 0}
+    return {"rows": rows, "checks": checks, "targets": GDN_TARGETS,
+            "all_met": all(check["met"] for check in checks.values() if check["met"] is not None)}
+
+
+def _check(value: float | None, target: float, kind: str) -> dict[str, Any]:
+    met = None if value is None else (value <= target if kind == "max" else value >= target)
+    return {"value": value, "target": target, "kind": kind, "met": met}
+
+
+def _show(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def print_gdn_table(result: dict[str, Any]) -> None:
+    """Print native vs plan medians (graph replay and synchronized wall) per case, then the checks."""
+    ceiling = result.get("copy_ceiling")
+    if ceiling:
+        print(f"copy ceiling: {ceiling['bytes_per_s'] / 1e12:.3f} TB/s (read + write)")
+    print("shape / cache:final / rows / op | native graph, wall | plan graph, wall | speedup graph, wall | "
+          "plan graph / floor")
+    for row in result["summary"]["rows"]:
+        native, plan = row["impls"].get("native", {}), row["impls"].get("plan", {})
+        speed = row["speedup_vs_native"]
+        ratio = row["plan_graph_over_floor"]
+        extra = row["impls"].get("plan+torch-cast")
+        print(f"{row['shape']} {row['dtype']}:{row['final_dtype']} S={row['selected']:<4} {row['op']:<7} | "
+              f"{_show(native.get('graph'))}, {_show(native.get('wall'))} | {_show(plan.get('graph'))}, "
+              f"{_show(plan.get('wall'))} | {speed.get('graph', 0):.2f}x, {speed.get('wall', 0):.2f}x | "
+              + (f"{ratio:.2f}x" if ratio else "-")
+              + (f" | plan+torch-cast graph {_show(extra.get('graph'))}" if extra else ""))
+    for name, check in result["summary"]["checks"].items():
+        value = check["value"]
+        shown = f"{value:.3f}" if isinstance(value, float) else value
+        print(f"check {name}: {shown} (target {check.get('kind', '==')} {check['target']}) met={check['met']}")
+
+
+def plot_gdn(result: dict[str, Any], path: Path) -> str | None:
+    """Draw one panel per (shape, cache:final): graph-replay pair and scatter per impl, with floors.
+
+    Returns:
+        The path written, or None when matplotlib is missing, there are no graph timings, or ``path`` exists.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("kda-patches bench: matplotlib is not installed; no plot written")
+        return None
+    graph = [r for r in result["records"] if r["mode"] == "graph"]
+    if not graph or path.exists():
+        return None
+    panels = sorted({(r["shape"], r["dtype"], r["final_dtype"]) for r in graph})
+    columns = min(len(panels), 3)
+    rows = -(-len(panels) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(6.2 * columns, 4.6 * rows), squeeze=False)
+    for number, (shape, cache, final) in enumerate(panels):
+        axis = axes[number // columns][number % columns]
+        records = [r for r in graph if (r["shape"], r["dtype"], r["final_dtype"]) == (shape, cache, final)]
+        inner = records[0]["inner"]
+        selected = sorted({r["selected"] for r in records})
+        for impl in sorted({r["impl"] for r in records}):
+            for op, style in (("pair", "-"), ("scatter", "--")):
+                points = sorted((r["selected"], r["median_us"]) for r in records if r["impl"] == impl and r["op"] == op)
+                if points:
+                    axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", linestyle=style,
+                              label=f"{impl} {op}")
+        for op, style in (("pair", ":"), ("scatter", "-.")):
+            floors = [floor_us(result, inner, cache, final, count, op) for count in selected]
+            if all(floors):
+                axis.plot(selected, floors, linestyle=style, color="black", label=f"{op} floor (bytes / D2D ceiling)")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("selected rows")
+        axis.set_ylabel("graph replay median per call (us)")
+        axis.set_title(f"{shape} [N, {', '.join(map(str, inner))}] cache {cache}, finals {final}", fontsize=9)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=6)
+    for number in range(len(panels), rows * columns):
+        axes[number // columns][number % columns].axis("off")
+    figure.suptitle(f"GDN prefill state copy: native gather/clear/scatter vs plan (cast folded), "
+                    f"{result['argv']['rows']} cache rows + gap {result['argv']['gap_items']} items")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return str(path)

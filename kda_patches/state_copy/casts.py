@@ -1,0 +1,211 @@
+"""The final-state cast folded into the scatter: exact FP32/BF16/FP16 conversions inside the kernels.
+
+Upstream and the forks scatter ``last.to(cache_dtype)``. The scatter kernels read the final states in
+their own dtype and write the cache dtype in one pass, with the conversion done on the bit patterns
+(:func:`cast_bits`), because neither the Triton interpreter (its FP32->BF16 cast truncates or rounds
+half up, and can turn a NaN into an infinity) nor every backend converts exactly like torch does:
+
+- finite values and infinities: round to nearest even, subnormals kept (IEEE), as torch does on every
+  device (widening casts are exact);
+- NaN: torch's result differs by device and even by code path (CUDA ``cvt`` returns one canonical
+  NaN, the CPU's vector path ``0xFFFF`` for BF16 but a quieted, sign-keeping NaN for FP16). So the
+  NaN rule of each ``(final dtype, cache dtype)`` pair is decided at prepare by
+  :func:`probe_nan_policy`, which casts a fixed set of NaN patterns with torch on the cache's device
+  (a vector and single elements, to cover vector and scalar code paths) and picks the one rule of
+  :data:`NAN_RULES` that reproduces every result; when none does (torch itself disagrees between its
+  code paths, e.g. FP16->FP32 on the CPU), that final dtype is refused at prepare.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kda_patches.state_copy.errors import LayoutError, refuse
+
+FINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KIND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' SRC/DST constexprs
+NAN_CANONICAL, NAN_QUIET, NAN_PRESERVE = 0, 1, 2
+NAN_RULES = {NAN_CANONICAL: "canonical", NAN_QUIET: "quiet", NAN_PRESERVE: "preserve"}
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+# (width, mantissa bits) of each format
+_FORMAT = {torch.float32: (32, 23), torch.bfloat16: (16, 7), torch.float16: (16, 10)}
+# NaN patterns of each source dtype probed at prepare: both signs, quiet and signalling, low and high payloads
+PROBE_NANS = {
+    torch.float32: (0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FC00123, 0x7FFFFFFF, 0x7F812345,
+                    0xFFA00000, 0x7FBFFFFF, 0xFFFFE000),
+    torch.bfloat16: (0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FC1, 0x7FFF, 0xFFFF, 0x7FA5),
+    torch.float16: (0x7E00, 0xFE00, 0x7C01, 0xFC01, 0x7E01, 0x7FFF, 0xFFFF, 0x7D55),
+}
+
+
+@triton.jit
+def decode_f32_bits(x, SRC: tl.constexpr):
+    """Return ``(bits, nan)``: ``x`` (FP32/BF16/FP16 by ``SRC`` 0/1/2) as FP32 bit patterns (uint32),
+    exact, NaN payloads moved to the top of the FP32 mantissa unquieted, and its NaN mask."""
+    if SRC == 0:
+        bits = x.to(tl.uint32, bitcast=True)
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    elif SRC == 1:
+        half = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+        bits = half << 16  # BF16 is the top half of FP32: exact for every value
+        nan = (half & 0x7FFF) > 0x7F80
+    else:
+        half = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+        nan = (half & 0x7FFF) > 0x7C00
+        widened = x.to(tl.float32).to(tl.uint32, bitcast=True)  # exact for every non-NaN FP16
+        nan_bits = ((half & 0x8000) << 16) | 0x7F800000 | ((half & 0x3FF) << 13)
+        bits = tl.where(nan, nan_bits, widened)
+    return bits, nan
+
+
+@triton.jit
+def encode_f32_bits(bits, nan, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BITS: tl.constexpr):
+    """Round FP32 bit patterns (uint32) to ``DST`` (0/1/2) to nearest even; NaN by the probed rule.
+
+    Returns uint32 for FP32, uint16 for BF16/FP16 (bit patterns; the caller bitcasts them).
+    """
+    sign = bits & 0x80000000
+    magnitude = bits ^ sign
+    if DST == 0:
+        if NAN_RULE == 0:
+            nan_out = tl.full(bits.shape, NAN_BITS, tl.uint32)
+        elif NAN_RULE == 1:
+            nan_out = bits | 0x00400000
+        else:
+            nan_out = bits
+        return tl.where(nan, nan_out, bits)
+    if DST == 1:
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # carries into the exponent, inf on overflow
+        payload = (magnitude & 0x7FFFFF) >> 16
+        if NAN_RULE == 0:
+            nan_out = tl.full(bits.shape, NAN_BITS, tl.uint32)
+        elif NAN_RULE == 1:
+            nan_out = (sign >> 16) | 0x7FC0 | payload
+        else:
+            nan_out = (sign >> 16) | 0x7F80 | payload
+        return tl.where(nan, nan_out, rounded).to(tl.uint16)
+    # FP16: overflow to inf, normal rebias + round, subnormal by one exact FP32 add of 0.5
+    normal = (magnitude - 0x38000000 + 0xFFF + ((magnitude >> 13) & 1)) >> 13
+    small = magnitude < 0x38800000
+    tiny = tl.where(small, magnitude, 0).to(tl.float32, bitcast=True)  # only subnormal-range values are added
+    shifted = (tiny + 0.5).to(tl.uint32, bitcast=True) - 0x3F000000
+    finite = tl.where(magnitude >= 0x47800000, 0x7C00, tl.where(small, shifted, normal))
+    payload = (magnitude & 0x7FFFFF) >> 13
+    if NAN_RULE == 0:
+        nan_out = tl.full(bits.shape, NAN_BITS, tl.uint32)
+    elif NAN_RULE == 1:
+        nan_out = (sign >> 16) | 0x7E00 | payload
+    else:
+        nan_out = (sign >> 16) | 0x7C00 | payload
+    return tl.where(nan, nan_out, finite | (sign >> 16)).to(tl.uint16)
+
+
+@triton.jit
+def cast_bits(x, SRC: tl.constexpr, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BITS: tl.constexpr):
+    """Return ``x.to(DST)`` as ``DST`` bit patterns (uint32 or uint16), exactly as torch casts."""
+    bits, nan = decode_f32_bits(x, SRC)
+    return encode_f32_bits(bits, nan, DST, NAN_RULE, NAN_BITS)
+
+
+class CastPolicy:
+    """How one ``(final dtype, cache dtype)`` pair is cast inside a scatter kernel.
+
+    Attributes:
+        source, target: the final and the cache dtype.
+        nan_rule: ``NAN_CANONICAL``, ``NAN_QUIET`` or ``NAN_PRESERVE`` (ignored when ``identity``).
+        nan_bits: the canonical NaN pattern (``NAN_CANONICAL`` only; 0 otherwise).
+        identity: same dtype: the kernel copies the bits (any dtype).
+    """
+
+    __slots__ = ("identity", "nan_bits", "nan_rule", "source", "target")
+
+    def __init__(self, source: torch.dtype, target: torch.dtype, nan_rule: int = NAN_PRESERVE,
+                 nan_bits: int = 0) -> None:
+        self.source = source
+        self.target = target
+        self.identity = source == target
+        self.nan_rule = nan_rule
+        self.nan_bits = nan_bits
+
+    def constexprs(self) -> tuple[int, int, int, int]:
+        """Return the kernel constexprs ``(SRC, DST, NAN_RULE, NAN_BITS)``."""
+        return KIND_CODES[self.source], KIND_CODES[self.target], self.nan_rule, self.nan_bits
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the policy as a JSON-serialisable dict (for the ledger)."""
+        rule = "bit copy" if self.identity else NAN_RULES[self.nan_rule]
+        return {"final": dtype_name(self.source), "cache": dtype_name(self.target), "nan": rule,
+                "nan_bits": hex(self.nan_bits) if self.nan_rule == NAN_CANONICAL and not self.identity else None}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return ``"float32"`` for ``torch.float32`` (and so on)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def expected_nan(pattern: int, source: torch.dtype, target: torch.dtype, rule: int, canonical: int) -> int:
+    """Return the target bit pattern (unsigned) a NaN ``pattern`` of ``source`` gets under ``rule``."""
+    width, mantissa = _FORMAT[source]
+    target_width, target_mantissa = _FORMAT[target]
+    if rule == NAN_CANONICAL:
+        return canonical
+    sign = (pattern >> (width - 1)) & 1
+    payload = pattern & ((1 << mantissa) - 1)
+    payload = payload << (target_mantissa - mantissa) if target_mantissa >= mantissa else \
+        payload >> (mantissa - target_mantissa)
+    if rule == NAN_QUIET:
+        payload |= 1 << (target_mantissa - 1)
+    exponent = ((1 << (target_width - 1 - target_mantissa)) - 1) << target_mantissa
+    return (sign << (target_width - 1)) | exponent | payload
+
+
+def _signed(value: int, width: int) -> int:
+    return value - (1 << width) if value >= 1 << (width - 1) else value
+
+
+def _torch_cast_bits(patterns: list[int], source: torch.dtype, target: torch.dtype, device: torch.device
+                     ) -> list[int]:
+    width = _FORMAT[source][0]
+    tensor = torch.tensor([_signed(p, width) for p in patterns], dtype=_BITS[source]).to(device).view(source)
+    mask = (1 << _FORMAT[target][0]) - 1
+    return [value & mask for value in tensor.to(target).view(_BITS[target]).cpu().tolist()]
+
+
+def probe_nan_policy(source: torch.dtype, target: torch.dtype, device: torch.device,
+                     layer: str | None = None) -> CastPolicy:
+    """Decide how NaNs of ``source`` become ``target`` by asking torch on ``device``.
+
+    Args:
+        source: the final-state dtype (FP32/BF16/FP16).
+        target: the cache dtype (FP32/BF16/FP16).
+        device: the cache's device (torch's cast is run there).
+        layer: layer name for error messages.
+    Returns:
+        The :class:`CastPolicy` (identity for equal dtypes).
+    Raises:
+        LayoutError: an unsupported dtype, or no rule reproduces torch's NaN results on this device.
+    """
+    if source == target:
+        return CastPolicy(source, target)
+    for dtype, role in ((source, "final-state"), (target, "cache")):
+        if dtype not in KIND_CODES:
+            refuse("final_dtype", f"{role} dtype {dtype} has no folded cast (FP32, BF16 and FP16 only)", layer,
+                   LayoutError)
+    patterns = list(PROBE_NANS[source])
+    vector = (patterns * (67 // len(patterns) + 1))[:67]  # long enough for vector loops and their tails
+    observed = _torch_cast_bits(vector, source, target, device)
+    observed += [_torch_cast_bits([pattern], source, target, device)[0] for pattern in patterns]
+    probes = vector + patterns
+    for rule in (NAN_PRESERVE, NAN_QUIET, NAN_CANONICAL):
+        canonical = observed[0] if rule == NAN_CANONICAL else 0
+        if all(expected_nan(p, source, target, rule, canonical) == o for p, o in zip(probes, observed, strict=True)):
+            return CastPolicy(source, target, rule, canonical)
+    seen = sorted({hex(value) for value in observed})
+    refuse("nan_policy", f"torch's own {dtype_name(source)} -> {dtype_name(target)} cast on {device} gives NaN "
+           f"results {seen} that no single rule reproduces (its code paths disagree), so the folded cast could not "
+           f"be bit-exact; leave {source} out of final_dtypes on this device", layer, LayoutError)
+
