@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kda-patches-installed
 PIP := $(VPY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup setup-vllm013 demo test lint bench gpu-check mutants clean
+.PHONY: setup setup-vllm013 demo test lint bench gpu-check mutants clean conformance
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ test: setup setup-vllm013
 # MUTANTS_ARGS: e.g. --repeat 3, --only NAME, --worktree.
 mutants: setup
 	$(VPY) scripts/mutants.py $(MUTANTS_ARGS)
+
+# Every patch record read against the forks' released source (support matrix; fetched into the release cache).
+conformance: setup
+	$(VPY) -m kda_patches conformance --brief
 
 lint: setup
 	$(VPY) -m ruff check kda_patches tests bootstrap.py
