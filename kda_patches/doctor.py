@@ -52,6 +52,29 @@ def check_target(target: registry.Target) -> dict[str, Any]:
     return {"resolves": True, "reason": f"version {found or 'unknown'}"}
 
 
+def key_targets(patch: registry.Patch) -> list[registry.Target]:
+    """Return one target per key: the sibling whose version range holds the installed version (else the first)."""
+    chosen = []
+    for key in patch.keys():
+        siblings = patch.siblings(key)
+        found = registry.find_version(siblings[0]) if len(siblings) > 1 else None
+        chosen.append(registry.select_target(patch, key, found) or siblings[0] if found else siblings[0])
+    return chosen
+
+
+def describe_seams() -> dict[str, Any]:
+    """Return the state-copy seam declarations per patch and the Kimi fork-plan choice (no torch import)."""
+    from kda_patches.routing.seams import SeamWrapper
+
+    seams: dict[str, Any] = {"KDA_PATCHES_KIMI_PLAN": current_flags().kimi_plan}
+    for name, patch in registry.all_patches().items():
+        declared = {target.key: target.wrapper.seam.describe() for target in patch.targets
+                    if isinstance(target.wrapper, SeamWrapper)}
+        if declared:
+            seams[name] = declared
+    return seams
+
+
 def describe_device() -> dict[str, Any]:
     """Return the device backend the state-copy plans would use here, with the FP32/FP16 routes."""
     try:
@@ -95,8 +118,9 @@ def collect_report() -> dict[str, Any]:
     for name, patch in registry.all_patches().items():
         report["patches"][name] = {
             "enabled": flags.patch_enabled(name),
-            "targets": {f"{t.key} [{t.stack}]": check_target(t) for t in patch.targets},
+            "targets": {f"{t.key} [{t.stack}]": check_target(t) for t in key_targets(patch)},
         }
+    report["state_copy_seams"] = describe_seams()
     report["ledger"] = get_ledger().snapshot()["patches"]
     return report
 
@@ -108,6 +132,13 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  {name:<12} {version or 'not installed'}")
     lines.append(f"device: {report['device']}")
     lines.append(f"bootstrap: {report['bootstrap']}")
+    seams = report.get("state_copy_seams", {})
+    lines.append(f"state-copy seams (KDA_PATCHES_KIMI_PLAN={seams.get('KDA_PATCHES_KIMI_PLAN')}):")
+    for name, declared in seams.items():
+        if isinstance(declared, dict):
+            for key, seam in declared.items():
+                lines.append(f"  {name}: {key}: state {seam['state']}, clear {seam['clear']}"
+                             f"{' (prefill-gated)' if seam['prefill_gated'] else ''}")
     for name, info in report["patches"].items():
         lines.append(f"patch {name} ({'enabled' if info['enabled'] else 'disabled'}):")
         for target, check in info["targets"].items():

@@ -3,4 +3,5 @@
 ``PATCH_MODULES`` is the registry order. Importing a patch module imports neither torch nor vLLM.
 """
 
-PATCH_MODULES: tuple[str, ...] = ("gdn_host_flags", "kv_cache_layout", "fl_attention_state", "kimi_prefill")
+PATCH_MODULES: tuple[str, ...] = ("gdn_host_flags", "kv_cache_layout", "fl_attention_state", "kimi_prefill",
+                                  "gdn_state_copy")

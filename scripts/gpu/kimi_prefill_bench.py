@@ -50,7 +50,8 @@ def out_of_time(record: dict[str, Any], what: str) -> bool:
     record.setdefault("skipped_for_time", []).append(what)
     print(f"skipped for time: {what}", flush=True)
     return True
-SOURCES = ("kda_patches/patches/kimi_prefill.py", "kda_patches/kimi/routing.py", "kda_patches/kimi/startup.py",
+SOURCES = ("kda_patches/patches/kimi_prefill.py", "kda_patches/routing/alias.py", "kda_patches/routing/calls.py",
+           "kda_patches/routing/proof.py", "kda_patches/routing/startup.py",
            "tests/kimi/kimi_ascend_layer.py", "tests/kimi/kimi_upstream_layer.py", "tests/kimi/kimi_kda_ops.py",
            "scripts/gpu/kimi_prefill_bench.py")
 

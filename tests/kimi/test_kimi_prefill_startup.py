@@ -6,9 +6,9 @@ import kimi_workload
 import pytest
 import torch
 
-from kda_patches.kimi import startup
-from kda_patches.kimi.routing import PLAN_ATTRIBUTE, PlanNotPublished
 from kda_patches.ledger import get_ledger
+from kda_patches.routing import startup
+from kda_patches.routing.proof import PLAN_ATTRIBUTE, PlanNotPublished
 
 
 def published(world: kimi_workload.World) -> dict[str, object]:
@@ -71,8 +71,12 @@ def test_reinitializing_the_cache_withdraws_stale_plans_first(load_reference):
     assert all(binding is None for binding in published(world).values())
 
 
-def test_only_patched_or_marked_layers_get_plans(load_reference):
-    """Layers of unpatched classes are left alone; an explicit ``_requires_kda_state_copy`` marker opts in."""
+def test_only_seam_layers_get_plans(load_reference):
+    """Layers of unpatched classes are left alone, also when they carry the fork's ``_requires_kda_state_copy``.
+
+    That marker is vllm-ascend >= 0.30's own: such a fork prepares its plan itself (fork-native), so the
+    overlay's startup must not prepare a second one for it.
+    """
     modules = load_reference(patched=True)
     world = kimi_workload.build_world(modules, num_layers=1)
 
@@ -89,9 +93,10 @@ def test_only_patched_or_marked_layers_get_plans(load_reference):
                                "marked": world.config.specs["model.layers.0.self_attn"]})
     world.runner.initialize_kv_cache(world.config)
     context = world.runner.compilation_config.static_forward_context
-    assert startup.is_patched_seam(world.layers["model.layers.0.self_attn"])
+    assert startup.seam_of(world.layers["model.layers.0.self_attn"]) is not None
+    assert startup.seam_of(context["marked"]) is None
     assert getattr(context["other"], PLAN_ATTRIBUTE, None) is None
-    assert getattr(context["marked"], PLAN_ATTRIBUTE) is not None
+    assert getattr(context["marked"], PLAN_ATTRIBUTE, None) is None
     assert getattr(context["model.layers.0.self_attn"], PLAN_ATTRIBUTE) is not None
 
 

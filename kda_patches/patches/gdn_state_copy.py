@@ -1,0 +1,142 @@
+"""``gdn_state_copy``: route the GDN layers' prefill state copy through the sealed state-copy plans.
+
+Issue 8 / DESIGN §4.6. Qwen3.5/3.6 and Qwen3-Next, Olmo hybrid and Kimi Linear GDN layers gather, clear and
+scatter their recurrent state in every prefill exactly like the Kimi layer, with torch-native indexing. This
+record declares those seams (data only); the mechanism, the per-call proof and the worker startup hook are
+the routing core shared with ``kimi_prefill`` (:mod:`kda_patches.routing`) -- one startup prepares the
+plans of Kimi and GDN layers together, and layers with the same cache layout share one compiled table.
+
+Seams, per the released sources (``kda-patches conformance`` re-reads them):
+
+- vLLM >= 0.26 ``QwenGatedDeltaNetAttention._forward_core`` (``ssm_state[prefill_state_indices]``,
+  native clear ``initial_state[~prefill_has_initial_state, ...] = 0``, ``ssm_state[idx] = last.to(dtype)``)
+  and ``OlmoHybridGatedDeltaNetAttention._forward_core`` (the same on ``non_spec_state_indices_tensor`` /
+  ``has_initial_state``, gather followed by ``.contiguous()``): the native clear is folded into the plan's
+  flagged gather and elided (the metadata's flags are a routed alias for the call, so ``~flags`` is known);
+- vLLM >= 0.27 ``KimiGatedDeltaNetAttention._forward`` (``gather_initial_states(recurrent_state, idx,
+  flags)`` -- its module-level name is wrapped -- and ``recurrent_state[idx] = last``); 0.26's body cleared
+  with ``recurrent_state[zero_idx] = 0`` (a boolean-mask index) and is not a target;
+- vllm-ascend 0.26-0.29 ``AscendGatedDeltaNetAttention._forward_core`` (``clear_ssm_states`` elided after
+  the folded gather; both the direct and the ``.transpose(-1, -2).contiguous()`` variant: the gather and the
+  scatter go through the plan on the cache's own ``[N, H, V, K]`` layout, the fork's transposes stay its
+  own copies, and the folded clear is recognised on the transposed copy, whose flag-false rows the folded
+  gather already zeroed). vllm-ascend 0.30's NPU prefill paths gather and scatter through its own Triton
+  kernels (``gather_ssm_states`` / ``scatter_ssm_states_``, flags and the dtype cast in one pass); only its
+  CPU branch indexes the cache, so 0.30 is not a target (not-applicable, not drift).
+
+Decode-only and speculative-only batches pass through untouched and uncounted. Importing this module imports
+neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from kda_patches.patches.kimi_prefill import (
+    GATHER_PARAMETERS,
+    _ascend,
+    _vllm,
+    ascend_runner_targets,
+    upstream_runner_targets,
+)
+from kda_patches.patches.kimi_prefill import format_status_line as format_section_line
+from kda_patches.registry import Patch, Target
+from kda_patches.routing.seams import (
+    CLEAR_FUNCTION,
+    CLEAR_NATIVE,
+    CLEAR_NONE,
+    KVCacheSlot,
+    MetadataField,
+    Seam,
+    SeamWrapper,
+    StartupWrapper,
+    wrap_clear,
+    wrap_gather,
+)
+
+TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
+if TYPE_CHECKING:
+    from typing import Any
+
+LEDGER_PATH = "gdn_state_copy"
+
+FORWARD_CORE_PARAMETERS = ("self", "mixed_qkv", "b", "a", "core_attn_out")
+KIMI_GDN_FORWARD_PARAMETERS = ("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out")
+CLEAR_PARAMETERS = ("ssm_states", "has_initial_state")
+
+QWEN_SEAM = Seam("vLLM Qwen GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
+                 indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
+                 clear=CLEAR_NATIVE, prefill_gated=True)
+OLMO_SEAM = Seam("vLLM Olmo hybrid GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
+                 indices=MetadataField("non_spec_state_indices_tensor"), flags=MetadataField("has_initial_state"),
+                 clear=CLEAR_NATIVE, prefill_gated=True)
+KIMI_GDN_SEAM = Seam("vLLM Kimi Linear GDN _forward", LEDGER_PATH, state=KVCacheSlot(1), clear=CLEAR_NONE,
+                     gather_function="gather_initial_states", prefill_gated=True)
+ASCEND_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
+                   indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
+                   clear=CLEAR_FUNCTION, clear_function="clear_ssm_states", prefill_gated=True)
+
+wrap_qwen_forward_core = SeamWrapper(QWEN_SEAM)
+wrap_olmo_forward_core = SeamWrapper(OLMO_SEAM)
+wrap_kimi_gdn_forward = SeamWrapper(KIMI_GDN_SEAM)
+wrap_ascend_forward_core = SeamWrapper(ASCEND_SEAM)
+wrap_initialize_kv_cache = StartupWrapper(LEDGER_PATH)
+
+_GDN = "vllm.model_executor.layers.mamba.gdn"
+_QWEN_SHAPES = ("read:self.kv_cache", "gather:ssm_state[prefill_state_indices]",
+                "clear:initial_state[~prefill_has_initial_state, ...]=0", "scatter:ssm_state[prefill_state_indices]=")
+_OLMO_SHAPES = ("read:self.kv_cache", "gather:ssm_state[non_spec_state_indices_tensor]",
+                "clear:initial_state[~has_initial_state, ...]=0", "scatter:ssm_state[non_spec_state_indices_tensor]=")
+_KIMI_GDN_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recurrent_state, ...)",
+                    "scatter:recurrent_state[...]=")
+_ASCEND_SHAPES = ("read:self.kv_cache", "gather:ssm_state[prefill_state_indices]",
+                  "clear:clear_ssm_states(_, prefill_has_initial_state)", "scatter:ssm_state[prefill_state_indices]=")
+
+PATCH = Patch(
+    name=LEDGER_PATH,
+    summary="route the GDN layers' prefill gather(+clear)/scatter through the sealed state-copy plans "
+    "(shared routing core and startup with kimi_prefill)",
+    targets=(
+        _vllm(f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_forward_core,
+              "0.26", "0.40", FORWARD_CORE_PARAMETERS, _QWEN_SHAPES),
+        _vllm(f"{_GDN}.olmo_gdn_linear_attn", "OlmoHybridGatedDeltaNetAttention._forward_core",
+              wrap_olmo_forward_core, "0.26", "0.40", FORWARD_CORE_PARAMETERS, _OLMO_SHAPES),
+        _vllm(f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_forward, "0.27",
+              "0.40", KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_SHAPES),
+        _vllm(f"{_GDN}.kimi_gdn_linear_attn", "gather_initial_states", wrap_gather, "0.27", "0.40",
+              GATHER_PARAMETERS),
+        *upstream_runner_targets(wrap_initialize_kv_cache, low="0.26"),
+        _ascend("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core", wrap_ascend_forward_core,
+                "0.26", "0.30", FORWARD_CORE_PARAMETERS, shapes=_ASCEND_SHAPES),
+        _ascend("vllm_ascend.ops.gdn", "clear_ssm_states", wrap_clear, "0.26", "0.30", CLEAR_PARAMETERS),
+        *ascend_runner_targets(wrap_initialize_kv_cache),
+    ),
+)
+
+
+def build_patch(name: str, seams: tuple[tuple[str, str, Seam], ...],
+                runners: tuple[tuple[str, str, tuple[str, ...]], ...] = (), clear_module: str | None = None,
+                gather_module: str | None = None, group: str | None = "reference") -> Patch:
+    """Return a record with GDN seams on other modules (tests' stand-in layers or released functions).
+
+    Args:
+        name: the record's name (routed calls count in each seam's own section).
+        seams: ``(module, qualname, seam)`` per seam function.
+        runners: ``(module, class, parameters)`` whose ``initialize_kv_cache`` gets the startup hook.
+        clear_module: module whose ``clear_ssm_states`` is wrapped, or None.
+        gather_module: module whose ``gather_initial_states`` is wrapped, or None.
+        group: the one group every target joins (None: uncoupled). No version ranges are declared.
+    """
+    targets = [Target(module, qualname, SeamWrapper(seam), group=group) for module, qualname, seam in seams]
+    if clear_module is not None:
+        targets.append(Target(clear_module, "clear_ssm_states", wrap_clear, parameters=CLEAR_PARAMETERS, group=group))
+    if gather_module is not None:
+        targets.append(Target(gather_module, "gather_initial_states", wrap_gather, parameters=GATHER_PARAMETERS,
+                              group=group))
+    for module, cls, parameters in runners:
+        targets.append(Target(module, f"{cls}.initialize_kv_cache", wrap_initialize_kv_cache, parameters=parameters,
+                              group=group))
+    return Patch(name=name, summary=PATCH.summary, targets=tuple(targets))
+
+
+def format_status_line(snapshot: dict[str, Any]) -> str:
+    """Return the one-line ``status`` summary of this patch (same form as ``kimi_prefill``'s)."""
+    return format_section_line(snapshot, LEDGER_PATH)

@@ -1,0 +1,184 @@
+"""The one routing mechanism every state-copy seam shares: read the declaration, alias, run, prove.
+
+:func:`route_call` is what a :class:`~kda_patches.routing.seams.SeamWrapper` runs for one call of a
+seam function:
+
+1. a call nested inside a routed call runs plain (the outer one routes); a prefill-gated seam whose
+   forward-context metadata has no prefill (decode-only, speculative-only, profile runs) runs plain and
+   is not counted;
+2. ``calls_seen``; the layer's published plan, or refuse (:class:`~kda_patches.routing.proof.PlanNotPublished`);
+3. the cache (declared argument or ``kv_cache`` slot) is replaced by the call's routed alias; where the
+   seam clears natively (``initial[~flags, ...] = 0``) the declared flags are replaced by a
+   :class:`~kda_patches.routing.alias.RoutedFlags` alias too (a metadata field is set back afterwards);
+4. the fork's own function runs; every replaced object is put back; the call is settled (routed or
+   bypassed, :func:`~kda_patches.routing.proof.settle_route`).
+
+:func:`route_clear` and :func:`route_gather` serve the module-level ``clear_ssm_states`` /
+``gather_initial_states`` names a fork calls inside a routed call.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from kda_patches.ledger import get_ledger
+from kda_patches.routing.alias import CallRoute, make_alias, make_flags_alias
+from kda_patches.routing.proof import layer_name_of, report_bypass, require_plan, settle_route
+from kda_patches.routing.seams import CLEAR_NATIVE, CLEAR_NONE, Argument, KVCacheSlot, MetadataField, Seam
+
+active_call = threading.local()
+
+
+def prefill_metadata(layer: Any) -> Any:
+    """Return the layer's forward-context attention metadata when its batch has prefills, else None.
+
+    Reads ``get_forward_context().attn_metadata[layer.prefix]`` without importing vLLM (None when vLLM's
+    forward context is not imported or not set, or the metadata is not a per-layer dict).
+    """
+    context_module = sys.modules.get("vllm.forward_context")
+    if context_module is None or not context_module.is_forward_context_available():
+        return None
+    metadata = context_module.get_forward_context().attn_metadata
+    entry = metadata.get(getattr(layer, "prefix", None)) if isinstance(metadata, dict) else None
+    return entry if entry is not None and (getattr(entry, "num_prefills", 0) or 0) > 0 else None
+
+
+def breakable_capture_active() -> bool:
+    """Return whether vLLM's breakable CUDA-graph capture would record this call for eager replay.
+
+    Such a replay calls the undecorated function without this wrapper, so its copies cannot be routed.
+    """
+    module = sys.modules.get("vllm.compilation.breakable_cudagraph")
+    capture = module.BreakableCUDAGraphCapture.current() if module is not None else None
+    return capture is not None and bool(getattr(capture, "_capturing", False))
+
+
+def read_argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
+    """Return the argument at ``position`` of ``args`` or, when not passed positionally, ``kwargs[name]``."""
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
+def replace_argument(args: tuple, kwargs: dict, position: int, name: str, value: Any) -> tuple[tuple, dict]:
+    """Return ``(args, kwargs)`` with the argument at ``position`` (or named ``name``) replaced by ``value``."""
+    if len(args) > position:
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def read_declared(where: Any, args: tuple, kwargs: dict, metadata: Any) -> Any:
+    """Return the object a declaration points at (an argument or a metadata field), or None."""
+    if isinstance(where, Argument):
+        return read_argument(args, kwargs, where.position, where.name)
+    if isinstance(where, MetadataField):
+        return getattr(metadata, where.name, None)
+    return None
+
+
+def read_state(seam: Seam, layer: Any, args: tuple, kwargs: dict) -> Any:
+    """Return the cache tensor the seam declares (argument or ``layer.kv_cache[slot]``), or None."""
+    if isinstance(seam.state, Argument):
+        return read_argument(args, kwargs, seam.state.position, seam.state.name)
+    cache = getattr(layer, "kv_cache", None)
+    slot = seam.state.slot
+    return cache[slot] if isinstance(cache, (tuple, list)) and len(cache) > slot else None
+
+
+def run_routed(wrapped: Any, args: tuple, kwargs: dict, route: CallRoute) -> Any:
+    """Call ``wrapped`` with ``route`` active for this thread; count a failure; settle the route on success."""
+    active_call.route = route
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException:
+        route.close()
+        get_ledger().count(route.seam.section, "calls_failed")
+        raise
+    finally:
+        active_call.route = None
+    settle_route(route)
+    return result
+
+
+def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Run one call of a seam function with its state copy routed through the layer's plan.
+
+    Args:
+        seam: the declaration.
+        wrapped: the original bound function.
+        instance: the layer.
+        args, kwargs: the call's arguments (``self`` excluded).
+    Returns:
+        The original's return value.
+    Raises:
+        PlanNotPublished: the layer has no published plan.
+        StateCopyBypassed: under STRICT, when the call did not route exactly one gather and one scatter.
+    """
+    if getattr(active_call, "route", None) is not None:  # a nested override: the outer call routes
+        return wrapped(*args, **kwargs)
+    metadata = None
+    if seam.prefill_gated:
+        metadata = prefill_metadata(instance)
+        if metadata is None:  # decode-only, speculative-only or no forward context: untouched, uncounted
+            return wrapped(*args, **kwargs)
+    section = seam.section
+    get_ledger().count(section, "calls_seen")
+    plan = require_plan(instance, section)
+    state = read_state(seam, instance, args, kwargs)
+    if not isinstance(state, torch.Tensor) or state.dim() != 4:
+        report_bypass(section, layer_name_of(instance), f"the declared state {seam.state!r} is not a "
+                      "[N, H, V, K] tensor")
+        return wrapped(*args, **kwargs)
+    if seam.prefill_gated and breakable_capture_active():
+        report_bypass(section, layer_name_of(instance), "breakable CUDA-graph capture replays the unwrapped "
+                      f"function (VLLM_USE_BREAKABLE_CUDAGRAPH=1 is not supported by {section})")
+        return wrapped(*args, **kwargs)
+    indices = read_declared(seam.indices, args, kwargs, metadata)
+    flags = None if seam.clear == CLEAR_NONE else read_declared(seam.flags, args, kwargs, metadata)
+    route = CallRoute(seam, layer_name_of(instance), plan, state, indices, flags)
+    proxy = make_alias(route)
+    restore_cache = restore_flags = None
+    if isinstance(seam.state, KVCacheSlot):
+        cache = instance.kv_cache
+        aliased = list(cache)
+        aliased[seam.state.slot] = proxy
+        instance.kv_cache = tuple(aliased) if isinstance(cache, tuple) else aliased
+        restore_cache = cache
+    else:
+        args, kwargs = replace_argument(args, kwargs, seam.state.position, seam.state.name, proxy)
+    if seam.clear == CLEAR_NATIVE and route.flags is not None:
+        if isinstance(seam.flags, Argument):
+            args, kwargs = replace_argument(args, kwargs, seam.flags.position, seam.flags.name,
+                                            make_flags_alias(route))
+        else:
+            try:
+                setattr(metadata, seam.flags.name, make_flags_alias(route))
+                restore_flags = route.flags
+            except (AttributeError, TypeError):  # frozen/slotted metadata: no fold, the fork clears itself
+                route.flags = None
+    try:
+        return run_routed(wrapped, args, kwargs, route)
+    finally:
+        if restore_cache is not None:
+            instance.kv_cache = restore_cache
+        if restore_flags is not None:
+            setattr(metadata, seam.flags.name, restore_flags)
+
+
+def route_clear(wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """Elide ``clear_ssm_states(gathered, has_initial_state)`` when the plan's gather already cleared those rows."""
+    route = getattr(active_call, "route", None)
+    if route is not None and route.elide_clear(read_argument(args, kwargs, 0, "ssm_states"),
+                                               read_argument(args, kwargs, 1, "has_initial_state")):
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def route_gather(wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """Inside a routed call, send ``gather_initial_states(alias, indices, flags)`` to the plan."""
+    route = getattr(active_call, "route", None)
+    if route is None or not route.open or read_argument(args, kwargs, 0, "state") is not route.proxy:
+        return wrapped(*args, **kwargs)
+    return route.gather(read_argument(args, kwargs, 1, "indices"), read_argument(args, kwargs, 2, "has_initial_state"))

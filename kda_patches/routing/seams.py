@@ -1,0 +1,216 @@
+"""State-copy seam declarations: where a layer's prefill keeps its state, indices and flags (data only).
+
+Every state-copy seam -- vllm-ascend's Kimi ``_run_prefill``, upstream Kimi K3 ``_forward``, the GDN
+layers' ``_forward_core`` / ``_forward`` of upstream vLLM and vllm-ascend -- does the same three steps:
+gather the initial states of the batch's cache rows, clear the rows without an initial state, scatter
+the final states back. They differ only in *where* things are. A :class:`Seam` says that as data:
+
+- ``state``: the recurrent-state cache -- an :class:`Argument` of the call or a :class:`KVCacheSlot` of
+  ``self.kv_cache`` (the router swaps that one object for a routed alias during the call);
+- ``indices`` / ``flags``: where the call's ``state_indices`` / ``has_initial_state`` live -- an
+  :class:`Argument` or a :class:`MetadataField` of the layer's forward-context attention metadata;
+- ``clear``: how the fork clears: :data:`CLEAR_NATIVE` (``initial[~flags, ...] = 0`` on the gathered
+  tensor), :data:`CLEAR_FUNCTION` (the module-level ``clear_function(initial, flags)``), or
+  :data:`CLEAR_NONE` (the gather function takes the flags itself, e.g. ``gather_initial_states``);
+- ``gather_function``: module-level name the fork gathers through instead of indexing, if any;
+- ``prefill_gated``: the seam is a whole forward: only calls whose forward-context metadata has
+  ``num_prefills > 0`` are routed; decode-only and speculative-only calls pass through uncounted.
+
+The mechanism that reads these declarations lives in :mod:`kda_patches.routing.calls` (it imports torch);
+this module is standard-library only, so patch records can build seams at ``import kda_patches``.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
+if TYPE_CHECKING:
+    from typing import Any
+
+CLEAR_NATIVE = "native"
+CLEAR_FUNCTION = "function"
+CLEAR_NONE = "none"
+_CLEARS = (CLEAR_NATIVE, CLEAR_FUNCTION, CLEAR_NONE)
+
+
+class Argument:
+    """A call argument: ``position`` among the arguments after ``self``, or keyword ``name``."""
+
+    __slots__ = ("name", "position")
+
+    def __init__(self, position: int, name: str) -> None:
+        self.position = position
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Argument({self.position}, {self.name!r})"
+
+
+class KVCacheSlot:
+    """Entry ``slot`` of the layer's ``self.kv_cache`` tuple/list (e.g. 1: the recurrent state)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+
+    def __repr__(self) -> str:
+        return f"KVCacheSlot({self.slot})"
+
+
+class MetadataField:
+    """Attribute ``name`` of the layer's entry in vLLM's forward-context ``attn_metadata[self.prefix]``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"MetadataField({self.name!r})"
+
+
+class Seam:
+    """One state-copy seam of one fork function (see the module docstring).
+
+    Attributes:
+        name: short label for messages (``"vllm-ascend GDN _forward_core"``).
+        section: ledger section of the patch that owns it (``kimi_prefill`` / ``gdn_state_copy``).
+        state: :class:`Argument` or :class:`KVCacheSlot` holding the ``[N, H, V, K]`` cache.
+        indices: where ``state_indices`` is (:class:`Argument` / :class:`MetadataField`), or None when
+            only the gather function's own argument carries it.
+        flags: where ``has_initial_state`` is, or None.
+        clear: :data:`CLEAR_NATIVE`, :data:`CLEAR_FUNCTION` or :data:`CLEAR_NONE`.
+        clear_function: module-level clear name (with :data:`CLEAR_FUNCTION`), e.g. ``clear_ssm_states``.
+        gather_function: module-level gather name, e.g. ``gather_initial_states``, or None.
+        prefill_gated: route only calls whose metadata has ``num_prefills > 0``.
+        cache_slot: ``layer.kv_cache`` entry the worker startup prepares the plan for.
+    """
+
+    __slots__ = ("cache_slot", "clear", "clear_function", "flags", "gather_function", "indices", "name",
+                 "prefill_gated", "section", "state")
+
+    def __init__(self, name: str, section: str, state: Argument | KVCacheSlot, indices: Any = None,
+                 flags: Any = None, clear: str = CLEAR_NATIVE, clear_function: str | None = None,
+                 gather_function: str | None = None, prefill_gated: bool = False, cache_slot: int = 1) -> None:
+        if clear not in _CLEARS:
+            raise ValueError(f"seam {name!r}: clear must be one of {_CLEARS}, got {clear!r}")
+        if (clear == CLEAR_FUNCTION) != (clear_function is not None):
+            raise ValueError(f"seam {name!r}: clear={clear!r} and clear_function={clear_function!r} disagree "
+                             "(a function clear names its function, and only it)")
+        if not isinstance(state, (Argument, KVCacheSlot)):
+            raise TypeError(f"seam {name!r}: state must be an Argument or a KVCacheSlot, got {state!r}")
+        for label, where in (("indices", indices), ("flags", flags)):
+            if where is not None and not isinstance(where, (Argument, MetadataField)):
+                raise TypeError(f"seam {name!r}: {label} must be an Argument, a MetadataField or None")
+        if (isinstance(indices, MetadataField) or isinstance(flags, MetadataField)) and not prefill_gated:
+            raise ValueError(f"seam {name!r}: metadata fields are read from the forward context; "
+                             "declare prefill_gated=True")
+        self.name = name
+        self.section = section
+        self.state = state
+        self.indices = indices
+        self.flags = flags
+        self.clear = clear
+        self.clear_function = clear_function
+        self.gather_function = gather_function
+        self.prefill_gated = prefill_gated
+        self.cache_slot = cache_slot
+
+    def __repr__(self) -> str:
+        return f"Seam({self.name!r}, section={self.section!r})"
+
+    def describe(self) -> dict[str, Any]:
+        """Return the declaration as a JSON-serialisable dict (ledger, doctor)."""
+        return {"name": self.name, "state": repr(self.state), "indices": repr(self.indices),
+                "flags": repr(self.flags), "clear": self.clear, "clear_function": self.clear_function,
+                "gather_function": self.gather_function, "prefill_gated": self.prefill_gated}
+
+
+_calls: Any = None
+
+
+def _load_calls() -> Any:
+    global _calls
+    from kda_patches.routing import calls  # deferred: imports torch
+
+    _calls = calls
+    return calls
+
+
+class SeamWrapper:
+    """wrapt wrapper of a seam function: routes its state copy as its :class:`Seam` declares.
+
+    The worker startup hook recognises a seam layer by this wrapper type on its class's method.
+    """
+
+    __slots__ = ("seam",)
+
+    def __init__(self, seam: Seam) -> None:
+        self.seam = seam
+
+    def __repr__(self) -> str:
+        return f"SeamWrapper({self.seam.name!r})"
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs)
+
+
+class ClearWrapper:
+    """wrapt wrapper of a module-level ``clear_ssm_states``: elided when it repeats a folded clear."""
+
+    __slots__ = ()
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (_calls or _load_calls()).route_clear(wrapped, args, kwargs)
+
+
+class GatherWrapper:
+    """wrapt wrapper of a module-level ``gather_initial_states(state, indices, flags)``."""
+
+    __slots__ = ()
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (_calls or _load_calls()).route_gather(wrapped, args, kwargs)
+
+
+class StartupWrapper:
+    """wrapt wrapper of a model runner's ``initialize_kv_cache``: prepare and publish every seam layer's plan.
+
+    One instance per patch (``section``); stacked instances share one outermost-call guard, so one startup
+    serves the seam layers of every patch.
+    """
+
+    __slots__ = ("section",)
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+
+    def __repr__(self) -> str:
+        return f"StartupWrapper({self.section!r})"
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        from kda_patches.routing import startup  # deferred: imports torch
+
+        return startup.route_initialize_kv_cache(wrapped, instance, args, kwargs, self.section)
+
+
+class ForkPlanWrapper:
+    """wrapt wrapper of a fork's own plan initialization (vllm-ascend ``initialize_kda_state_copy``).
+
+    Observes the fork's plans (``KDA_PATCHES_KIMI_PLAN=fork``) or publishes the overlay's into the fork's
+    seam after the fork's own initialization (``overlay``); see :mod:`kda_patches.routing.fork_native`.
+    """
+
+    __slots__ = ("section",)
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        from kda_patches.routing import fork_native  # deferred: imports torch
+
+        return fork_native.route_fork_initialize(wrapped, args, kwargs, self.section)
+
+
+wrap_clear = ClearWrapper()
+wrap_gather = GatherWrapper()
