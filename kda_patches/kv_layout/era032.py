@@ -21,15 +21,20 @@ from kda_patches.kv_layout.plan import LayerEntry, layer_specs, plan_layouts
 STATE_VIEWS_ATTR = "_kda_state_views"
 
 
-def _state_entry(name: str, group: int, spec: Any, view: Any) -> LayerEntry:
+def is_page_view(view: Any) -> bool:
+    """Whether ``view`` is a state layer's raw ``[B, 1, 1, C]`` int8 page view (vLLM 0.27+)."""
+    return view.dim() == 4 and view.element_size() == 1 and tuple(view.shape[1:3]) == (1, 1)
+
+
+def describe_page_view(name: str, group: int, spec: Any, view: Any) -> LayerEntry:
+    """Describe a state layer's page view; the chosen states are attached to it as :data:`STATE_VIEWS_ATTR`."""
     shapes = [tuple(shape) for shape in spec.shapes]
     dtypes = list(spec.dtypes)
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)]
     num_blocks = view.shape[0]
     footprints: list[Footprint] | None = None
     base = view.storage_offset() * view.element_size()
-    if view.dim() == 4 and view.element_size() == 1 and tuple(view.shape[1:3]) == (1, 1) \
-            and view.shape[3] >= sum(sizes):
+    if is_page_view(view) and view.shape[3] >= sum(sizes):
         footprints, offset = [], 0
         for index, size in enumerate(sizes):
             footprints.append(Footprint(name, f"state{index}", group, base + offset, view.stride(0), num_blocks,
@@ -62,7 +67,7 @@ def describe_entries(kv_cache_config: Any, kv_caches: dict[str, Any]) -> list[La
                 continue
             group, spec = specs[name]
             if hasattr(spec, "shapes") and getattr(spec, "has_layer_views", True):
-                entries.append(_state_entry(name, group, spec, view))
+                entries.append(describe_page_view(name, group, spec, view))
                 continue
             footprint = None
             if getattr(spec, "has_layer_views", True) and num_blocks and view.dim() >= 1 \

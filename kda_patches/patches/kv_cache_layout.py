@@ -8,16 +8,24 @@ requests. This patch wraps the runner's KV-cache view construction, runs the ali
 (:mod:`kda_patches.kv_layout.checker`) on upstream's layout and on the proposed one, and changes a layout only
 when the proof succeeds; every verdict is a ledger fact (section ``kv_cache_layout``, keyed by layer).
 
-Targets:
-- vLLM 0.13 era: ``GPUModelRunner._reshape_kv_cache_tensors`` (dense state views in place, or separate,
-  then contiguous attention KV) and ``GPUModelRunner._update_hybrid_attention_mamba_layout`` (when called on
-  its own: contiguous attention KV); the same-named methods of vllm-plugin-FL's ``ModelRunnerFL`` and
-  vllm-ascend's ``NPUModelRunner`` when they define them.
-- vLLM 0.3x era: ``vllm.v1.worker.utils.allocate_kv_cache`` (decide) and ``MambaBase.bind_kv_cache`` (bind
-  the chosen dense states).
-- Both eras: ``vllm.v1.core.kv_cache_utils.get_kv_cache_configs`` — only with
-  ``KDA_PATCHES_KV_STATE_MODE=separate``: shrink the KV budget by the separate states' memory and stamp the
-  reservation on the configs.
+Targets (ranges as the released sources show them; ``kda-patches conformance`` re-reads them):
+- vLLM 0.13: ``GPUModelRunner._reshape_kv_cache_tensors(self, kv_cache_config, kv_cache_raw_tensors,
+  kernel_block_sizes)`` (dense state views in place, or separate, then contiguous attention KV) and
+  ``_update_hybrid_attention_mamba_layout(self, kv_caches)`` (when called on its own: contiguous attention KV);
+  the same-named methods of vllm-plugin-FL's ``ModelRunnerFL`` (no registry release; unranged).
+- vLLM 0.26: ``_reshape_kv_cache_tensors(self, kv_cache_raw_tensors, kernel_block_sizes)`` (the config is
+  ``self.kv_cache_config``), state layers still get per-state views: the 0.13 adapter applies.
+- vLLM 0.27-0.29: the same reshape signature, but a state layer's view is one raw ``[B, 1, 1, C]`` page view
+  that ``MambaBase.bind_kv_cache`` slices; the 0.13 adapter describes those views like the 0.3x adapter
+  (:mod:`kda_patches.kv_layout.era013`), and the reshape and ``bind_kv_cache`` are coupled (group
+  ``page-views-027``).
+- vLLM 0.30-0.33: ``vllm.v1.worker.utils.allocate_kv_cache`` (decide) and ``MambaBase.bind_kv_cache`` (bind the
+  chosen dense states), coupled (group ``page-views-030``).
+- ``get_kv_cache_configs`` — only with ``KDA_PATCHES_KV_STATE_MODE=separate``: shrink the KV budget by the
+  separate states' memory and stamp the reservation on the configs. ``vllm.v1.core.kv_cache_utils`` up to 0.32;
+  ``vllm.v1.core.kv_cache_planning`` from 0.33 (a 4th parameter ``global_kv_cache_groups``, passed through).
+- vllm-ascend: ``NPUModelRunner._reshape_kv_cache_tensors`` 0.13 only; 0.26-0.30 are declared inert (the NPU
+  runner has its own reshape, which no adapter here describes).
 
 Importing this module imports neither torch nor vLLM.
 """
@@ -35,11 +43,14 @@ if TYPE_CHECKING:
 
 LEDGER_PATH = "kv_cache_layout"
 RESHAPE_PARAMETERS = ("self", "kv_cache_config", "kv_cache_raw_tensors", "kernel_block_sizes")
+RESHAPE_026_PARAMETERS = ("self", "kv_cache_raw_tensors", "kernel_block_sizes")
 ASCEND_RESHAPE_PARAMETERS = ("self", "kv_cache_config", "kv_cache_raw_tensors")
 UPDATE_HYBRID_PARAMETERS = ("self", "kv_caches")
+UPDATE_HYBRID_026_PARAMETERS = ("self", "kv_caches", "kernel_block_sizes")
 ALLOCATE_PARAMETERS = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
 BIND_PARAMETERS = ("self", "kv_cache")
 CONFIGS_PARAMETERS = ("vllm_config", "kv_cache_specs", "available_memory")
+CONFIGS_033_PARAMETERS = (*CONFIGS_PARAMETERS, "global_kv_cache_groups")
 
 _outermost_reshape = OutermostCall()
 
@@ -73,15 +84,24 @@ def _plan(apply: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return summary
 
 
+def _reshape_config(instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The ``KVCacheConfig`` of a reshape call: its first argument in 0.13, ``self.kv_cache_config`` from 0.26."""
+    if "kv_cache_config" in kwargs:
+        return kwargs["kv_cache_config"]
+    if args and hasattr(args[0], "kv_cache_groups"):
+        return args[0]
+    return instance.kv_cache_config
+
+
 def wrap_reshape_kv_cache_tensors(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """0.13 era: run upstream's reshape (K/V re-stride included), then apply the proven layouts.
+    """vLLM 0.13-0.29: run upstream's reshape (K/V re-stride included), then apply the proven layouts.
 
     A subclass override that calls ``super()`` is wrapped too; only the outermost call plans.
     """
     kv_caches, outermost = _outermost_reshape.run(wrapped, args, kwargs)
     if not outermost:
         return kv_caches
-    config = _argument(args, kwargs, 0, "kv_cache_config") or instance.kv_cache_config
+    config = _reshape_config(instance, args, kwargs)
     from kda_patches.kv_layout.era013 import apply_layouts
 
     _plan(apply_layouts, config, kv_caches, _mode())
@@ -111,7 +131,7 @@ def wrap_allocate_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: dic
 
 
 def wrap_mamba_bind_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """0.3x era: bind the planned dense states instead of slicing the page view (counted in the ledger)."""
+    """vLLM 0.27+: bind the planned dense states instead of slicing the page view (counted in the ledger)."""
     kv_cache = _argument(args, kwargs, 0, "kv_cache")
     from kda_patches.kv_layout.era032 import bound_state_views
 
@@ -131,37 +151,50 @@ def wrap_get_kv_cache_configs(wrapped: Any, instance: Any, args: tuple, kwargs: 
         return configs
     from kda_patches.kv_layout import budget
 
-    vllm_config = _argument(args, kwargs, 0, "vllm_config")
-    specs = _argument(args, kwargs, 1, "kv_cache_specs")
     memory = _argument(args, kwargs, 2, "available_memory")
     reduced = budget.reduced_memory(configs, memory)
-    if reduced is not None:
-        configs = wrapped(vllm_config, specs, reduced)
+    if reduced is not None:  # the same call with only the memory changed (0.33's 4th argument passes through)
+        if "available_memory" in kwargs:
+            configs = wrapped(*args, **{**kwargs, "available_memory": reduced})
+        else:
+            configs = wrapped(*args[:2], reduced, *args[3:], **kwargs)
     stamps = [budget.stamp_reservation(config) for config in configs]
     get_ledger().set_fact(LEDGER_PATH, "separate_budget", {
         "available_memory": list(memory), "reduced_memory": reduced, "workers": stamps})
     return configs
 
 
-def _target(module: str, qualname: str, wrapper: Any, parameters: tuple[str, ...], stack: str = "vllm",
-            distribution: str = "vllm", min_version: str | None = None, max_version: str | None = None) -> Target:
+def _target(module: str, qualname: str, wrapper: Any, parameters: tuple[str, ...] | None, stack: str = "vllm",
+            distribution: str = "vllm", min_version: str | None = None, max_version: str | None = None,
+            group: str | None = None, inert: str | None = None) -> Target:
     return Target(module=module, qualname=qualname, wrapper=wrapper, stack=stack, distribution=distribution,
-                  min_version=min_version, max_version=max_version, parameters=parameters)
+                  min_version=min_version, max_version=max_version, parameters=parameters, group=group, inert=inert)
 
 
-_RUNNER_013 = "vllm.v1.worker.gpu_model_runner"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
 _FL_RUNNER = "vllm_fl.worker.model_runner"
 _ASCEND_RUNNER = "vllm_ascend.worker.model_runner_v1"
+_BIND = ("vllm.model_executor.layers.mamba.abstract", "MambaBase.bind_kv_cache", wrap_mamba_bind_kv_cache,
+         BIND_PARAMETERS)
+_ASCEND_INERT = ("no adapter for vllm-ascend's own NPU KV reshaping (NPUModelRunner._reshape_kv_cache_tensors "
+                 "0.26-0.30); the overlay leaves its layout alone")
 
 PATCH = Patch(
     name="kv_cache_layout",
     summary="dense state views and contiguous attention KV, each only where an aliasing proof allows it",
     targets=(
-        _target(_RUNNER_013, "GPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
+        _target(_RUNNER, "GPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
                 RESHAPE_PARAMETERS, min_version="0.13", max_version="0.14"),
-        _target(_RUNNER_013, "GPUModelRunner._update_hybrid_attention_mamba_layout",
+        _target(_RUNNER, "GPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
+                RESHAPE_026_PARAMETERS, min_version="0.26", max_version="0.27"),
+        _target(_RUNNER, "GPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
+                RESHAPE_026_PARAMETERS, min_version="0.27", max_version="0.30", group="page-views-027"),
+        _target(_RUNNER, "GPUModelRunner._update_hybrid_attention_mamba_layout",
                 wrap_update_hybrid_attention_mamba_layout, UPDATE_HYBRID_PARAMETERS, min_version="0.13",
                 max_version="0.14"),
+        _target(_RUNNER, "GPUModelRunner._update_hybrid_attention_mamba_layout",
+                wrap_update_hybrid_attention_mamba_layout, UPDATE_HYBRID_026_PARAMETERS, min_version="0.26",
+                max_version="0.30"),
         _target(_FL_RUNNER, "ModelRunnerFL._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
                 RESHAPE_PARAMETERS, stack="vllm-plugin-FL", distribution="vllm_fl"),
         _target(_FL_RUNNER, "ModelRunnerFL._update_hybrid_attention_mamba_layout",
@@ -170,11 +203,15 @@ PATCH = Patch(
         _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
                 ASCEND_RESHAPE_PARAMETERS, stack="vllm-ascend", distribution="vllm-ascend", min_version="0.13",
                 max_version="0.14"),
+        _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", None, None, stack="vllm-ascend",
+                distribution="vllm-ascend", min_version="0.26", max_version="0.31", inert=_ASCEND_INERT),
         _target("vllm.v1.worker.utils", "allocate_kv_cache", wrap_allocate_kv_cache, ALLOCATE_PARAMETERS,
-                min_version="0.30", max_version="0.40"),
-        _target("vllm.model_executor.layers.mamba.abstract", "MambaBase.bind_kv_cache", wrap_mamba_bind_kv_cache,
-                BIND_PARAMETERS, min_version="0.30", max_version="0.40"),
+                min_version="0.30", max_version="0.34", group="page-views-030"),
+        _target(*_BIND, min_version="0.27", max_version="0.30", group="page-views-027"),
+        _target(*_BIND, min_version="0.30", max_version="0.34", group="page-views-030"),
         _target("vllm.v1.core.kv_cache_utils", "get_kv_cache_configs", wrap_get_kv_cache_configs,
-                CONFIGS_PARAMETERS, min_version="0.13", max_version="0.40"),
+                CONFIGS_PARAMETERS, min_version="0.13", max_version="0.33"),
+        _target("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs", wrap_get_kv_cache_configs,
+                CONFIGS_033_PARAMETERS, min_version="0.33", max_version="0.34"),
     ),
 )
