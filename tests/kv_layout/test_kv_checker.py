@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kda_patches.kv_layout.checker import CheckerCache, Footprint, check_footprints
@@ -43,8 +44,56 @@ def footprints(draw: st.DrawFn) -> list[Footprint]:
     return result
 
 
+def fp(name: str, group: int, base: int, stride: int, blocks: int, *runs: tuple[int, int]) -> Footprint:
+    return Footprint(name, "s", group, base, stride, blocks, runs)
+
+
+# Boundary cases, each with its expected verdict worked out by hand (bytes in the comments). The order of the
+# footprints matters: the checker's candidate filter compares ``lo`` of the earlier one with ``hi`` of the later.
+BOUNDARY_CASES = {
+    # A [0,4), B [4,8), one group: adjacent, no byte shared
+    "adjacent_same_group": ([fp("A", 0, 0, 0, 1, (0, 4)), fp("B", 0, 4, 0, 1, (0, 4))], True),
+    # A [4,8) starts on B's last byte [0,5): one byte shared within one group (A listed first)
+    "one_byte_overlap_later_ends_there": ([fp("A", 0, 4, 0, 1, (0, 4)), fp("B", 0, 0, 0, 1, (0, 5))], False),
+    # the same two, B listed first
+    "one_byte_overlap_earlier_ends_there": ([fp("B", 0, 0, 0, 1, (0, 5)), fp("A", 0, 4, 0, 1, (0, 4))], False),
+    # A [0,4) and B [3,7): overlap of one byte again, other direction of the filter
+    "one_byte_overlap_start": ([fp("A", 0, 0, 0, 1, (0, 4)), fp("B", 0, 3, 0, 1, (0, 4))], False),
+    # same block id in two groups on the same bytes: what the hybrid allocator relies on
+    "same_block_two_groups": ([fp("A", 0, 0, 8, 3, (0, 8)), fp("B", 1, 0, 8, 3, (0, 8))], True),
+    # equal strides 8, A block b = [8b, 8b+8), B block c = [8c+8, 8c+12): B block 0 is A block 1 (k = -1)
+    "equal_stride_next_block": ([fp("A", 0, 0, 8, 2, (0, 8)), fp("B", 1, 8, 8, 2, (0, 4))], False),
+    # equal strides 8, A block b = [8b, 8b+4), B block c = [8c+4, 8c+8): halves of one page, touching only
+    "equal_stride_touching_halves": ([fp("A", 0, 0, 8, 3, (0, 4)), fp("B", 0, 4, 8, 3, (0, 4))], True),
+    # equal strides 8, B [8c+3, 8c+7) reaches one byte into A's half [8b, 8b+4): same block, one group
+    "equal_stride_one_byte_into_half": ([fp("A", 0, 0, 8, 3, (0, 4)), fp("B", 0, 3, 8, 3, (0, 4))], False),
+    # unequal strides: A [8b, 8b+4) b<3, B [12c+4, 12c+8) c<2: B block 1 [16,20) is A block 2
+    "unequal_stride_overlap": ([fp("A", 0, 0, 8, 3, (0, 4)), fp("B", 1, 4, 12, 2, (0, 4))], False),
+    # unequal strides: A [0,4),[8,12); B [4,8),[20,24): never shared
+    "unequal_stride_disjoint": ([fp("A", 0, 0, 8, 2, (0, 4)), fp("B", 1, 4, 16, 2, (0, 4))], True),
+    # last byte of the storage (160): A block 19 ends exactly there, B one byte past it
+    "ends_at_storage_end": ([fp("A", 0, 0, 8, 20, (0, 8))], True),
+    "one_byte_past_storage_end": ([fp("A", 0, 0, 8, 19, (0, 8)), fp("B", 1, 153, 0, 1, (0, 8))], False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDARY_CASES))
+def test_checker_boundary_cases(name: str) -> None:
+    fps, expected = BOUNDARY_CASES[name]
+    assert brute_force_safe(fps, STORAGE) is expected  # the hand derivation agrees with the byte painter
+    verdict = check_footprints(fps, STORAGE)
+    assert verdict.safe is expected, verdict
+
+
+def _with_boundary_examples(test):
+    for name in sorted(BOUNDARY_CASES):
+        test = example(BOUNDARY_CASES[name][0])(test)
+    return test
+
+
 @settings(max_examples=400, deadline=None)
 @given(footprints())
+@_with_boundary_examples
 def test_checker_matches_brute_force(fps: list[Footprint]) -> None:
     verdict = check_footprints(fps, STORAGE)
     assert verdict.safe == brute_force_safe(fps, STORAGE), verdict
