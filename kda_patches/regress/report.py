@@ -74,6 +74,10 @@ def format_report(report: ABReport) -> str:
         for check in report.ranks:
             lines.append(f"    {'ok  ' if check.met else 'FAIL'} {check.label} ({check.role}): {check.detail}")
     for run in (report.baseline, report.patched):
+        if run.raised:
+            lines.append(f"  raised in the {run.label} run's processes (first seen first):")
+            lines += [f"    {text}" for text in run.raised]
+    for run in (report.baseline, report.patched):
         if run.error and run.log_tail:
             lines.append(f"--- last lines of the {run.label} run's log ({run.log_path}):")
             lines.append(run.log_tail.rstrip("\n"))

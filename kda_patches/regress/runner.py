@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,9 @@ from kda_patches.regress.workloads import Workload, load_callable
 
 _OVERRIDDEN = ("KDA_PATCHES", "KDA_PATCHES_STRICT", "KDA_PATCHES_STATUS_DIR", "KDA_PATCHES_ROLE")
 _LOG_TAIL_LINES = 40
+# An exception line, also inside vLLM's "(EngineCore pid=N) ERROR ... [core.py:N] " log prefix.
+_RAISED = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+_RAISED_MAX = 8
 
 
 @dataclass
@@ -48,6 +52,7 @@ class RunResult:
     ledgers: list[dict[str, Any]] = field(default_factory=list)
     log_path: str | None = None
     log_tail: str = ""
+    raised: list[str] = field(default_factory=list)
     error: str | None = None
 
     @property
@@ -122,6 +127,25 @@ def _read_tail(path: str, lines: int = _LOG_TAIL_LINES) -> str:
         return "".join(handle.readlines()[-lines:])
 
 
+def find_raised(path: str) -> list[str]:
+    """Return the distinct exception lines of a run's log, first seen first (at most eight).
+
+    A failure in vLLM's engine core or a worker ends the log with the parent's generic
+    ``RuntimeError: Engine core initialization failed``; the root cause is an earlier line.
+    """
+    raised: list[str] = []
+    with open(path, errors="replace") as handle:
+        for line in handle:
+            match = _RAISED.search(line.rstrip("\n"))
+            if match:
+                text = f"{match.group(1)}: {match.group(2)}"
+                if text not in raised:
+                    raised.append(text)
+                    if len(raised) == _RAISED_MAX:
+                        break
+    return raised
+
+
 def run_workload_process(workload: Workload, params: dict[str, Any], context: dict[str, Any], enabled: bool,
                          run_dir: str, timeout_s: float | None = None, pythonpath: tuple[str, ...] = (),
                          stream_logs: bool = False) -> RunResult:
@@ -163,6 +187,8 @@ def run_workload_process(workload: Workload, params: dict[str, Any], context: di
         terminate_group(process.pid, process)
         result.error = result.error or "processes of the run outlived it by 30 s and were terminated"
     result.log_tail = "" if stream_logs else _read_tail(log_path)
+    if result.returncode != 0 and not stream_logs:
+        result.raised = find_raised(log_path)
     result.ledgers = collect_ledgers(status_dir)
     if result.error is None and result.returncode != 0:
         result.error = f"exited with status {result.returncode}"
