@@ -66,7 +66,8 @@ def decode_f32_bits(x, SRC: tl.constexpr):
 def encode_f32_bits(bits, nan, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BITS: tl.constexpr):
     """Round FP32 bit patterns (uint32) to ``DST`` (0/1/2) to nearest even; NaN by the probed rule.
 
-    Returns uint32 for FP32, uint16 for BF16/FP16 (bit patterns; the caller bitcasts them).
+    Returns uint32 for FP32, uint16 for BF16/FP16 (bit patterns; the caller bitcasts them). One
+    return statement: the compiler types every return of a function, taken branch or not.
     """
     sign = bits & 0x80000000
     magnitude = bits ^ sign
@@ -77,8 +78,8 @@ def encode_f32_bits(bits, nan, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BI
             nan_out = bits | 0x00400000
         else:
             nan_out = bits
-        return tl.where(nan, nan_out, bits)
-    if DST == 1:
+        out = tl.where(nan, nan_out, bits)
+    elif DST == 1:
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # carries into the exponent, inf on overflow
         payload = (magnitude & 0x7FFFFF) >> 16
         if NAN_RULE == 0:
@@ -87,21 +88,23 @@ def encode_f32_bits(bits, nan, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BI
             nan_out = (sign >> 16) | 0x7FC0 | payload
         else:
             nan_out = (sign >> 16) | 0x7F80 | payload
-        return tl.where(nan, nan_out, rounded).to(tl.uint16)
-    # FP16: overflow to inf, normal rebias + round, subnormal by one exact FP32 add of 0.5
-    normal = (magnitude - 0x38000000 + 0xFFF + ((magnitude >> 13) & 1)) >> 13
-    small = magnitude < 0x38800000
-    tiny = tl.where(small, magnitude, 0).to(tl.float32, bitcast=True)  # only subnormal-range values are added
-    shifted = (tiny + 0.5).to(tl.uint32, bitcast=True) - 0x3F000000
-    finite = tl.where(magnitude >= 0x47800000, 0x7C00, tl.where(small, shifted, normal))
-    payload = (magnitude & 0x7FFFFF) >> 13
-    if NAN_RULE == 0:
-        nan_out = tl.full(bits.shape, NAN_BITS, tl.uint32)
-    elif NAN_RULE == 1:
-        nan_out = (sign >> 16) | 0x7E00 | payload
+        out = tl.where(nan, nan_out, rounded).to(tl.uint16)
     else:
-        nan_out = (sign >> 16) | 0x7C00 | payload
-    return tl.where(nan, nan_out, finite | (sign >> 16)).to(tl.uint16)
+        # FP16: overflow to inf, normal rebias + round, subnormal by one exact FP32 add of 0.5
+        normal = (magnitude - 0x38000000 + 0xFFF + ((magnitude >> 13) & 1)) >> 13
+        small = magnitude < 0x38800000
+        tiny = tl.where(small, magnitude, 0).to(tl.float32, bitcast=True)  # only subnormal-range values are added
+        shifted = (tiny + 0.5).to(tl.uint32, bitcast=True) - 0x3F000000
+        finite = tl.where(magnitude >= 0x47800000, 0x7C00, tl.where(small, shifted, normal))
+        payload = (magnitude & 0x7FFFFF) >> 13
+        if NAN_RULE == 0:
+            nan_out = tl.full(bits.shape, NAN_BITS, tl.uint32)
+        elif NAN_RULE == 1:
+            nan_out = (sign >> 16) | 0x7E00 | payload
+        else:
+            nan_out = (sign >> 16) | 0x7C00 | payload
+        out = tl.where(nan, nan_out, finite | (sign >> 16)).to(tl.uint16)
+    return out
 
 
 @triton.jit
