@@ -1,10 +1,10 @@
-"""vLLM 0.13-0.29 adapter: ``_reshape_kv_cache_tensors`` / ``_update_hybrid_attention_mamba_layout``.
+"""vLLM 0.13-0.28 adapter: ``_reshape_kv_cache_tensors`` / ``_update_hybrid_attention_mamba_layout``.
 
 In 0.13 every raw tensor of a hybrid model is shared by one layer of each cache group; each layer views the
 whole tensor with ``num_blocks = raw_bytes // page_size``: attention as ``(2, num_blocks, ...)`` re-strided to
 a per-block K/V interleave, state layers as one ``[num_blocks, *shape]`` view per state whose ``stride(0)``
 is the (padded) page. The result dict maps layer names to a tensor (attention) or a list of state tensors.
-vLLM 0.26 builds the same views (its reshape reads the config from ``self.kv_cache_config``). vLLM 0.27-0.29
+vLLM 0.26 builds the same views (its reshape reads the config from ``self.kv_cache_config``). vLLM 0.27-0.28
 give a state layer one raw ``[num_blocks, 1, 1, page_bytes]`` int8 page view instead, which
 ``MambaBase.bind_kv_cache`` slices into states: those are described as the 0.3x adapter does
 (:func:`kda_patches.kv_layout.era032.describe_page_view`), chosen dense states ride on the page view and the
@@ -94,7 +94,7 @@ def describe_entries(kv_cache_config: Any, kv_caches: dict[str, Any]) -> list[La
         elif isinstance(value, torch.Tensor) and hasattr(spec, "page_size_bytes") and not hasattr(spec, "shapes"):
             entry = _attention_entry(name, group, spec, value)
         elif isinstance(value, torch.Tensor) and hasattr(spec, "shapes") and is_page_view(value):
-            entries.append(describe_page_view(name, group, spec, value))  # 0.27-0.29: bind_kv_cache slices it
+            entries.append(describe_page_view(name, group, spec, value))  # 0.27-0.28: bind_kv_cache slices it
             continue
         else:
             first = value[0] if isinstance(value, (list, tuple)) and value else value

@@ -15,12 +15,12 @@ Targets (ranges as the released sources show them; ``kda-patches conformance`` r
   the same-named methods of vllm-plugin-FL's ``ModelRunnerFL`` (no registry release; unranged).
 - vLLM 0.26: ``_reshape_kv_cache_tensors(self, kv_cache_raw_tensors, kernel_block_sizes)`` (the config is
   ``self.kv_cache_config``), state layers still get per-state views: the 0.13 adapter applies.
-- vLLM 0.27-0.29: the same reshape signature, but a state layer's view is one raw ``[B, 1, 1, C]`` page view
+- vLLM 0.27-0.28: the same reshape signature, but a state layer's view is one raw ``[B, 1, 1, C]`` page view
   that ``MambaBase.bind_kv_cache`` slices; the 0.13 adapter describes those views like the 0.3x adapter
   (:mod:`kda_patches.kv_layout.era013`), and the reshape and ``bind_kv_cache`` are coupled (group
-  ``page-views-027``).
-- vLLM 0.30-0.33: ``vllm.v1.worker.utils.allocate_kv_cache`` (decide) and ``MambaBase.bind_kv_cache`` (bind the
-  chosen dense states), coupled (group ``page-views-030``).
+  ``page-views-reshape``).
+- vLLM 0.29-0.33: ``vllm.v1.worker.utils.allocate_kv_cache`` (decide) and ``MambaBase.bind_kv_cache`` (bind the
+  chosen dense states), coupled (group ``page-views-allocate``).
 - ``get_kv_cache_configs`` — only with ``KDA_PATCHES_KV_STATE_MODE=separate``: shrink the KV budget by the
   separate states' memory and stamp the reservation on the configs. ``vllm.v1.core.kv_cache_utils`` up to 0.32;
   ``vllm.v1.core.kv_cache_planning`` from 0.33 (a 4th parameter ``global_kv_cache_groups``, passed through).
@@ -94,7 +94,7 @@ def _reshape_config(instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def wrap_reshape_kv_cache_tensors(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """vLLM 0.13-0.29: run upstream's reshape (K/V re-stride included), then apply the proven layouts.
+    """vLLM 0.13-0.28: run upstream's reshape (K/V re-stride included), then apply the proven layouts.
 
     A subclass override that calls ``super()`` is wrapped too; only the outermost call plans.
     """
@@ -188,13 +188,13 @@ PATCH = Patch(
         _target(_RUNNER, "GPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
                 RESHAPE_026_PARAMETERS, min_version="0.26", max_version="0.27"),
         _target(_RUNNER, "GPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
-                RESHAPE_026_PARAMETERS, min_version="0.27", max_version="0.30", group="page-views-027"),
+                RESHAPE_026_PARAMETERS, min_version="0.27", max_version="0.29", group="page-views-reshape"),
         _target(_RUNNER, "GPUModelRunner._update_hybrid_attention_mamba_layout",
                 wrap_update_hybrid_attention_mamba_layout, UPDATE_HYBRID_PARAMETERS, min_version="0.13",
                 max_version="0.14"),
         _target(_RUNNER, "GPUModelRunner._update_hybrid_attention_mamba_layout",
                 wrap_update_hybrid_attention_mamba_layout, UPDATE_HYBRID_026_PARAMETERS, min_version="0.26",
-                max_version="0.30"),
+                max_version="0.29"),
         _target(_FL_RUNNER, "ModelRunnerFL._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
                 RESHAPE_PARAMETERS, stack="vllm-plugin-FL", distribution="vllm_fl"),
         _target(_FL_RUNNER, "ModelRunnerFL._update_hybrid_attention_mamba_layout",
@@ -206,9 +206,9 @@ PATCH = Patch(
         _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", None, None, stack="vllm-ascend",
                 distribution="vllm-ascend", min_version="0.26", max_version="0.31", inert=_ASCEND_INERT),
         _target("vllm.v1.worker.utils", "allocate_kv_cache", wrap_allocate_kv_cache, ALLOCATE_PARAMETERS,
-                min_version="0.30", max_version="0.34", group="page-views-030"),
-        _target(*_BIND, min_version="0.27", max_version="0.30", group="page-views-027"),
-        _target(*_BIND, min_version="0.30", max_version="0.34", group="page-views-030"),
+                min_version="0.29", max_version="0.34", group="page-views-allocate"),
+        _target(*_BIND, min_version="0.27", max_version="0.29", group="page-views-reshape"),
+        _target(*_BIND, min_version="0.29", max_version="0.34", group="page-views-allocate"),
         _target("vllm.v1.core.kv_cache_utils", "get_kv_cache_configs", wrap_get_kv_cache_configs,
                 CONFIGS_PARAMETERS, min_version="0.13", max_version="0.33"),
         _target("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs", wrap_get_kv_cache_configs,

@@ -1,4 +1,4 @@
-"""The RELEASED vLLM 0.26-0.29 KV-cache reshaping code, loaded from the release cache and run on CPU tensors.
+"""The RELEASED vLLM 0.26-0.28 KV-cache reshaping code, loaded from the release cache and run on CPU tensors.
 
 Nothing here is a copy: each function is read from the downloaded release file and compiled with that file's
 name and line numbers (tracebacks point into the release), or a whole release module is loaded by path under a
