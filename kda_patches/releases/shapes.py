@@ -252,6 +252,10 @@ SHAPES: dict[str, Shape] = _shapes(
           all_of(module_exists("vllm_ascend.ops.kda_state_copy_plan"),
                  class_attribute(_ASCEND_KIMI, "_requires_kda_state_copy", True),
                  *(any_calls(module, qualname, "initialize_kda_state_copy") for module, qualname in _RUNNERS))),
+    Shape("unpads:m.unpadded(_, num_actual_reqs)",
+          "the GDN builder builds from the first `num_actual_reqs` rows only (`m = m.unpadded(..., num_actual_reqs)`), "
+          "as gdn_host_flags' flags do",
+          calls("m.unpadded", (None, "num_actual_reqs"))),
 )
 
 
