@@ -135,9 +135,10 @@ def wrap_build(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _build_target(module: str, qualname: str, stack: str, distribution: str, min_version: str | None,
-                  max_version: str | None, parameters: tuple[str, ...] = BUILD_PARAMETERS) -> Target:
+                  max_version: str | None, parameters: tuple[str, ...] = BUILD_PARAMETERS,
+                  shapes: tuple[str, ...] = ()) -> Target:
     return Target(module=module, qualname=qualname, wrapper=wrap_build, stack=stack, distribution=distribution,
-                  min_version=min_version, max_version=max_version, parameters=parameters)
+                  min_version=min_version, max_version=max_version, parameters=parameters, shapes=shapes)
 
 
 _ASCEND_BUILDER = ("vllm_ascend.ops.gdn_attn_builder", "AscendGDNAttentionMetadataBuilder.build")
@@ -158,7 +159,7 @@ PATCH = Patch(
                       "vllm", "vllm", "0.32", "0.34"),
         _build_target(*_ASCEND_BUILDER, "vllm-ascend", "vllm-ascend", "0.26", "0.29"),
         _build_target(*_ASCEND_BUILDER, "vllm-ascend", "vllm-ascend", "0.29", "0.31",
-                      parameters=ASCEND_029_BUILD_PARAMETERS),
+                      parameters=ASCEND_029_BUILD_PARAMETERS, shapes=("unpads:m.unpadded(_, num_actual_reqs)",)),
         _build_target("vllm_fl.dispatch.backends.vendor.ascend.impl.gdn_attn_builder",
                       "AscendGDNAttentionMetadataBuilder.build", "vllm-plugin-FL", "vllm-plugin-fl", None, None),
     ),
