@@ -20,7 +20,7 @@ scrubbed would see the original tree: a mutant's killing tests must fail in the 
 Exit status: 0 when every mutant was killed in every run; 1 when any survived or errored; 2 on a
 baseline failure. Slow (the state-copy tests run under the Triton interpreter): not part of ``make test``.
 
-    .venv/bin/python scripts/mutants.py [--repeat N] [--only NAME ...] [--worktree] [--lock FILE] [--list]
+    .venv/bin/python scripts/mutants.py [--repeat N] [--only NAME ...] [--worktree] [--lock FILE] [--list] [--check]
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ class Mutant:
     why: str
 
 
-ROUTING = "kda_patches/kimi/routing.py"
+ROUTING_ALIAS = "kda_patches/routing/alias.py"
+ROUTING_PROOF = "kda_patches/routing/proof.py"
+ROUTING_TESTS = "tests/routing/test_routing_core.py"
 CHECKER = "kda_patches/kv_layout/checker.py"
 KERNELS = "kda_patches/state_copy/kernels.py"
 SEMANTICS = "tests/state_copy/test_state_copy_semantics.py"
@@ -98,76 +100,82 @@ PROPERTY = "tests/state_copy/test_state_copy_property.py"
 KIMI_ROUTING_TESTS = "tests/kimi/test_kimi_prefill_routing.py"
 KV_CHECKER_TESTS = "tests/kv_layout/test_kv_checker.py"
 GDN_TESTS = "tests/patches/test_gdn_host_flags.py"
+GATHER_FIXED = f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates"
+SCATTER_FIXED = f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"
+
+# Kernel snippets: each kernel's index-mask line with enough context to occur once in kernels.py.
+LOAD_ROW = "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+VALID = "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)\n"
+NEGATIVE_VALID = "    valid = (cache_row >= -1) & (cache_row < NUM_ROWS)\n"
+INDEX_N_VALID = "    valid = (cache_row >= 0) & (cache_row <= NUM_ROWS)\n"
+FUSED_HEAD = "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n" + LOAD_ROW  # copy_rows_kernel
+BYTES_TAIL = "    if not SCATTER:\n"  # copy_row_bytes_kernel (the cast kernel has no gather branch)
+BYTES_HEAD = "    in_payload = offsets < PAYLOAD\n" + LOAD_ROW
+CAST_TAIL = "    safe_row = tl.where(valid, cache_row, 0)\n    copy_mask = valid & in_payload\n    values = tl.load("
+
+
+def kernel_mask(name: str, head: str, tail: str, replacement: str, tests: tuple[str, ...], why: str) -> Mutant:
+    """A mutant of one kernel's invalid-index mask (``head + VALID + tail`` -> ``head + replacement + tail``)."""
+    return Mutant(name, KERNELS, head + VALID + tail, head + replacement + tail, tests, "D (state_copy)", why)
+
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- issue #12's table: survived or flaky before the issue --------------------------------------------
-    Mutant("routing-fold-foreign-index", ROUTING,
-           "if indices is not self.indices or not foldable_flags(flags, indices, self.state):",
-           "if not foldable_flags(flags, indices, self.state):",
-           (KIMI_ROUTING_TESTS,), "E (routing)",
+    Mutant("routing-fold-foreign-index", ROUTING_ALIAS,
+           "flags = self.flags if indices is self.indices else None",
+           "flags = self.flags if indices.shape == self.indices.shape else None",
+           (f"{ROUTING_TESTS}::test_a_same_shaped_other_index_tensor_never_folds_the_clear",), "E (routing)",
            "gather_index folds has_initial_state into a gather whose index tensor is not the call's state_indices"),
-    Mutant("settle-route-ignores-elision", ROUTING,
+    Mutant("settle-route-ignores-elision", ROUTING_PROOF,
            "if route.gathers == 1 and route.scatters == 1 and route.folded == route.elided:",
            "if route.gathers == 1 and route.scatters == 1:",
-           (KIMI_ROUTING_TESTS,), "E (routing)",
+           (f"{ROUTING_TESTS}::test_a_fork_that_stopped_clearing_after_a_folded_gather_is_bypassed",), "E (routing)",
            "a fork that no longer calls clear_ssm_states after a folded gather is counted routed"),
     Mutant("checker-candidate-filter", CHECKER,
            "touching = (lo[pi] < hi[pj]) & (lo[pj] < hi[pi])",
            "touching = (lo[pi] < hi[pj] - 1) & (lo[pj] < hi[pi])",
-           (KV_CHECKER_TESTS,), "B (kv_layout)",
+           (f"{KV_CHECKER_TESTS}::test_checker_boundary_cases",), "B (kv_layout)",
            "run pairs whose spans overlap by one byte are never examined (real overlaps accepted)"),
+    Mutant("checker-candidate-filter/brute-force", CHECKER,
+           "touching = (lo[pi] < hi[pj]) & (lo[pj] < hi[pi])",
+           "touching = (lo[pi] < hi[pj] - 1) & (lo[pj] < hi[pi])",
+           (f"{KV_CHECKER_TESTS}::test_checker_matches_brute_force",), "B (kv_layout)",
+           "the same mutant against the brute-force property test (its fixed @examples run first)"),
     Mutant("checker-equal-stride-k-hi", CHECKER,
            "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 1",
            "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 2",
-           (KV_CHECKER_TESTS,), "B (kv_layout)",
+           (f"{KV_CHECKER_TESTS}::test_checker_boundary_cases",), "B (kv_layout)",
            "equal-stride pairs: the last overlapping block offset k is missed (real overlaps accepted)"),
+    Mutant("checker-equal-stride-k-hi/brute-force", CHECKER,
+           "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 1",
+           "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 2",
+           (f"{KV_CHECKER_TESTS}::test_checker_matches_brute_force",), "B (kv_layout)",
+           "the same mutant against the brute-force property test (its fixed @examples run first)"),
     Mutant("fused-gather-index-n-valid", KERNELS,
            "        valid = valid & (flag != 0)\n    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
            "        valid = (valid | (cache_row == NUM_ROWS)) & (flag != 0)\n"
            "    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
-           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates", PROPERTY), "D (state_copy)",
+           (GATHER_FIXED,), "D (state_copy)",
            "the fused gather reads row N (one past the cache) for a flagged index == N"),
+    Mutant("fused-gather-index-n-valid/property", KERNELS,
+           "        valid = valid & (flag != 0)\n    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
+           "        valid = (valid | (cache_row == NUM_ROWS)) & (flag != 0)\n"
+           "    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
+           (PROPERTY,), "D (state_copy)",
+           "the same mutant against the derandomized property test (its fixed @examples)"),
     # -- killed before the issue (kept so that they stay killed) -----------------------------------------
-    Mutant("fused-mask-negative-valid", KERNELS,
-           "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n"
-           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
-           "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)",
-           "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n"
-           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
-           "    valid = (cache_row >= -1) & (cache_row < NUM_ROWS)",
-           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates",
-            f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"), "D (state_copy)",
-           "fused kernel treats index -1 as a valid row"),
-    Mutant("fused-mask-index-n-valid", KERNELS,
-           "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n"
-           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
-           "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)",
-           "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n"
-           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
-           "    valid = (cache_row >= 0) & (cache_row <= NUM_ROWS)",
-           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates",
-            f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"), "D (state_copy)",
-           "fused kernel (gather and scatter) treats index == N as a valid row"),
-    Mutant("fallback-mask-negative-valid", KERNELS,
-           "    in_payload = offsets < PAYLOAD\n"
-           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
-           "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)",
-           "    in_payload = offsets < PAYLOAD\n"
-           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
-           "    valid = (cache_row >= -1) & (cache_row < NUM_ROWS)",
-           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates",
-            f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"), "D (state_copy)",
-           "fallback (byte) kernel treats index -1 as a valid row"),
-    Mutant("fallback-mask-index-n-valid", KERNELS,
-           "    in_payload = offsets < PAYLOAD\n"
-           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
-           "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)",
-           "    in_payload = offsets < PAYLOAD\n"
-           "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
-           "    valid = (cache_row >= 0) & (cache_row <= NUM_ROWS)",
-           (f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates",
-            f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"), "D (state_copy)",
-           "fallback (byte) kernel treats index == N as a valid row"),
+    kernel_mask("fused-mask-negative-valid", FUSED_HEAD, "", NEGATIVE_VALID, (GATHER_FIXED, SCATTER_FIXED),
+                "fused kernel (gather and scatter) treats index -1 as a valid row"),
+    kernel_mask("fused-mask-index-n-valid", FUSED_HEAD, "", INDEX_N_VALID, (GATHER_FIXED, SCATTER_FIXED),
+                "fused kernel (gather and scatter) treats index == N as a valid row"),
+    kernel_mask("bytes-mask-negative-valid", BYTES_HEAD, BYTES_TAIL, NEGATIVE_VALID, (GATHER_FIXED, SCATTER_FIXED),
+                "fallback byte kernel treats index -1 as a valid row"),
+    kernel_mask("bytes-mask-index-n-valid", BYTES_HEAD, BYTES_TAIL, INDEX_N_VALID, (GATHER_FIXED, SCATTER_FIXED),
+                "fallback byte kernel treats index == N as a valid row"),
+    kernel_mask("cast-scatter-mask-negative-valid", BYTES_HEAD, CAST_TAIL, NEGATIVE_VALID, (SCATTER_FIXED,),
+                "fallback casting scatter writes index -1"),
+    kernel_mask("cast-scatter-mask-index-n-valid", BYTES_HEAD, CAST_TAIL, INDEX_N_VALID, (SCATTER_FIXED,),
+                "fallback casting scatter writes index == N"),
     Mutant("plan-signature-check", "kda_patches/state_copy/plan.py",
            "if (state.dtype != self._dtype or state.shape != self._shape or state.stride() != self._strides\n"
            "                or state.device != self._device or state.data_ptr() % 16 != self._alignment):",
@@ -175,10 +183,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "                or state.device != self._device or state.data_ptr() % 16 != self._alignment):",
            ("tests/state_copy/test_state_copy_lifecycle.py::test_signature_change_refused",), "D (state_copy)",
            "a sealed plan launches on a cache whose strides changed since prepare"),
-    Mutant("bypass-not-counted", ROUTING,
-           '    ledger.count(LEDGER_PATH, "calls_bypassed")\n',
+    Mutant("bypass-not-counted", ROUTING_PROOF,
+           '    ledger.count(section, "calls_bypassed")\n',
            "",
-           (KIMI_ROUTING_TESTS,), "E (routing)",
+           (f"{KIMI_ROUTING_TESTS}::test_a_fork_gathering_with_index_select_is_reported_bypassed",), "E (routing)",
            "a bypassed prefill call is not counted calls_bypassed"),
     Mutant("registry-drift-ignored", "kda_patches/registry.py",
            "return target.parameters is None or (parameters is not None and tuple(parameters) == target.parameters)",
@@ -189,12 +197,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("gdn-initial-state-off", "kda_patches/patches/gdn_host_flags.py",
            "has_initial = tuple(num_computed[row] > 0 for row in rows)",
            "has_initial = tuple(num_computed[row] >= 0 for row in rows)",
-           (GDN_TESTS,), "B (gdn_host_flags tests)",
+           (f"{GDN_TESTS}::test_patched_build_equals_original_and_flags_match_device_fields",), "B (gdn_host_flags)",
            "every prefill row claims an initial state (any_initial_state_cpu always true)"),
     Mutant("gdn-cu-seqlens-not-cumulative", "kda_patches/patches/gdn_host_flags.py",
            "cu_seqlens.append(cu_seqlens[-1] + query_lens[row])",
            "cu_seqlens.append(query_lens[row])",
-           (GDN_TESTS,), "B (gdn_host_flags tests)",
+           (f"{GDN_TESTS}::test_patched_build_equals_original_and_flags_match_device_fields",), "B (gdn_host_flags)",
            "cu_seqlens_host holds the lengths, not their running sum"),
 )
 
@@ -257,23 +265,39 @@ def run_tests(python: str, copy: Path, tests: tuple[str, ...], lock: str | None,
 
 
 def missing_tests(copy: Path, tests: tuple[str, ...]) -> list[str]:
-    """Return the node ids whose file does not exist in ``copy`` (the test moved or was renamed)."""
-    return [test for test in tests if not (copy / test.split("::")[0]).exists()]
+    """Return the node ids whose file, or whose test function, is not in ``copy`` (moved or renamed)."""
+    missing = []
+    for test in tests:
+        file, _, name = test.partition("::")
+        path = copy / file
+        function = name.split("[")[0].split("::")[-1]
+        if not path.exists() or (function and f"def {function}(" not in path.read_text()):
+            missing.append(test)
+    return missing
+
+
+def check_mutant(mutant: Mutant, copy: Path) -> str | None:
+    """Return why ``mutant`` cannot be applied to ``copy`` (snippet not found once, tests missing), or None."""
+    path = copy / mutant.path
+    if not path.exists():
+        return f"{mutant.path} does not exist (the code moved): update the mutant"
+    found = path.read_text().count(mutant.original)
+    if found != 1:
+        return (f"snippet found {found} times in {mutant.path} (expected once: the code moved or the snippet is "
+                "ambiguous); update the mutant")
+    absent = missing_tests(copy, mutant.tests)
+    if absent:
+        return f"killing tests not found: {', '.join(absent)}"
+    return None
 
 
 def run_mutant(mutant: Mutant, python: str, copy: Path, lock: str | None) -> Outcome:
     """Apply ``mutant`` to ``copy``, run its tests, restore the file; return the outcome."""
+    problem = check_mutant(mutant, copy)
+    if problem is not None:
+        return Outcome("ERROR", problem)
     path = copy / mutant.path
-    if not path.exists():
-        return Outcome("ERROR", f"{mutant.path} does not exist (the code moved): update the mutant")
     source = path.read_text()
-    found = source.count(mutant.original)
-    if found != 1:
-        return Outcome("ERROR", f"snippet found {found} times in {mutant.path} (expected once: the code moved "
-                                "or the snippet is ambiguous); update the mutant")
-    absent = missing_tests(copy, mutant.tests)
-    if absent:
-        return Outcome("ERROR", f"test files missing: {', '.join(absent)}")
     began = time.monotonic()
     path.write_text(source.replace(mutant.original, mutant.replacement))
     try:
@@ -339,6 +363,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lock", metavar="FILE", help="hold an flock on FILE around each pytest run")
     parser.add_argument("--python", default=str(DEFAULT_PYTHON), help="interpreter with the test environment")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every snippet occurs once and every killing test exists")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -367,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
             copy_tree(copy, args.worktree)
             print(f"run {number}/{args.repeat}: copy of {'the working tree' if args.worktree else 'HEAD'} "
                   f"in {copy}", flush=True)
+            if args.check:
+                problems = {mutant.name: check_mutant(mutant, copy) for mutant in mutants}
+                for name, problem in problems.items():
+                    print(f"  {name}: {problem or 'ok'}")
+                return 1 if any(problems.values()) else 0
             passed, tail = run_baseline(mutants, args.python, copy, args.lock)
             if not passed:
                 print(f"baseline FAILED: the listed tests fail on the unmutated copy, so no kill means "
