@@ -30,13 +30,7 @@ neither torch nor vLLM.
 
 from __future__ import annotations
 
-from kda_patches.patches.kimi_prefill import (
-    GATHER_PARAMETERS,
-    _ascend,
-    _vllm,
-    ascend_runner_targets,
-    upstream_runner_targets,
-)
+from kda_patches.patches.kimi_prefill import GATHER_PARAMETERS, _release, ascend_runners, era, upstream_runners
 from kda_patches.patches.kimi_prefill import format_status_line as format_section_line
 from kda_patches.registry import Patch, Target
 from kda_patches.routing.seams import (
@@ -90,25 +84,34 @@ _KIMI_GDN_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recurren
 _ASCEND_SHAPES = ("read:self.kv_cache", "gather:ssm_state[prefill_state_indices]",
                   "clear:clear_ssm_states(_, prefill_has_initial_state)", "scatter:ssm_state[prefill_state_indices]=")
 
+def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
+    members = [
+        (f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_forward_core,
+         FORWARD_CORE_PARAMETERS, _QWEN_SHAPES),
+        (f"{_GDN}.olmo_gdn_linear_attn", "OlmoHybridGatedDeltaNetAttention._forward_core", wrap_olmo_forward_core,
+         FORWARD_CORE_PARAMETERS, _OLMO_SHAPES)]
+    if _release(low) >= (0, 27):  # 0.26's Kimi Linear _forward clears with a boolean-mask index first: not this seam
+        members += [
+            (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_forward,
+             KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_SHAPES),
+            (f"{_GDN}.kimi_gdn_linear_attn", "gather_initial_states", wrap_gather, GATHER_PARAMETERS, ())]
+    return era("vllm", low, high, (*members, *upstream_runners(wrap_initialize_kv_cache, low)))
+
+
+def _ascend_era(low: str, high: str) -> tuple[Target, ...]:
+    return era("vllm-ascend", low, high, (
+        ("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core", wrap_ascend_forward_core,
+         FORWARD_CORE_PARAMETERS, _ASCEND_SHAPES),
+        ("vllm_ascend.ops.gdn", "clear_ssm_states", wrap_clear, CLEAR_PARAMETERS, ()),
+        *ascend_runners(wrap_initialize_kv_cache, low)))
+
+
 PATCH = Patch(
     name=LEDGER_PATH,
     summary="route the GDN layers' prefill gather(+clear)/scatter through the sealed state-copy plans "
     "(shared routing core and startup with kimi_prefill)",
-    targets=(
-        _vllm(f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_forward_core,
-              "0.26", "0.40", FORWARD_CORE_PARAMETERS, _QWEN_SHAPES),
-        _vllm(f"{_GDN}.olmo_gdn_linear_attn", "OlmoHybridGatedDeltaNetAttention._forward_core",
-              wrap_olmo_forward_core, "0.26", "0.40", FORWARD_CORE_PARAMETERS, _OLMO_SHAPES),
-        _vllm(f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_forward, "0.27",
-              "0.40", KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_SHAPES),
-        _vllm(f"{_GDN}.kimi_gdn_linear_attn", "gather_initial_states", wrap_gather, "0.27", "0.40",
-              GATHER_PARAMETERS),
-        *upstream_runner_targets(wrap_initialize_kv_cache, low="0.26"),
-        _ascend("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core", wrap_ascend_forward_core,
-                "0.26", "0.30", FORWARD_CORE_PARAMETERS, shapes=_ASCEND_SHAPES),
-        _ascend("vllm_ascend.ops.gdn", "clear_ssm_states", wrap_clear, "0.26", "0.30", CLEAR_PARAMETERS),
-        *ascend_runner_targets(wrap_initialize_kv_cache),
-    ),
+    targets=(*_upstream_era("0.26", "0.27"), *_upstream_era("0.27", "0.30"), *_upstream_era("0.30", "0.40"),
+             *_ascend_era("0.26", "0.28"), *_ascend_era("0.28", "0.30")),
 )
 
 

@@ -79,39 +79,53 @@ _KIMI_K3 = "vllm.models.kimi_k3.nvidia.kda"
 _NPU_RUNNERS = ("vllm_ascend.worker.model_runner_v1", "vllm_ascend.worker.v2.model_runner")
 
 
-def _ascend(module: str, qualname: str, wrapper: Any, low: str, high: str, parameters: tuple[str, ...],
-            group: str = "vllm-ascend", shapes: tuple[str, ...] = ()) -> Target:
-    return Target(module, qualname, wrapper, "vllm-ascend", "vllm-ascend", low, high, parameters, group, shapes)
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
 
 
-def _vllm(module: str, qualname: str, wrapper: Any, low: str, high: str, parameters: tuple[str, ...],
-          shapes: tuple[str, ...] = ()) -> Target:
-    return Target(module, qualname, wrapper, "vllm", "vllm", low, high, parameters, "vllm", shapes)
+def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], ...]) -> tuple[Target, ...]:
+    """Return one coupled group of targets valid for ``distribution`` in ``[low, high)``.
+
+    A release era is one group (named ``<distribution>-<low>``): its members -- a seam, the copy functions
+    its module calls, the startup hooks -- are applied together or not at all. A key that changes between
+    eras (a runner's signature, the Kimi class name) has one sibling per era, each in that era's group.
+
+    Args:
+        distribution: ``vllm`` or ``vllm-ascend`` (also the stack label).
+        low, high: the era's version range.
+        members: ``(module, qualname, wrapper, parameters, shapes)`` per target.
+    """
+    return tuple(Target(module, qualname, wrapper, distribution, distribution, low, high, parameters,
+                        f"{distribution}-{low}", shapes) for module, qualname, wrapper, parameters, shapes in members)
 
 
-def upstream_runner_targets(wrapper: Any, low: str = "0.27") -> tuple[Target, ...]:
-    """Return the startup hook targets on vLLM's V1/V2 ``GPUModelRunner.initialize_kv_cache`` from ``low`` on."""
-    return (
-        _vllm("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.initialize_kv_cache", wrapper, low, "0.30",
-              VLLM_RUNNER_PARAMETERS_027),
-        _vllm("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.initialize_kv_cache", wrapper, "0.30", "0.40",
-              VLLM_RUNNER_PARAMETERS),
-        _vllm("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache", wrapper, low, "0.30",
-              VLLM_V2_RUNNER_PARAMETERS_027),
-        _vllm("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache", wrapper, "0.30", "0.40",
-              VLLM_RUNNER_PARAMETERS),
-    )
+def upstream_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:
+    """Return the era members for vLLM's V1/V2 ``GPUModelRunner.initialize_kv_cache`` (signature by era)."""
+    old = _release(low) < (0, 30)
+    return (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
+             VLLM_RUNNER_PARAMETERS_027 if old else VLLM_RUNNER_PARAMETERS, ()),
+            ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
+             VLLM_V2_RUNNER_PARAMETERS_027 if old else VLLM_RUNNER_PARAMETERS, ()))
 
 
-def ascend_runner_targets(wrapper: Any, high: str = "0.30", group: str = "vllm-ascend") -> tuple[Target, ...]:
-    """Return the startup hook targets on vllm-ascend's V1/V2 ``NPUModelRunner.initialize_kv_cache`` (0.26 on)."""
-    targets = []
-    for module in _NPU_RUNNERS:
-        targets.append(_ascend(module, "NPUModelRunner.initialize_kv_cache", wrapper, "0.26", "0.28",
-                               ASCEND_RUNNER_PARAMETERS, group))
-        targets.append(_ascend(module, "NPUModelRunner.initialize_kv_cache", wrapper, "0.28", high,
-                               ASCEND_RUNNER_PARAMETERS_028, group))
-    return tuple(targets)
+def ascend_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:
+    """Return the era members for vllm-ascend's V1/V2 ``NPUModelRunner.initialize_kv_cache`` (signature by era)."""
+    parameters = ASCEND_RUNNER_PARAMETERS if _release(low) < (0, 28) else ASCEND_RUNNER_PARAMETERS_028
+    return tuple((module, "NPUModelRunner.initialize_kv_cache", wrapper, parameters, ()) for module in _NPU_RUNNERS)
+
+
+def _ascend_era(low: str, high: str, cls: str) -> tuple[Target, ...]:
+    return era("vllm-ascend", low, high, (
+        (_KIMI_KDA, f"{cls}._run_prefill", wrap_run_prefill, RUN_PREFILL_PARAMETERS, _ASCEND_SHAPES),
+        (_KIMI_KDA, "clear_ssm_states", wrap_clear, CLEAR_PARAMETERS, ()),
+        *ascend_runners(wrap_initialize_kv_cache, low)))
+
+
+def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
+    return era("vllm", low, high, (
+        (_KIMI_K3, "KimiK3DeltaAttention._forward", wrap_upstream_forward, FORWARD_PARAMETERS, _UPSTREAM_SHAPES),
+        (_KIMI_K3, "gather_initial_states", wrap_gather, GATHER_PARAMETERS, ()),
+        *upstream_runners(wrap_initialize_kv_cache, low)))
 
 
 PATCH = Patch(
@@ -119,19 +133,14 @@ PATCH = Patch(
     summary="route the Kimi KDA prefill gather(+clear)/scatter through sealed state-copy plans prepared at "
     "worker startup (stand aside where the fork ships its own plan)",
     targets=(
-        _ascend(_KIMI_KDA, "AscendKimiGatedDeltaNetAttention._run_prefill", wrap_run_prefill, "0.26", "0.27",
-                RUN_PREFILL_PARAMETERS, shapes=_ASCEND_SHAPES),
-        _ascend(_KIMI_KDA, "AscendKimiK3DeltaAttention._run_prefill", wrap_run_prefill, "0.27", "0.30",
-                RUN_PREFILL_PARAMETERS, shapes=_ASCEND_SHAPES),
-        _ascend(_KIMI_KDA, "clear_ssm_states", wrap_clear, "0.26", "0.30", CLEAR_PARAMETERS),
-        *ascend_runner_targets(wrap_initialize_kv_cache),
-        _ascend("vllm_ascend.ops.kda_state_copy_plan", "initialize_kda_state_copy", wrap_fork_initialize, "0.30",
-                "0.40", FORK_INITIALIZE_PARAMETERS, group="vllm-ascend-fork-plan",
-                shapes=("fork:kda_state_copy_plan",)),
-        _vllm(_KIMI_K3, "KimiK3DeltaAttention._forward", wrap_upstream_forward, "0.27", "0.40", FORWARD_PARAMETERS,
-              _UPSTREAM_SHAPES),
-        _vllm(_KIMI_K3, "gather_initial_states", wrap_gather, "0.27", "0.40", GATHER_PARAMETERS),
-        *upstream_runner_targets(wrap_initialize_kv_cache),
+        *_ascend_era("0.26", "0.27", "AscendKimiGatedDeltaNetAttention"),
+        *_ascend_era("0.27", "0.28", "AscendKimiK3DeltaAttention"),
+        *_ascend_era("0.28", "0.30", "AscendKimiK3DeltaAttention"),
+        *era("vllm-ascend", "0.30", "0.40", (
+            ("vllm_ascend.ops.kda_state_copy_plan", "initialize_kda_state_copy", wrap_fork_initialize,
+             FORK_INITIALIZE_PARAMETERS, ("fork:kda_state_copy_plan",)),)),
+        *_upstream_era("0.27", "0.30"),
+        *_upstream_era("0.30", "0.40"),
     ),
 )
 

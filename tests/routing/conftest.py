@@ -1,0 +1,61 @@
+"""Fixtures of the routing-core suite: dummy seam modules loaded fresh under records built here.
+
+Plans run under the Triton interpreter on the CPU (``TRITON_INTERPRET=1``, set by ``make test``; set here
+too when missing, before the kernels load).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+if "kda_patches.state_copy.kernels" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kda_patches
+from kda_patches.flags import Flags
+from kda_patches.registry import Patch, register_patch, revert_patch
+
+DUMMIES = "routing_dummies"
+
+
+@pytest.fixture
+def load_dummies() -> Iterator[Callable[..., Any]]:
+    """Return ``load(*patches)``: register the records, then import :mod:`routing_dummies` afresh (post-import hooks).
+
+    Every record registered here is reverted (last first) and the module forgotten at teardown.
+    """
+    registered: list[Patch] = []
+
+    def load(*patches: Patch) -> Any:
+        for patch in reversed(registered):
+            revert_patch(patch)
+        registered.clear()
+        sys.modules.pop(DUMMIES, None)
+        for patch in patches:
+            revert_patch(patch)
+            register_patch(patch)
+            registered.append(patch)
+        return importlib.import_module(DUMMIES)
+
+    yield load
+    for patch in reversed(registered):
+        revert_patch(patch)
+    sys.modules.pop(DUMMIES, None)
+
+
+@pytest.fixture
+def strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the test as under ``KDA_PATCHES_STRICT=1`` (bypassed calls raise)."""
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True))
+
+
+@pytest.fixture
+def lenient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the test without STRICT (bypassed calls are counted, not raised)."""
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=False))
