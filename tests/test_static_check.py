@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import sys
 import textwrap
@@ -107,3 +108,24 @@ def test_reads_a_literal_version(tmp_path, monkeypatch):
     top, _ = write_package(tmp_path, monkeypatch)
     assert static_check.read_module_version(tmp_path / top / "__init__.py") == "9.9"
     assert static_check.read_module_version(tmp_path / top / "ops" / "kda.py") is None
+
+
+def test_source_reading_agrees_with_inspect_on_every_installed_vllm_target():
+    """The group check reads unimported members from source: on the installed vLLM it must say what
+    ``inspect.signature`` says on the imported object, for every target of every patch (re-exports included)."""
+    from vllm_stack import import_vllm
+
+    from kda_patches import registry
+
+    compared = []
+    for patch in registry.all_patches().values():
+        for key in patch.keys():
+            target = patch.siblings(key)[0]
+            if not target.module.startswith("vllm."):
+                continue
+            static = registry.read_static_parameters(target)
+            shipped = importlib.util.find_spec(target.module) is not None  # imports the parents: fine here
+            live = registry.read_live_parameters(target, import_vllm(target.module)) if shipped else None
+            assert static == live, key
+            compared.append(key)
+    assert len(compared) >= 10, compared
