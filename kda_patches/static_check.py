@@ -9,7 +9,8 @@ which the stack initialises. This module finds their ``.py`` files through the t
 - :func:`read_parameters` — the parameter names of ``Class.method`` / ``function`` in the class or module
   that *defines* it (an inherited method is absent, as for :func:`kda_patches.registry.resolve_attribute`),
   following ``from X import name`` re-exports; None when absent;
-- :func:`read_module_version` — a literal ``__version__ = "..."`` of a module file.
+- :func:`read_module_version` — the ``__version__`` a module file sets (a literal, or followed through
+  ``from X import __version__``).
 
 The same readers serve release conformance on downloaded sources: pass ``locate`` (module name -> file)
 for a source tree that is not on ``sys.path``. Parsed trees are cached per file (parse once per process).
@@ -187,12 +188,29 @@ def _read(path: pathlib.Path, parts: list[str], module_name: str | None, locate:
     return None
 
 
-def read_module_version(source_path: pathlib.Path | str) -> str | None:
-    """Return the literal ``__version__`` string assigned at the top of a module file, or None."""
-    tree = _tree(pathlib.Path(source_path))
-    if tree is None:
+def read_module_version(source_path: pathlib.Path | str, module_name: str | None = None,
+                        locate: Locate | None = None) -> str | None:
+    """Return the ``__version__`` string a module file sets, or None.
+
+    The first binding in the module's statement order wins (``try`` bodies included): a literal
+    ``__version__ = "..."``, or a ``from X import __version__`` re-export followed into ``X`` (vLLM:
+    ``__init__`` -> ``version`` -> ``_version``), which needs ``module_name`` for relative imports.
+    """
+    return _read_version(pathlib.Path(source_path), module_name, locate or find_module_source, 0)
+
+
+def _read_version(path: pathlib.Path, module_name: str | None, locate: Locate, depth: int) -> str | None:
+    tree = _tree(path)
+    if tree is None or depth > _MAX_REEXPORT_DEPTH:
         return None
-    for node in tree.body:
+    for node in _scope_statements(tree.body):
+        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == "__version__" for a in node.names):
+            source_module = _absolute_module(node, module_name, path.name == "__init__.py")
+            source = locate(source_module) if source_module else None
+            found = _read_version(source, source_module, locate, depth + 1) if source is not None else None
+            if found is not None:
+                return found
+            continue
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, ast.AnnAssign) else []
         value = getattr(node, "value", None)

