@@ -25,6 +25,7 @@ import ast
 import dataclasses
 import pathlib
 
+from kda_patches import static_check
 from kda_patches.static_check import read_parameters
 
 _MAX_IMPORT_HOPS = 8
@@ -133,10 +134,14 @@ class ReleaseSource:
         return None
 
     def module_tree(self, module: str) -> ast.Module | None:
-        """Return the parsed module (cached), or None when the module is absent."""
+        """Return the parsed module, or None when the module is absent (or does not parse).
+
+        Trees come from :mod:`kda_patches.static_check`'s per-file cache, so a file is parsed once per process
+        for both readers and for every stack that shares a release (parsing is most of conformance's time).
+        """
         if module not in self._trees:
             path = self.module_path(module)
-            self._trees[module] = ast.parse(path.read_text(encoding="utf-8"), str(path)) if path else None
+            self._trees[module] = static_check._tree(path) if path is not None else None
         return self._trees[module]
 
     def resolve(self, module: str, qualname: str) -> Definition | None:

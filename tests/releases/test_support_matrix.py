@@ -7,6 +7,7 @@ Acceptance of the release-conformance issue: no patch is *broken* on any listed 
 
 from __future__ import annotations
 
+import difflib
 import pathlib
 
 import pytest
@@ -24,8 +25,10 @@ def reports() -> list[dict]:
 def test_committed_matrix_matches_a_fresh_run(reports: list[dict]) -> None:
     committed = (ROOT / MATRIX_PATH).read_text(encoding="utf-8")
     fresh = render_matrix(reports)
+    diff = "".join(list(difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True), "committed",
+                                             "fresh run", n=0))[:40])
     assert committed == fresh, (f"{MATRIX_PATH} is stale: run `kda-patches conformance --write-matrix` and commit "
-                                "it (the first differing line is shown by pytest's diff above)")
+                                f"it; the differences:\n{diff}")
 
 
 def test_every_listed_stack_is_read_and_no_patch_is_broken(reports: list[dict]) -> None:
