@@ -350,7 +350,7 @@ def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
     found = find_version(siblings[0], module)
     target = select_target(patch, key, found)
     if target is None:  # no range holds this version: fails every group a sibling belongs to
-        verdict = check_key(patch, key, found, ABSENT)
+        verdict = check_key(patch, key, found, read_live_parameters(siblings[0], module) if found is None else ABSENT)
         _report(patch, key, siblings[0].stack, verdict.state, verdict.reason, strict)
         for group in dict.fromkeys(t.group for t in siblings if t.group is not None):
             group_state = _check_group(patch, group, siblings[0].module, module)

@@ -151,7 +151,8 @@ def check_key(patch: Patch, key: str, found: str | None, parameters: tuple[str, 
         patch: the patch declaring the key.
         key: ``module:qualname``.
         found: installed version of the key's distribution (None: unknown).
-        parameters: the parameter names of the object found (:data:`ABSENT` = None when not defined).
+        parameters: the parameter names of the object found (:data:`ABSENT` = None when not defined); when no
+            sibling's range holds ``found``, only consulted for an unknown version (absent: not-applicable).
     Returns:
         The :class:`Verdict`.
     """
@@ -163,6 +164,9 @@ def check_key(patch: Patch, key: str, found: str | None, parameters: tuple[str, 
         declared = " or ".join(version_range(t) for t in siblings)
         distribution = siblings[0].distribution
         if found is None:
+            if parameters is ABSENT:  # nothing there and no version: the distribution is simply not installed
+                return Verdict(key, "not-applicable", f"{key.partition(':')[2]} is not defined in "
+                               f"{key.partition(':')[0]} (no {distribution} found)", None)
             return Verdict(key, "skipped", f"version of {distribution} unknown, declared for {declared}", None)
         if newer_than_all(patch, distribution, found):
             return Verdict(key, "skipped", f"found {distribution} {found}, newer than every range patch "
@@ -202,7 +206,8 @@ def group_verdict(patch: Patch, group: str, version_of: Callable[[Target], str |
         target = select_target(patch, key, found)
         if target is not None and target.group != group:
             continue  # on this stack the key's in-range sibling belongs to another group (or none)
-        members[key] = check_key(patch, key, found, read(target) if target is not None else ABSENT)
+        probe = target if target is not None else patch.siblings(key)[0] if found is None else None
+        members[key] = check_key(patch, key, found, read(probe) if probe is not None else ABSENT)
     failing = [verdict for verdict in members.values() if not verdict.ok]
     if not members:
         return GroupVerdict(group, "not-applicable", f"group {group!r} has no member on this stack", members)

@@ -516,3 +516,14 @@ def test_a_key_joins_the_group_of_its_in_range_sibling(tmp_path, monkeypatch, ve
     wrapped = {t.qualname.split(".")[-1] for t in patch.targets if registry.is_applied(patch, t)}
     assert wrapped == applied
     registry.revert_patch(patch)
+
+
+def test_absent_member_of_an_uninstalled_distribution_is_not_applicable():
+    """No version and nothing there (the fork is not installed): not-applicable, not 'version unknown'."""
+    seam = registry.Target("not_installed_fork_x.ops", "Layer._run_prefill", mark, distribution="not-installed-fork-x",
+                           min_version="0.26", group="g")
+    patch = registry.Patch("p", "s", (seam,))
+    verdict = registry.group_verdict(patch, "g", lambda target: None, lambda target: registry.ABSENT)
+    assert verdict.state == "not-applicable", verdict
+    present = registry.group_verdict(patch, "g", lambda target: None, lambda target: ("self",))
+    assert present.state == "skipped" and "version of not-installed-fork-x unknown" in present.reason
