@@ -1,0 +1,643 @@
+"""vLLM 0.33's own Kimi K3 KDA and Qwen GDN layers on the GPU, overlay off vs on: exactness and prefill time.
+
+Issue 9. Runs vLLM's released layer code (``KimiK3DeltaAttention._forward``,
+``QwenGatedDeltaNetAttention._forward_core``) with its real Triton kernels, brought along as the bundle of
+``scripts/gpu/vllm_bundle.py`` (vLLM's ``.py`` files + the wheels its import chain needs; no ``vllm._C``).
+
+Per layer, one child process (``KDA_PATCHES=1``, ``KDA_PATCHES_STRICT=1``, ``KDA_PATCHES_ONLY=<its patch>``)
+builds the layer the way vLLM does: a real ``ModelConfig`` from a ``config.json`` written here, a
+``VllmConfig`` set as current, single-rank distributed init (world size 1, TCP on 127.0.0.1), the layer's own
+``get_kv_cache_spec``, vLLM's KV-cache planning (``get_kv_cache_groups`` / ``get_kv_cache_config_from_groups``,
+layout resolved by ``resolve_kv_cache_layout``), ``allocate_kv_cache`` and ``bind_kv_cache``; metadata from
+vLLM's own builder (``KimiK3KDAMetadataBuilder`` / ``GDNAttentionMetadataBuilder``) on
+``CommonAttentionMetadata`` of real batches, and ``set_forward_context``. The overlay's plans are prepared by
+its startup hook's public entry (``kda_patches.routing.startup.prepare_and_publish``) on the real bound cache:
+no ``GPUModelRunner`` is built (its ``initialize_kv_cache`` wrapper is the same call after vLLM's own steps).
+
+The overlay is toggled through the registry: ``revert_patch`` (the original methods back) for the baseline,
+``register_patch`` (the post-import hook re-applies at once) for the patched run. Each case runs both from the
+same snapshot of the whole raw KV buffer; outputs and every byte of that buffer must be equal, and the ledger
+must show ``calls_routed == calls_seen > 0`` for the patched prefills. A second child per layer with
+``KDA_PATCHES=0`` (nothing registered) digests the same cases: its digests must equal the patched ones.
+Timing: the layer call (``_forward`` / ``_forward_core``) for 1, 8, 64, 256 sequences of 512 new tokens
+continuing 512 cached ones, CUDA events and synchronized wall time, medians over shuffled rounds.
+
+Usage: ``python scripts/gpu/vllm_layers_check.py --out DIR [--bundle ZIP] [--dry-run] [--rounds N]``.
+``--dry-run`` (CPU machine): same bundle for this interpreter, CPU platform, Triton interpreter, tiny shapes.
+Writes ``DIR/vllm_layers.json`` and ``DIR/vllm_layers.log``; prints one verdict line per layer and batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import zipfile
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BUNDLE_DIR = ROOT / ".bundle"
+SITE_DIR = pathlib.Path(tempfile.gettempdir()) / "kda-vllm-bundle"
+LAYERS = ("kimi_k3", "qwen_gdn")
+PATCH_OF = {"kimi_k3": "kimi_prefill", "qwen_gdn": "gdn_state_copy"}
+PREFIX_OF = {"kimi_k3": "model.layers.1.self_attn", "qwen_gdn": "model.layers.0.linear_attn"}
+TIMED_SEQS = (1, 8, 64, 256)
+TIMED_LEN, TIMED_CACHED = 512, 512
+MAX_NUM_SEQS = 256
+# (name, decodes: list of cached lengths, prefills: list of (new tokens, cached tokens))
+CASES = (
+    ("fresh_prefills", [], [(512, 0), (77, 0), (1, 0), (300, 0)]),
+    ("chunked_continuations", [], [(512, 512), (64, 1000), (129, 7), (1, 200)]),
+    ("mixed_prefill_decode", [33, 700, 5], [(200, 0), (96, 320)]),
+    ("wide_mixed", [9] * 20, [(64, 64 * (i % 3)) for i in range(40)]),
+)
+QUICK_CASES = (
+    ("fresh_prefills", [], [(40, 0), (7, 0)]),
+    ("chunked_continuations", [], [(33, 64), (1, 20)]),
+    ("mixed_prefill_decode", [12, 5], [(17, 0), (9, 30)]),
+)
+
+
+# ---------------------------------------------------------------- parent: bundle, children, verdicts
+
+def unpack_bundle(bundle: pathlib.Path, site: pathlib.Path) -> dict[str, Any]:
+    """Unzip the bundle into ``site`` and install its wheels there (no index, no deps); return its manifest.
+
+    Raises:
+        RuntimeError: the bundle is missing or pip failed.
+    """
+    if not bundle.is_file():
+        raise RuntimeError(f"no bundle at {bundle}: build it with `python scripts/gpu/vllm_bundle.py build` on the "
+                           "CPU machine and carry it (run(carry=['.bundle/...zip']))")
+    scratch = site.with_name(site.name + "-zip")
+    with zipfile.ZipFile(bundle) as archive:
+        archive.extractall(scratch)
+    manifest = json.loads((scratch / "manifest.json").read_text())
+    site.mkdir(parents=True, exist_ok=True)
+    for entry in (scratch / "site").iterdir():
+        target = site / entry.name
+        if not target.exists():
+            entry.rename(target)
+    wheels = sorted(str(w) for w in (scratch / "wheels").glob("*.whl"))
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise RuntimeError(f"installing the bundle's wheels failed:\n{done.stderr[-3000:]}")
+    return manifest
+
+
+def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool) -> dict[str, str]:
+    """Return the environment of one child: bundle + project on the path, the overlay switches."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(site), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_ONLY=PATCH_OF[layer],
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
+               VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
+    if dry_run:
+        env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1")
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    """Run one child (``--child LAYER``) and return its JSON result (or the failure)."""
+    out = pathlib.Path(args.out) / f".child-{layer}-{'on' if enabled else 'off'}.json"
+    argv = [sys.executable, __file__, "--child", layer, "--child-out", str(out), "--rounds", str(args.rounds),
+            "--mode", "on" if enabled else "off"]
+    argv += ["--dry-run"] if args.dry_run else []
+    started = time.perf_counter()
+    process = subprocess.Popen(argv, env=child_env(site, layer, enabled, args.dry_run), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    deadline = started + args.child_timeout_s
+    for line in process.stdout:
+        log.write(line)
+        log.flush()
+        sys.stdout.write(line)
+        if time.perf_counter() > deadline and process.poll() is None:
+            process.kill()  # its progressive JSON keeps what it finished
+            log.write(f"child {layer} killed after {args.child_timeout_s} s\n")
+    code = process.wait()
+    result = json.loads(out.read_text()) if out.is_file() else {}
+    result.update(returncode=code, wall_s=round(time.perf_counter() - started, 1))
+    return result
+
+
+def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
+    """Return the verdict lines of one layer from its patched (``on``) and unpatched (``off``) children."""
+    lines = []
+    if on.get("error") or on.get("returncode"):
+        return [f"VERDICT {layer}: FAIL child (overlay on) exit {on.get('returncode')}: {on.get('error', '?')}"]
+    patched = on.get("patched_available", False)
+    for case in on.get("cases", []):
+        name = case["name"]
+        if "dry_run_build" in case:
+            lines.append(f"DRYRUN {layer} {name} ({case['shape']}): plans {on['facts'].get('plans')}; metadata "
+                         f"build {case['dry_run_build']}; layer call {case.get('dry_run_call', 'not reached')}")
+            continue
+        off_case = next((c for c in off.get("cases", []) if c["name"] == name), None)
+        cross = "n/a" if off_case is None else (
+            "equal" if off_case["digest_baseline"] == case["digest_patched"] else "DIFFERENT")
+        if not patched:
+            ok = off_case is None or off_case["digest_baseline"] == case["digest_baseline"]
+            lines.append(f"VERDICT {layer} {name} ({case['shape']}): {'UNPATCHED-ONLY' if ok else 'FAIL'} "
+                         f"(no {PATCH_OF[layer]} seam in this tree; KDA_PATCHES=0 process digest "
+                         f"{'equal' if ok else 'DIFFERENT'})")
+            continue
+        ok = (case["outputs_equal"] and case["cache_equal"] and case["calls_seen"] > 0
+              and case["calls_routed"] == case["calls_seen"] and cross != "DIFFERENT")
+        lines.append(f"VERDICT {layer} {name} ({case['shape']}): {'PASS' if ok else 'FAIL'} outputs "
+                     f"{'equal' if case['outputs_equal'] else 'DIFFER'}, cache bytes "
+                     f"{'equal' if case['cache_equal'] else 'DIFFER'} ({case['cache_bytes']} B), routed "
+                     f"{case['calls_routed']}/{case['calls_seen']}, KDA_PATCHES=0 process {cross}")
+    for row in on.get("timing", []):
+        if patched:
+            lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched {row['baseline_event_ms']:.3f} ms, "
+                         f"patched {row['patched_event_ms']:.3f} ms (events, median of {row['rounds']}); wall "
+                         f"{row['baseline_wall_ms']:.3f} / {row['patched_wall_ms']:.3f} ms; speedup "
+                         f"{row['baseline_event_ms'] / row['patched_event_ms']:.3f}x")
+        else:
+            lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched only {row['baseline_event_ms']:.3f} "
+                         f"ms (events), wall {row['baseline_wall_ms']:.3f} ms")
+    if not on.get("cases"):
+        lines.append(f"VERDICT {layer}: FAIL no case ran")
+    return lines
+
+
+def source_hash() -> str:
+    """sha256 over this script and every ``kda_patches/**.py`` file of the tree that ran (path + content)."""
+    hasher = hashlib.sha256()
+    for path in sorted([pathlib.Path(__file__).resolve(), *(ROOT / "kda_patches").rglob("*.py")]):
+        hasher.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return hasher.hexdigest()
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    """Unpack the bundle, run both children per layer, print and write the verdicts."""
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bundle = pathlib.Path(args.bundle or BUNDLE_DIR / f"vllm-0.33.0-cp{sys.version_info[0]}{sys.version_info[1]}.zip")
+    report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": {
+        "python": platform.python_version(), "machine": platform.machine()}, "dry_run": args.dry_run, "layers": {}}
+    with open(out / "vllm_layers.log", "w") as log:
+        started = time.perf_counter()
+        report["bundle"] = unpack_bundle(bundle, pathlib.Path(args.site))
+        report["bundle"]["unpack_s"] = round(time.perf_counter() - started, 1)
+        report["source_sha256"] = source_hash()
+        print(f"bundle {bundle.name} unpacked in {report['bundle']['unpack_s']} s", file=log, flush=True)
+        verdicts: list[str] = []
+        for layer in args.layers:
+            on = run_child(pathlib.Path(args.site), layer, True, args, log)
+            off = run_child(pathlib.Path(args.site), layer, False, args, log) if not args.skip_off else {}
+            report["layers"][layer] = {"overlay_on": on, "overlay_off": off}
+            verdicts += judge(layer, on, off)
+            (out / "vllm_layers.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+        report["verdicts"] = verdicts
+        for line in verdicts:
+            print(line, file=log)
+            print(line)
+    (out / "vllm_layers.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+    for child in out.glob(".child-*.json"):
+        child.unlink()
+    return 0 if verdicts and not any(" FAIL" in line for line in verdicts) else 1
+
+
+# ---------------------------------------------------------------- child: one layer, vLLM's own code
+
+def limit_autotune(keep: int = 1) -> None:
+    """Make ``triton.autotune`` keep ``keep`` config(s) per kernel (4 warps first), before vLLM imports its kernels.
+
+    vLLM's FLA/KDA chunk kernels autotune over many configs; compiling all of them would cost minutes of
+    device time on a fresh machine, and a timing-based pick can differ between the two processes compared
+    here. Any config is correct; baseline and patched always share the one kept.
+    """
+    import triton
+
+    original = triton.autotune
+
+    def autotune(configs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        preferred = sorted(configs, key=lambda config: (getattr(config, "num_warps", 4) != 4,
+                                                        getattr(config, "num_stages", 2) not in (2, 3)))
+        return original(preferred[:keep], *args, **kwargs)
+
+    triton.autotune = autotune
+
+
+def write_model_dir(layer: str, root: pathlib.Path) -> pathlib.Path:
+    """Write a ``config.json`` with the issue's head counts (Kimi K3 12x128; Qwen3.6-27B TP4 GDN 12v/4k x128)."""
+    if layer == "kimi_k3":
+        config = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 2048,
+                  "num_hidden_layers": 2, "num_attention_heads": 16, "vocab_size": 1024, "torch_dtype": "bfloat16",
+                  "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                  "linear_attn_config": {"head_dim": 128, "num_heads": 12, "short_conv_kernel_size": 4,
+                                         "use_full_rank_gate": True, "kda_layers": [2], "full_attn_layers": [1],
+                                         "gate_lower_bound": -5.0}}
+    else:
+        config = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 1024,
+                  "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+                  "linear_num_key_heads": 4, "linear_num_value_heads": 12, "linear_key_head_dim": 128,
+                  "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "intermediate_size": 1024,
+                  "moe_intermediate_size": 256, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 1024,
+                  "full_attention_interval": 2, "torch_dtype": "bfloat16", "max_position_embeddings": 4096,
+                  "layer_types": ["linear_attention", "full_attention"]}
+    path = root / layer
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+class LayerBench:
+    """One vLLM layer with its bound cache, metadata builder and the overlay's registry handle."""
+
+    def __init__(self, layer_kind: str, device: Any, dry_run: bool, facts: dict[str, Any]) -> None:
+        import torch
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
+        from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        self.kind, self.device, self.dry_run, self.torch = layer_kind, device, dry_run, torch
+        self.prefix = PREFIX_OF[layer_kind]
+        started = time.perf_counter()
+        model_dir = write_model_dir(layer_kind, pathlib.Path(tempfile.mkdtemp(prefix="kda-vllm-model-")))
+        max_tokens = 64 * 256 if dry_run else MAX_NUM_SEQS * TIMED_LEN
+        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
+                            enforce_eager=True)
+        self.config = VllmConfig(
+            model_config=model, cache_config=CacheConfig(block_size=2048),
+            scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=max_tokens,
+                                             max_model_len=2048, is_encoder_decoder=False),
+            additional_config={"kda_prefill_backend": "triton", "kda_decode_backend": "triton",
+                               "gdn_prefill_backend": "triton"})
+        facts["config_s"] = round(time.perf_counter() - started, 1)
+        self.context = set_current_vllm_config(self.config)
+        self.context.__enter__()
+        backend = "gloo" if device.type == "cpu" else "nccl"
+        port = random.Random(os.getpid()).randint(20000, 60000)
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     local_rank=0, backend=backend)
+        initialize_model_parallel(1, 1)
+        facts["distributed_backend"] = backend
+        hf = model.hf_text_config
+        with set_default_torch_dtype(torch.bfloat16), torch.device(device):
+            if layer_kind == "kimi_k3":
+                from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
+
+                self.layer = KimiK3DeltaAttention(hf, self.config, prefix=self.prefix)
+            else:
+                from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+                self.layer = QwenGatedDeltaNetAttention(hf, self.config, prefix=self.prefix)
+        self.init_weights()
+        facts["layer_class"] = f"{type(self.layer).__module__}.{type(self.layer).__qualname__}"
+        facts["prefill_backend"] = getattr(self.layer, "kda_prefill_backend", None) or getattr(
+            self.layer, "gdn_prefill_backend", None)
+        self.allocate(facts)
+
+    def init_weights(self) -> None:
+        """Fill the layer's parameters with a seeded random draw (vLLM leaves them ``torch.empty``)."""
+        torch = self.torch
+        generator = torch.Generator(device="cpu").manual_seed(1234)
+        for name, param in sorted(self.layer.named_parameters()):
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.05
+            if name.endswith("A_log"):
+                values = torch.log(torch.rand(param.shape, generator=generator) * 15 + 1)
+            elif name.endswith("dt_bias"):
+                values = torch.rand(param.shape, generator=generator) * 0.5
+            elif "norm" in name:
+                values = 1 + values
+            param.data.copy_(values.to(param.dtype))
+
+    def allocate(self, facts: dict[str, Any]) -> None:
+        """vLLM's planning, allocation and binding of this layer's KV cache; keep the raw buffer."""
+        torch = self.torch
+        from vllm.v1.attention.backends.utils import (
+            get_supported_kv_cache_layouts,
+            record_kv_cache_layout,
+            resolve_kv_cache_layout,
+        )
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+        from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache
+
+        spec = self.layer.get_kv_cache_spec(self.config)
+        supported = [layout.name for layout in get_supported_kv_cache_layouts([self.layer.get_attn_backend()])]
+        layout = resolve_kv_cache_layout(self.config, [supported], [spec])
+        record_kv_cache_layout(self.config.cache_config, layout.name)
+        self.num_blocks = MAX_NUM_SEQS + 8
+        self.config.cache_config.num_gpu_blocks_override = self.num_blocks
+        groups = get_kv_cache_groups(self.config, {self.prefix: spec})
+        kv_config = get_kv_cache_config_from_groups(self.config, groups, 1 << 40)
+        kernel_block_sizes = [group.kv_cache_spec.block_size for group in kv_config.kv_cache_groups]
+        raw = allocate_kv_cache(kv_config, self.device, layout, kernel_block_sizes)
+        self.runner_kv_caches: list[Any] = []
+        bind_kv_cache(raw, self.config.compilation_config.static_forward_context, self.runner_kv_caches,
+                      kv_cache_groups=kv_config.kv_cache_groups)
+        self.spec, self.kv_config = spec, kv_config
+        view = raw[self.prefix]
+        self.raw = torch.empty(0, dtype=torch.int8, device=self.device).set_(view.untyped_storage())
+        conv, state = self.layer.kv_cache[0], self.layer.kv_cache[1]
+        facts.update(kv_layout=layout.name, num_blocks=kv_config.num_blocks, raw_bytes=self.raw.numel(),
+                     state_shape=list(state.shape), state_stride=list(state.stride()), state_dtype=str(state.dtype),
+                     conv_shape=list(conv.shape), conv_dtype=str(conv.dtype), spec=type(spec).__name__)
+        generator = torch.Generator(device=self.device).manual_seed(99)  # poison every byte: page gaps too
+        self.raw.copy_(torch.randint(-128, 128, (self.raw.numel(),), generator=generator, dtype=torch.int8,
+                                     device=self.device))
+        state.copy_((torch.randn(state.shape, generator=generator, device=self.device) * 0.1).to(state.dtype))
+        conv.copy_((torch.randn(conv.shape, generator=generator, device=self.device) * 0.1).to(conv.dtype))
+
+    def builder(self) -> Any:
+        """Return vLLM's own metadata builder of this layer's backend."""
+        cls = self.layer.get_attn_backend().get_builder_cls()
+        return cls(self.spec, [self.prefix], self.config, self.device)
+
+    def common_metadata(self, decodes: list[int], prefills: list[tuple[int, int]], rows: list[int]) -> Any:
+        """``CommonAttentionMetadata`` of a batch: decodes (cached length) first, then (new, cached) prefills."""
+        torch = self.torch
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        query = [1] * len(decodes) + [new for new, _ in prefills]
+        seq = [cached + 1 for cached in decodes] + [new + cached for new, cached in prefills]
+        prefilling = [False] * len(decodes) + [True] * len(prefills)
+        starts = [0]
+        for length in query:
+            starts.append(starts[-1] + length)
+        start_cpu, seq_cpu = torch.tensor(starts, dtype=torch.int32), torch.tensor(seq, dtype=torch.int32)
+        table = torch.tensor(rows, dtype=torch.int32).view(-1, 1)
+        return CommonAttentionMetadata(
+            query_start_loc=start_cpu.to(self.device), query_start_loc_cpu=start_cpu,
+            seq_lens=seq_cpu.to(self.device), num_reqs=len(query), num_actual_tokens=starts[-1],
+            max_query_len=max(query), max_seq_len=max(seq), block_table_tensor=table.to(self.device),
+            slot_mapping=torch.arange(starts[-1], dtype=torch.int64, device=self.device),
+            seq_lens_cpu_upper_bound=seq_cpu.clone(), is_prefilling=torch.tensor(prefilling))
+
+    def inputs(self, tokens: int, seed: int) -> dict[str, Any]:
+        """Seeded random inputs of the layer call (the projections' outputs) for ``tokens`` tokens."""
+        torch = self.torch
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+
+        def draw(*shape: int, scale: float = 1.0) -> Any:
+            return (torch.randn(shape, generator=generator, device=self.device) * scale).to(torch.bfloat16)
+
+        layer = self.layer
+        if self.kind == "kimi_k3":
+            heads, dim = layer.local_num_heads, layer.head_dim
+            return {"mixed_qkv": draw(tokens, 3 * heads * dim), "g1": draw(1, tokens, heads, dim),
+                    "g2": draw(tokens, heads, dim), "beta": draw(1, tokens, heads),
+                    "core_attn_out": torch.zeros(1, tokens, heads, dim, dtype=torch.bfloat16, device=self.device)}
+        qkv = 2 * layer.key_dim + layer.value_dim
+        heads = layer.num_v_heads
+        return {"mixed_qkv": draw(tokens, qkv), "b": draw(tokens, heads), "a": draw(tokens, heads),
+                "core_attn_out": torch.zeros(tokens, heads, layer.head_v_dim, dtype=torch.bfloat16,
+                                             device=self.device)}
+
+    @staticmethod
+    def fresh(inputs: dict[str, Any]) -> dict[str, Any]:
+        """Return clones of the call's inputs (the layer may write into them; the output buffer surely)."""
+        return {name: tensor.clone() for name, tensor in inputs.items()}
+
+    def call(self, metadata: Any, inputs: dict[str, Any], fresh: dict[str, Any] | None = None) -> Any:
+        """Run the seam method once under vLLM's forward context on ``fresh`` (default: clones of ``inputs``)."""
+        from vllm.forward_context import set_forward_context
+
+        fresh = fresh if fresh is not None else self.fresh(inputs)
+        with set_forward_context({self.prefix: metadata}, self.config, num_tokens=fresh["mixed_qkv"].shape[0]):
+            if self.kind == "kimi_k3":
+                self.layer._forward(**fresh)
+            else:
+                self.layer._forward_core(**fresh)
+        return fresh["core_attn_out"]
+
+
+class Overlay:
+    """The layer's patch through the registry: ``off()`` reverts it, ``on()`` registers it again (hooks re-apply)."""
+
+    def __init__(self, name: str) -> None:
+        from kda_patches import registry
+
+        self.registry = registry
+        self.patch = registry.all_patches().get(name)
+        self.name = name
+
+    def available(self) -> bool:
+        """Return whether this tree has the patch and it is applied to the layer's seam right now."""
+        return self.patch is not None and any(self.registry.is_applied(self.patch, target)
+                                              for target in self.patch.targets)
+
+    def off(self) -> None:
+        """Revert every target of the patch (the original methods are back)."""
+        if self.patch is not None:
+            self.registry.revert_patch(self.patch)
+
+    def on(self) -> None:
+        """Register the patch again (strict); already-imported targets are wrapped at once."""
+        self.registry.register_patch(self.patch, strict=True)
+        if not self.available():
+            raise RuntimeError(f"{self.name}: register_patch did not re-apply the seam")
+
+    def counters(self) -> dict[str, int]:
+        """Return this patch's ledger counters."""
+        from kda_patches.ledger import get_ledger
+
+        return dict(get_ledger().counters(self.name))
+
+
+def digest(*tensors: Any) -> str:
+    """sha256 over the raw bytes of tensors (bitwise: NaN payloads count)."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        hasher.update(tensor.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def publish_plans(bench: LayerBench) -> dict[str, Any]:
+    """Prepare, seal and publish the overlay's plans through its startup hook's public entry (real bound cache)."""
+    from kda_patches.routing import startup
+
+    runner_view = type("RunnerView", (), {"vllm_config": bench.config})()
+    plans = startup.prepare_and_publish(runner_view, PATCH_OF[bench.kind])
+    return {name: getattr(plan, "kind", type(plan).__name__) for name, plan in plans.items()}
+
+
+def run_case(bench: LayerBench, overlay: Overlay | None, name: str, decodes: list[int],
+             prefills: list[tuple[int, int]], seed: int) -> dict[str, Any]:
+    """Run one batch baseline then patched (same snapshot of the whole raw buffer); compare bitwise."""
+    torch = bench.torch
+    rng = random.Random(seed)
+    rows = rng.sample(range(1, bench.num_blocks), len(decodes) + len(prefills))
+    common = bench.common_metadata(decodes, prefills, rows)
+    tokens = common.num_actual_tokens
+    inputs = bench.inputs(tokens, seed)
+    snapshot = bench.raw.clone()
+    shape = f"{len(decodes)} decodes + {len(prefills)} prefills, {tokens} tokens"
+    record: dict[str, Any] = {"name": name, "shape": shape, "cache_bytes": bench.raw.numel()}
+    if bench.dry_run:  # CPU platform: CUDA-only builder asserts and Triton placeholders stop here; say where
+        built: list[Any] = []
+        for step in ("build", "call"):
+            try:
+                if step == "build":
+                    built.append(bench.builder().build(0, common))
+                else:
+                    bench.call(built[0], inputs)
+                record[f"dry_run_{step}"] = "ran"
+            except Exception as error:
+                record[f"dry_run_{step}"] = f"{type(error).__name__}: {str(error)[:200]}"
+                break
+        record["digest_baseline"] = record["digest_patched"] = "dry-run"
+        bench.raw.copy_(snapshot)
+        return record
+    metadata = bench.builder().build(0, common)
+    record.update(num_prefills=int(metadata.num_prefills), num_decodes=int(metadata.num_decodes))
+    if overlay is not None:
+        overlay.off()
+    out_base = bench.call(metadata, inputs)
+    raw_base = bench.raw.clone()
+    record["digest_baseline"] = digest(out_base, raw_base)
+    if overlay is None or overlay.patch is None:
+        record["digest_patched"] = record["digest_baseline"]
+        return record
+    bench.raw.copy_(snapshot)
+    overlay.on()
+    before = overlay.counters()
+    metadata = bench.builder().build(0, common)
+    out_patched = bench.call(metadata, inputs)
+    after = overlay.counters()
+    record.update(
+        outputs_equal=bool(torch.equal(out_base.view(torch.int16), out_patched.view(torch.int16))),
+        cache_equal=bool(torch.equal(raw_base, bench.raw)), digest_patched=digest(out_patched, bench.raw),
+        calls_seen=after.get("calls_seen", 0) - before.get("calls_seen", 0),
+        calls_routed=after.get("calls_routed", 0) - before.get("calls_routed", 0),
+        calls_bypassed=after.get("calls_bypassed", 0) - before.get("calls_bypassed", 0))
+    bench.raw.copy_(snapshot)
+    return record
+
+
+def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: int, new: int,
+               cached: int) -> dict[str, Any]:
+    """Median CUDA-event and wall time of the layer call, unpatched vs patched, order shuffled per round."""
+    torch = bench.torch
+    rows = random.Random(seqs).sample(range(1, bench.num_blocks), seqs)
+    common = bench.common_metadata([], [(new, cached)] * seqs, rows)
+    inputs = bench.inputs(common.num_actual_tokens, 7 + seqs)
+    snapshot = bench.raw.clone()
+    variants = ["baseline"] + (["patched"] if overlay is not None and overlay.patch is not None else [])
+    samples: dict[str, dict[str, list[float]]] = {v: {"event_ms": [], "wall_ms": []} for v in variants}
+    rng = random.Random(1000 + seqs)
+    cuda = bench.device.type == "cuda"
+    for round_index in range(rounds + 1):  # round 0 warms both variants up (compiles), not recorded
+        order = variants[:]
+        rng.shuffle(order)
+        for variant in order:
+            if overlay is not None and overlay.patch is not None:
+                overlay.on() if variant == "patched" else overlay.off()
+            bench.raw.copy_(snapshot)
+            metadata = bench.builder().build(0, common)
+            fresh = bench.fresh(inputs)
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                wall = time.perf_counter()
+                start.record()
+            else:
+                wall = time.perf_counter()
+            bench.call(metadata, inputs, fresh)
+            if cuda:
+                end.record()
+                torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - wall) * 1e3
+            if round_index:
+                samples[variant]["wall_ms"].append(wall_ms)
+                samples[variant]["event_ms"].append(start.elapsed_time(end) if cuda else wall_ms)
+    bench.raw.copy_(snapshot)
+    row: dict[str, Any] = {"seqs": seqs, "new_tokens": new, "cached_tokens": cached, "rounds": rounds,
+                           "samples": samples}
+    for variant in variants:
+        row[f"{variant}_event_ms"] = statistics.median(samples[variant]["event_ms"])
+        row[f"{variant}_wall_ms"] = statistics.median(samples[variant]["wall_ms"])
+    return row
+
+
+def run_child_main(args: argparse.Namespace) -> int:
+    """Child body: activate the overlay first, then build the layer from vLLM's own code and run everything."""
+    result: dict[str, Any] = {"layer": args.child, "mode": args.mode, "facts": {}, "cases": [], "timing": []}
+    facts = result["facts"]
+    out = pathlib.Path(args.child_out)
+
+    def save() -> None:  # after every step: a child killed for time still leaves what it measured
+        out.write_text(json.dumps(result, default=str))
+    try:
+
+        facts["kda_patches_env"] = {k: v for k, v in os.environ.items() if k.startswith("KDA_PATCHES")}
+        limit_autotune()
+        import torch
+
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+        facts.update(torch=torch.__version__, device=str(device), device_name=torch.cuda.get_device_name()
+                     if device.type == "cuda" else "cpu")
+        started = time.perf_counter()
+        bench = LayerBench(args.child, device, args.dry_run, facts)
+        facts["build_s"] = round(time.perf_counter() - started, 1)
+        overlay = Overlay(PATCH_OF[args.child]) if args.mode == "on" else None
+        result["patched_available"] = bool(overlay is not None and overlay.available())
+        from kda_patches.ledger import get_ledger
+
+        facts["ledger_after_build"] = get_ledger().snapshot().get("patches", {})
+        if result["patched_available"]:
+            facts["plans"] = publish_plans(bench)
+        print(f"[{args.child} {args.mode}] built: {json.dumps(facts, default=str)}", flush=True)
+        cases = QUICK_CASES if args.dry_run else CASES
+        for index, (name, decodes, prefills) in enumerate(cases):
+            case = run_case(bench, overlay if result["patched_available"] else None, name, decodes, prefills,
+                            seed=100 + index)
+            result["cases"].append(case)
+            save()
+            shown = {key: value for key, value in case.items() if "digest" not in key}
+            print(f"[{args.child} {args.mode}] {name}: {json.dumps(shown)}", flush=True)
+        if args.mode == "on" and not args.dry_run:
+            shapes = ((1, 16, 16), (2, 16, 16)) if args.dry_run else tuple((s, TIMED_LEN, TIMED_CACHED)
+                                                                          for s in TIMED_SEQS)
+            for seqs, new, cached in shapes:
+                row = time_shape(bench, overlay if result["patched_available"] else None, seqs,
+                                 1 if args.dry_run else args.rounds, new, cached)
+                result["timing"].append(row)
+                save()
+                print(f"[{args.child}] timing {seqs}x{new}: " + json.dumps(
+                    {k: v for k, v in row.items() if k != "samples"}), flush=True)
+        result["ledger"] = get_ledger().snapshot()
+    except BaseException as error:  # the parent reports it; the traceback goes to the log
+        traceback.print_exc()
+        result["error"] = f"{type(error).__name__}: {error}"
+    save()
+    return 0 if "error" not in result else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"), help="folder for the JSON and log")
+    parser.add_argument("--bundle", help="bundle zip (default .bundle/vllm-0.33.0-cpXY.zip for this interpreter)")
+    parser.add_argument("--site", default=str(SITE_DIR), help="where the bundle is unpacked and installed")
+    parser.add_argument("--dry-run", action="store_true", help="CPU machine: CPU platform, Triton interpreter")
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per shape (after one warm-up round)")
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
+    parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
+    parser.add_argument("--child-timeout-s", type=float, default=300.0, help="kill a child after this long")
+    parser.add_argument("--child", choices=LAYERS, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    return run_child_main(args) if args.child else run_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
