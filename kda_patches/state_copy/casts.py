@@ -114,6 +114,25 @@ def cast_bits(x, SRC: tl.constexpr, DST: tl.constexpr, NAN_RULE: tl.constexpr, N
     return encode_f32_bits(bits, nan, DST, NAN_RULE, NAN_BITS)
 
 
+def normalize_final_dtypes(final_dtypes: Any, cache_dtype: torch.dtype, layer: str | None = None
+                           ) -> tuple[torch.dtype, ...]:
+    """Return the final-state dtypes a plan prepares: deduplicated, in order; default ``(cache, float32)``.
+
+    Raises:
+        LayoutError: not a non-empty tuple/list of FP32/BF16/FP16 dtypes.
+    """
+    if final_dtypes is None:
+        final_dtypes = (cache_dtype, torch.float32) if cache_dtype in KIND_CODES else (cache_dtype,)
+    if isinstance(final_dtypes, torch.dtype) or not isinstance(final_dtypes, (tuple, list)) or not final_dtypes:
+        refuse("final_dtype", f"final_dtypes must be a non-empty tuple of torch dtypes, got {final_dtypes!r}",
+               layer, LayoutError)
+    for dtype in final_dtypes:
+        if dtype not in KIND_CODES and dtype != cache_dtype:
+            refuse("final_dtype", f"final-state dtype {dtype!r} has no folded cast into the {cache_dtype} cache "
+                   "(supported: torch.float32, torch.bfloat16, torch.float16)", layer, LayoutError)
+    return tuple(dict.fromkeys(final_dtypes))
+
+
 class CastPolicy:
     """How one ``(final dtype, cache dtype)`` pair is cast inside a scatter kernel.
 

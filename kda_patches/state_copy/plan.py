@@ -3,10 +3,10 @@
 Lifecycle (seed 000, DESIGN §4.1): :meth:`StateCopyPlan.prepare` checks the cache layout, snapshots
 the compiler configuration, decides the folded cast of every final-state dtype the model can produce
 (``final_dtypes``, :mod:`~kda_patches.state_copy.casts`) and compiles exactly ``2 + 2 * F`` variants
-for ``F`` final dtypes: two gathers (INT32/INT64 indices) and two scatters (INT32/INT64) per final
-dtype -- the seed's four variants when ``F == 1``, four more per added final dtype counting the
-gathers again, as the issue phrases it "four per final dtype"; six for the default BF16 cache
-(BF16 and FP32 finals). All are compiled on disposable one-row scratch that keeps the cache's 16-byte
+for ``F`` final dtypes: two gathers (INT32/INT64 indices), shared by every final dtype, and two scatters
+(INT32/INT64) per final dtype. The issue's "four per final dtype" counts the gathers with each final
+dtype; compiled once, they make 4 variants for one final dtype, 6 for the default BF16 cache (BF16 and
+FP32 finals), 8 for three. All are compiled on disposable one-row scratch that keeps the cache's 16-byte
 alignment class and never aliases the live cache; each runs once on that scratch and its result is
 checked against torch (the scatters against torch's ``.to()`` cast, bit for bit). :meth:`~StateCopyPlan.seal`
 checks that the configuration did not drift and that no JIT pre-run hook appeared. Only a sealed
@@ -28,7 +28,7 @@ import triton
 
 from kda_patches.state_copy import casts, kernels, layout
 from kda_patches.state_copy.device import PLAN_FALLBACK, PLAN_FUSED, device_kind, interpreter_active, synchronize
-from kda_patches.state_copy.errors import LayoutError, refuse
+from kda_patches.state_copy.errors import refuse
 from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
 
 MAX_GRID_ROWS = 65535  # grid dimension 1 limit: the fused plan puts selected rows there
@@ -38,25 +38,6 @@ MAX_GRID_ROWS = 65535  # grid dimension 1 limit: the fused plan puts selected ro
 def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
     """Return whether two tensors hold the same bytes (NaN payloads and -0.0 included)."""
     return torch.equal(first.reshape(-1).view(torch.uint8), second.reshape(-1).view(torch.uint8))
-
-
-def normalize_final_dtypes(final_dtypes: Any, cache_dtype: torch.dtype, layer: str | None = None
-                           ) -> tuple[torch.dtype, ...]:
-    """Return the final-state dtypes a plan prepares: deduplicated, in order; default ``(cache, float32)``.
-
-    Raises:
-        LayoutError: not a non-empty tuple/list of FP32/BF16/FP16 dtypes.
-    """
-    if final_dtypes is None:
-        final_dtypes = (cache_dtype, torch.float32) if cache_dtype in casts.KIND_CODES else (cache_dtype,)
-    if isinstance(final_dtypes, torch.dtype) or not isinstance(final_dtypes, (tuple, list)) or not final_dtypes:
-        refuse("final_dtype", f"final_dtypes must be a non-empty tuple of torch dtypes, got {final_dtypes!r}",
-               layer, LayoutError)
-    for dtype in final_dtypes:
-        if dtype not in casts.KIND_CODES and dtype != cache_dtype:
-            refuse("final_dtype", f"final-state dtype {dtype!r} has no folded cast into the {cache_dtype} cache "
-                   "(supported: torch.float32, torch.bfloat16, torch.float16)", layer, LayoutError)
-    return tuple(dict.fromkeys(final_dtypes))
 
 
 class StateCopyPlan:
@@ -79,7 +60,7 @@ class StateCopyPlan:
                  layer: str | None, stream: bool = False,
                  final_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
         self.layout = layout.describe_layout(state, layer)
-        self.final_dtypes = normalize_final_dtypes(final_dtypes, state.dtype, layer)
+        self.final_dtypes = casts.normalize_final_dtypes(final_dtypes, state.dtype, layer)
         self._casts = {dtype: casts.probe_nan_policy(dtype, state.dtype, state.device, layer)
                        for dtype in self.final_dtypes}
         if not 0 <= max_selected <= MAX_GRID_ROWS:

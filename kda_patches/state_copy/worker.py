@@ -16,11 +16,11 @@ import torch
 
 from kda_patches.ledger import get_ledger
 from kda_patches.state_copy import ops as _ops  # noqa: F401  (registers the custom ops before any trace)
-from kda_patches.state_copy.casts import dtype_name
+from kda_patches.state_copy.casts import dtype_name, normalize_final_dtypes
 from kda_patches.state_copy.device import route_plan
 from kda_patches.state_copy.errors import LEDGER_SECTION, LayoutError, refuse
 from kda_patches.state_copy.layout import cache_signature, describe_layout
-from kda_patches.state_copy.plan import PLAN_CLASSES, StateCopyPlan, normalize_final_dtypes
+from kda_patches.state_copy.plan import PLAN_CLASSES, StateCopyPlan
 
 FinalDtypes = tuple[torch.dtype, ...] | Mapping[str, tuple[torch.dtype, ...]] | None
 
