@@ -21,13 +21,18 @@ Then one verdict per patch per stack (first rule that matches):
   (2) A target would be wrapped while a shape its wrapper relies on is missing (the wrapper would route
   nothing, or raise). (3) A target of a group would be wrapped while another member of that group would not
   (a seam without its startup hook).
-- **stands down**: the fork does this job itself and the overlay deliberately leaves it alone: every target
-  that would be wrapped declares a ``fork:`` shape and that shape holds (the target only observes or
-  cooperates with the fork's own mechanism, e.g. records its plan kind), and at least one does.
-- **inert**: no target of the patch would be wrapped on this stack (each absent or not-applicable); the
-  reason lists why per target, e.g. "declared for vllm>=0.30,<0.40, found 0.26.0" or "module not shipped".
-- **works**: at least one target would be wrapped, every wrapped target's shapes hold, no target is skipped,
-  and every group is all-or-nothing.
+The remaining rules look only at the targets of the stack's *platform* (``Target.stack``: ``vllm-ascend`` when
+the fork is in the stack, else ``vllm``): on Ascend the fork's layers override the upstream methods that the
+``vllm`` targets wrap, so those (listed as "also wrapped") cannot make the patch work there.
+
+- **stands down**: the fork does this job itself and the overlay deliberately leaves it alone: every
+  platform target that would be wrapped declares a ``fork:`` shape and that shape holds (the target only
+  observes or cooperates with the fork's own mechanism, e.g. records its plan kind), and at least one does.
+- **inert**: no platform target would be wrapped (each absent or not-applicable); the reason lists why per
+  target, e.g. "declared for vllm>=0.30,<0.40, found 0.26.0", "module not shipped", or a declared gap
+  ("inert: ...", ``Target.inert``).
+- **works**: at least one platform target would be wrapped, every wrapped target's shapes hold, no target is
+  skipped, and every group is all-or-nothing.
 
 Importing this module imports neither torch nor vLLM.
 """
@@ -79,6 +84,11 @@ class Stack:
     def name(self) -> str:
         """The stack's label, e.g. ``vllm-ascend==0.28.0rc1 + vllm==0.28.0``."""
         return " + ".join(release.spec for release in self.releases)
+
+    @property
+    def platform(self) -> str:
+        """The ``Target.stack`` label of the serving code: ``vllm-ascend`` when the fork is in it, else ``vllm``."""
+        return "vllm-ascend" if any(release.dist == "vllm-ascend" for release in self.releases) else "vllm"
 
     def source_for(self, module: str) -> ReleaseSource | None:
         """Return the release source that ships ``module``'s top-level package, or None."""
@@ -195,8 +205,16 @@ def runtime_decisions(patch: registry.Patch, stack: Stack) -> dict[str, registry
     return decisions
 
 
-def judge_patch(patch: registry.Patch, targets: list[dict]) -> tuple[str, str]:
-    """Return ``(verdict, reason)`` for one patch from its per-target reports (rules in the module docstring)."""
+def judge_patch(patch: registry.Patch, targets: list[dict], platform: str = "vllm") -> tuple[str, str]:
+    """Return ``(verdict, reason)`` for one patch from its per-target reports (rules in the module docstring).
+
+    Args:
+        patch: the patch judged.
+        targets: its per-target reports on one stack (:func:`check_target`).
+        platform: the ``Target.stack`` label of the code that serves on this stack (``vllm-ascend`` when the
+            fork is in it): every target counts for *broken*; only this platform's decide works / stands down /
+            inert (the fork's layers override the upstream methods the ``vllm`` targets wrap).
+    """
     wrapped = [t for t in targets if t["runtime"] == "ok"]
     problems = [f"{t['key']} would be skipped: {t['runtime_reason']} (a WARNING, and an ImportError under "
                 f"KDA_PATCHES_STRICT=1)" for t in targets if t["runtime"] == "skipped"]
@@ -214,14 +232,22 @@ def judge_patch(patch: registry.Patch, targets: list[dict]) -> tuple[str, str]:
             problems.append(f"group {group!r}: {', '.join(applied)} would be wrapped without {'; '.join(missing)}")
     if problems:
         return "broken", "; ".join(problems)
-    if not wrapped:
-        return "inert", "no target applies: " + "; ".join(_inert_reasons(targets))
-    if all(any(name.startswith(FORK_SHAPE_PREFIX) for name in t["shapes"]) for t in wrapped):
-        evidence = sorted({shape["evidence"] for t in wrapped for name, shape in t["shapes"].items()
+    here = [t for t in wrapped if t["stack"] == platform]
+    elsewhere = [t["key"] for t in wrapped if t["stack"] != platform]
+    also = f" (also wrapped, upstream code the {platform} layers may not call: {', '.join(elsewhere)})" \
+        if elsewhere else ""
+    if not here:
+        own = [t for t in targets if t["stack"] == platform]
+        if not own:
+            stacks = ", ".join(sorted({t["stack"] for t in targets}))
+            return "inert", f"the patch declares no {platform} target (its targets are for {stacks}){also}"
+        return "inert", f"no {platform} target applies: " + "; ".join(_inert_reasons(own)) + also
+    if all(any(name.startswith(FORK_SHAPE_PREFIX) for name in t["shapes"]) for t in here):
+        evidence = sorted({shape["evidence"] for t in here for name, shape in t["shapes"].items()
                            if name.startswith(FORK_SHAPE_PREFIX)})
         return "stands down", ("the fork does this itself (" + "; ".join(evidence) + "); the overlay only "
-                               f"wraps {', '.join(t['key'] for t in wrapped)} to cooperate/record")
-    return "works", f"wraps {', '.join(t['key'] for t in wrapped)}"
+                               f"wraps {', '.join(t['key'] for t in here)} to cooperate/record{also}")
+    return "works", f"wraps {', '.join(t['key'] for t in here)}{also}"
 
 
 def _inert_reasons(targets: list[dict]) -> list[str]:
@@ -250,10 +276,11 @@ def check_stack(stack: Stack, patches: dict[str, registry.Patch] | None = None) 
         ``{"stack": name, "releases": {dist: version}, "patches": {name: {"verdict", "reason", "targets"}}}``.
     """
     patches = registry.all_patches() if patches is None else patches
-    report = {"stack": stack.name, "releases": {r.dist: r.version for r in stack.releases}, "patches": {}}
+    report = {"stack": stack.name, "releases": {r.dist: r.version for r in stack.releases},
+              "platform": stack.platform, "patches": {}}
     for name, patch in patches.items():
         decisions = runtime_decisions(patch, stack)
         targets = [check_target(patch, key, stack, decisions[key]) for key in patch.keys()]
-        verdict, reason = judge_patch(patch, targets)
+        verdict, reason = judge_patch(patch, targets, stack.platform)
         report["patches"][name] = {"verdict": verdict, "reason": reason, "targets": targets}
     return report

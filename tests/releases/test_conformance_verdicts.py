@@ -138,3 +138,19 @@ def test_unknown_shape_name_in_a_record_is_broken_when_wrapped() -> None:
 def test_bad_stacks_are_refused(bad: str) -> None:
     with pytest.raises(ValueError):
         build_stack(bad)
+
+
+def test_ascend_rows_are_judged_by_the_forks_targets() -> None:
+    upstream = Target("vllm.models.kimi_k3.nvidia.kda", "KimiK3DeltaAttention._forward", _noop, min_version="0.27",
+                      max_version="0.40", parameters=("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out"),
+                      shapes=("read:self.kv_cache",))
+    observer = ascend_target("vllm_ascend.ops.kda_state_copy_plan", "initialize_kda_state_copy", None,
+                             min_version="0.30", shapes=("fork:kda_state_copy_plan",))
+    both = verdict(Patch("t_both", "test record", (observer, upstream)), "vllm-ascend==0.30.0rc2")
+    assert both["verdict"] == "stands down"
+    assert "also wrapped, upstream code the vllm-ascend layers may not call: " \
+           "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention._forward" in both["reason"]
+    only_upstream = verdict(Patch("t_up", "test record", (upstream,)), "vllm-ascend==0.30.0rc2")
+    assert only_upstream["verdict"] == "inert"
+    assert only_upstream["reason"].startswith("the patch declares no vllm-ascend target (its targets are for vllm)")
+    assert verdict(Patch("t_up", "test record", (upstream,)), "vllm==0.30.0")["verdict"] == "works"
