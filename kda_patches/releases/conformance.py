@@ -216,8 +216,12 @@ def judge_patch(patch: registry.Patch, targets: list[dict], platform: str = "vll
             inert (the fork's layers override the upstream methods the ``vllm`` targets wrap).
     """
     wrapped = [t for t in targets if t["runtime"] == "ok"]
-    problems = [f"{t['key']} would be skipped: {t['runtime_reason']} (a WARNING, and an ImportError under "
-                f"KDA_PATCHES_STRICT=1)" for t in targets if t["runtime"] == "skipped"]
+    skipped: dict[str, list[str]] = {}  # one line per reason: a failed group gives every member the same one
+    for t in targets:
+        if t["runtime"] == "skipped":
+            skipped.setdefault(t["runtime_reason"], []).append(t["key"])
+    problems = [f"{', '.join(keys)} would be skipped: {reason} (a WARNING, and an ImportError under "
+                f"KDA_PATCHES_STRICT=1)" for reason, keys in skipped.items()]
     for t in wrapped:
         for name, shape in t["shapes"].items():
             if not shape["ok"]:
