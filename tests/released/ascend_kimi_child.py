@@ -63,7 +63,6 @@ def batch_inputs(batch: tuple, generator: torch.Generator) -> tuple:
 
 
 def main(release: str, seed: int, cache_dtype: str, out: str) -> None:
-    from ascend_runner import PageSpec, make_runner_module
     from ascend_standins import (
         CLEAR_MODULE,
         INERT,
@@ -77,6 +76,7 @@ def main(release: str, seed: int, cache_dtype: str, out: str) -> None:
         standin_modules,
     )
     from release_loader import ReleaseStack, classes_defining
+    from runner_standin import PageSpec, make_runner_module
 
     import kda_patches
     from kda_patches.releases.fetch import release_dir
@@ -89,7 +89,10 @@ def main(release: str, seed: int, cache_dtype: str, out: str) -> None:
         if (root / (optional.replace(".", "/") + ".py")).exists():
             release_modules.append(optional)
     stack = ReleaseStack(root, "vllm-ascend", release, release_modules, real=REAL, inert=INERT,
-                         standins=standin_modules(release), modules={RUNNER_MODULE: make_runner_module(root)}).install()
+                         standins=standin_modules(release),
+                         modules={RUNNER_MODULE: make_runner_module(root / "vllm_ascend/worker/model_runner_v1.py",
+                                                                    RUNNER_MODULE, "NPUModelRunner", PLAN_MODULE)}
+                         ).install()
     # The worker imports its runner before the model's layer modules (the order a real worker has).
     runner_module = importlib.import_module(RUNNER_MODULE)
     kimi = importlib.import_module(KIMI_MODULE)

@@ -82,7 +82,8 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     Args:
         root: the release folder (package folders at its root).
-        dist: distribution name (``vllm-ascend``), answered by ``importlib.metadata``.
+        dist: distribution name (``vllm-ascend``), answered by ``importlib.metadata``; "" answers nothing
+            (the installed distribution's own metadata is used).
         version: the release version.
         release: module names executed from ``root``.
         real: module-name prefixes imported for real.
@@ -141,13 +142,19 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                                                   is_package=origin is not None and origin.endswith("__init__.py"))
         if fullname in self._packages:  # parent packages: empty, their __init__ is not executed
             spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-            spec.submodule_search_locations = []
+            # A top-level package points at its release folder, as an installed one would, so that code
+            # reading sources without importing (the overlay's static checks) finds the release's files.
+            folder = self.root / fullname
+            spec.submodule_search_locations = [str(folder)] if "." not in fullname and folder.is_dir() else []
             return spec
+        if fullname.split(".")[0] in self._packages and self.release:
+            raise ModuleNotFoundError(f"{fullname} is not executed by this harness (release {self.dist} "
+                                      f"{self.version}: only {sorted(self._served)} are)", name=fullname)
         return None
 
     def find_distributions(self, context: Any = None) -> Iterable[importlib.metadata.Distribution]:
         name = getattr(context, "name", None)
-        if name is not None and name.replace("_", "-").lower() == self.dist:
+        if self.dist and name is not None and name.replace("_", "-").lower() == self.dist:
             return [_Distribution(self.dist, self.version)]
         return []
 

@@ -14,21 +14,10 @@ import pytest
 import released_ab
 import torch
 from ascend_kimi_child import BATCHES, BLOCKS, HEAD_DIM, HEADS, LAYERS
-from ascend_runner import PageSpec, poison_problems
+from runner_standin import PageSpec, poison_problems
 
-# Temporary: failures of the overlay found by these runs, marked until the owners' fixes land (each must
-# be removed then; strict, so a fix that lands turns the mark into a failure to remove it).
-GROUP_BUG = ("kimi_prefill's coupled group 'vllm-ascend' is judged when the first member module is imported: "
-             "members in modules not imported yet (the layer module, the V2 runner a V1 worker never imports) "
-             "and the other era's class count as failures -> PatchSkipped under STRICT")
-FORK_PLAN_BUG = ("gdn_state_copy declares NPUModelRunner.initialize_kv_cache only for <0.30: PatchSkipped under "
-                 "STRICT when the 0.30 runner module is imported")
-RELEASES = [pytest.param("0.26.0rc1", "float32", marks=pytest.mark.xfail(strict=True, reason=GROUP_BUG)),
-            pytest.param("0.27.1rc1", "bfloat16", marks=pytest.mark.xfail(strict=True, reason=GROUP_BUG)),
-            pytest.param("0.28.0rc1", "float32", marks=pytest.mark.xfail(strict=True, reason=GROUP_BUG)),
-            pytest.param("0.29.0rc1", "bfloat16", marks=pytest.mark.xfail(strict=True, reason=GROUP_BUG))]
-FORK_RELEASES = [pytest.param(release, marks=pytest.mark.xfail(strict=True, reason=FORK_PLAN_BUG))
-                 for release in ("0.30.0rc1", "0.30.0rc2")]
+RELEASES = [("0.26.0rc1", "float32"), ("0.27.1rc1", "bfloat16"), ("0.28.0rc1", "float32"), ("0.29.0rc1", "bfloat16")]
+FORK_RELEASES = ["0.30.0rc1", "0.30.0rc2"]
 
 
 @pytest.mark.parametrize(("release", "cache_dtype"), RELEASES)

@@ -1,8 +1,8 @@
-"""Stand-in ``vllm_ascend.worker.model_runner_v1`` for executing released Kimi layers (KV-cache part only).
+"""Stand-in model runner modules (``vllm_ascend.worker.model_runner_v1``, ``vllm.v1.worker.gpu_model_runner``).
 
-The release's own ``NPUModelRunner.initialize_kv_cache`` cannot run here: its body drives ~20 other
-runner subsystems (attention backends, input batch, drafters, KV transfer, sparse offload). So the
-runner module is ours, but its ``initialize_kv_cache`` takes exactly the parameters the release's has
+The real ``initialize_kv_cache`` cannot run here: its body drives ~20 other runner subsystems (attention
+backends, input batch, drafters, KV transfer, sparse offload). So the runner module is ours, but its
+``initialize_kv_cache`` takes exactly the parameters the release's has
 (read from the release file), so the overlay's startup hook -- and its signature check -- meet the
 release's shape; every other method of the release's class is present as a stub with its release
 signature (calling one raises), so the overlay's other runner targets meet the release's attributes.
@@ -17,11 +17,11 @@ from __future__ import annotations
 import importlib
 import pathlib
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ascend_standins import PLAN_MODULE, RUNNER_MODULE
 from release_loader import method_stubs, read_parameters
 
 GAP_POISON = {torch.float32: 0x7FC0BEEF, torch.bfloat16: 0x7FC1}  # quiet NaNs with payloads
@@ -40,6 +40,7 @@ class PageSpec:
     conv_width: int = 4
     gap: int = 40
     offset: int = 24
+    conv_layout: str = "DS"  # DS: (dim, width-1) per block; SD: (width-1, dim), vLLM's VLLM_SSM_CONV_STATE_LAYOUT
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,8 +60,11 @@ def allocate_pages(spec: PageSpec, generator: torch.Generator) -> tuple[torch.Te
     page = conv + payload + spec.gap
     raw = torch.empty(spec.offset + spec.num_blocks * page, dtype=spec.dtype)
     bits(raw).fill_(GAP_POISON[spec.dtype])
-    conv_state = raw.as_strided((spec.num_blocks, channels, spec.conv_width - 1), (page, spec.conv_width - 1, 1),
-                                spec.offset)
+    if spec.conv_layout == "DS":
+        conv_state = raw.as_strided((spec.num_blocks, channels, spec.conv_width - 1),
+                                    (page, spec.conv_width - 1, 1), spec.offset)
+    else:
+        conv_state = raw.as_strided((spec.num_blocks, spec.conv_width - 1, channels), (page, channels, 1), spec.offset)
     bits(conv_state).fill_(CONV_POISON[spec.dtype])
     state = raw.as_strided((spec.num_blocks, spec.heads, spec.head_dim, spec.head_dim),
                            (page, spec.head_dim * spec.head_dim, spec.head_dim, 1), spec.offset + conv)
@@ -68,8 +72,11 @@ def allocate_pages(spec: PageSpec, generator: torch.Generator) -> tuple[torch.Te
     return raw, conv_state, state
 
 
-def poison_problems(raw: torch.Tensor, spec: PageSpec) -> list[str]:
-    """Return what is wrong with the poisoned regions of ``raw`` (gaps, offset, conv state); empty when intact."""
+def poison_problems(raw: torch.Tensor, spec: PageSpec, conv_rows: Iterable[int] = ()) -> list[str]:
+    """Return what is wrong with the poisoned regions of ``raw`` (gaps, offset, conv state); empty when intact.
+
+    ``conv_rows`` are blocks whose conv state the executed code legitimately wrote (its own convolution).
+    """
     channels = 3 * spec.heads * spec.head_dim
     conv = channels * (spec.conv_width - 1)
     page = conv + spec.heads * spec.head_dim * spec.head_dim + spec.gap
@@ -80,16 +87,16 @@ def poison_problems(raw: torch.Tensor, spec: PageSpec) -> list[str]:
         problems.append("storage offset overwritten")
     if not bool((pages[:, page - spec.gap:] == GAP_POISON[spec.dtype]).all()):
         problems.append("page gap overwritten")
-    if not bool((pages[:, :conv] == CONV_POISON[spec.dtype]).all()):
+    untouched = [block for block in range(spec.num_blocks) if block not in set(conv_rows)]
+    if not bool((pages[untouched, :conv] == CONV_POISON[spec.dtype]).all()):
         problems.append("conv state (the page's other state) overwritten")
     return problems
 
 
-class NPUModelRunner:
+class StandInRunner:
     """Owns the layers (``compilation_config.static_forward_context``), ``max_num_seqs`` and the raw pages."""
 
-    release_root: pathlib.Path
-    forks_own_plan = False  # the release's runner calls initialize_kda_state_copy after binding
+    fork_plan_module: str | None = None  # a release whose runner calls initialize_kda_state_copy after binding
 
     def __init__(self, layers: dict[str, Any], max_num_seqs: int, seed: int) -> None:
         self.compilation_config = types.SimpleNamespace(static_forward_context=dict(layers))
@@ -103,41 +110,59 @@ class NPUModelRunner:
             raw, conv_state, state = allocate_pages(spec, self.generator)
             self.raw_caches[name] = raw
             self.compilation_config.static_forward_context[name].kv_cache = (conv_state, state)
-        if self.forks_own_plan:
-            plan = importlib.import_module(PLAN_MODULE)
+        if self.fork_plan_module is not None:
+            plan = importlib.import_module(self.fork_plan_module)
             plan.initialize_kda_state_copy(self.compilation_config.static_forward_context,
                                            self.scheduler_config.max_num_seqs)
 
 
-def _initialize_v1(self: NPUModelRunner, kv_cache_config: dict[str, PageSpec]) -> None:
+def _initialize_2(self: StandInRunner, kv_cache_config: dict[str, PageSpec]) -> None:
     self.bind_caches(kv_cache_config)
 
 
-def _initialize_v3(self: NPUModelRunner, kv_cache_config: dict[str, PageSpec],
-                   kv_cache_allocation_context: Any = None) -> None:
+def _initialize_3(self: StandInRunner, kv_cache_config: dict[str, PageSpec],
+                  kv_cache_allocation_context: Any = None) -> None:
     self.bind_caches(kv_cache_config)
 
 
-_BY_PARAMETERS = {("self", "kv_cache_config"): _initialize_v1,
-                  ("self", "kv_cache_config", "kv_cache_allocation_context"): _initialize_v3}
+def _initialize_3p(self: StandInRunner, kv_cache_config: dict[str, PageSpec], is_profiling: bool = False) -> None:
+    self.bind_caches(kv_cache_config)
 
 
-def make_runner_module(root: pathlib.Path) -> types.ModuleType:
-    """Return a fresh stand-in runner module whose ``initialize_kv_cache`` has the release's parameters.
+def _initialize_4(self: StandInRunner, kv_cache_config: dict[str, PageSpec], is_profiling: bool = False,
+                  kv_cache_allocation_context: Any = None) -> None:
+    self.bind_caches(kv_cache_config)
 
+
+_BY_PARAMETERS = {("self", "kv_cache_config"): _initialize_2,
+                  ("self", "kv_cache_config", "kv_cache_allocation_context"): _initialize_3,
+                  ("self", "kv_cache_config", "is_profiling"): _initialize_3p,
+                  ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"): _initialize_4}
+
+
+def make_runner_module(path: pathlib.Path, module_name: str, class_name: str,
+                       fork_plan_module: str | None = None) -> types.ModuleType:
+    """Return a fresh stand-in runner module whose ``initialize_kv_cache`` has the parameters of ``path``'s.
+
+    Args:
+        path: the release's (or the installed) runner file, read with ``ast`` only.
+        module_name: the module's real name; class_name: the runner class's name in it.
+        fork_plan_module: module whose ``initialize_kda_state_copy`` the runner calls after binding (when the
+            release's runner does so), else None.
     Raises:
-        NotImplementedError: the release's signature is one this stand-in does not know (update it).
+        NotImplementedError: the file's signature is one this stand-in does not know (update it).
     """
-    path = root / (RUNNER_MODULE.replace(".", "/") + ".py")
-    parameters = read_parameters(path, "NPUModelRunner.initialize_kv_cache")
+    parameters = read_parameters(path, f"{class_name}.initialize_kv_cache")
     if parameters not in _BY_PARAMETERS:
-        raise NotImplementedError(f"{path}: NPUModelRunner.initialize_kv_cache{parameters} is not stood in")
-    module = types.ModuleType(RUNNER_MODULE)
+        raise NotImplementedError(f"{path}: {class_name}.initialize_kv_cache{parameters} is not stood in")
+    if fork_plan_module is not None and "initialize_kda_state_copy" not in path.read_text():
+        fork_plan_module = None
+    module = types.ModuleType(module_name)
     # Every other method of the release's class as a stub with its signature, so the overlay's other
     # runner targets (kv_cache_layout) see what they would see on the real class.
-    stubs = method_stubs(path, "NPUModelRunner", skip=("__init__", "initialize_kv_cache"))
-    runner = type("NPUModelRunner", (NPUModelRunner,), {
-        **stubs, "__module__": RUNNER_MODULE, "initialize_kv_cache": _BY_PARAMETERS[parameters],
-        "release_root": root, "forks_own_plan": "initialize_kda_state_copy" in path.read_text()})
-    module.NPUModelRunner = runner
+    stubs = method_stubs(path, class_name, skip=("__init__", "initialize_kv_cache"))
+    runner = type(class_name, (StandInRunner,), {
+        **stubs, "__module__": module_name, "initialize_kv_cache": _BY_PARAMETERS[parameters],
+        "fork_plan_module": fork_plan_module})
+    setattr(module, class_name, runner)
     return module
