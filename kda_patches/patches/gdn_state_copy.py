@@ -106,12 +106,19 @@ def _ascend_era(low: str, high: str) -> tuple[Target, ...]:
         *ascend_runners(wrap_initialize_kv_cache, low)))
 
 
+ASCEND_030_INERT = ("vllm-ascend 0.30's NPU prefill paths gather and scatter GDN states through its own Triton "
+                    "kernels gather_ssm_states / scatter_ssm_states_ (flags and cast in one pass); only its CPU branch "
+                    "indexes the cache, so routing would report every NPU call bypassed")
+
 PATCH = Patch(
     name=LEDGER_PATH,
     summary="route the GDN layers' prefill gather(+clear)/scatter through the sealed state-copy plans "
     "(shared routing core and startup with kimi_prefill)",
     targets=(*_upstream_era("0.26", "0.27"), *_upstream_era("0.27", "0.30"), *_upstream_era("0.30", "0.40"),
-             *_ascend_era("0.26", "0.28"), *_ascend_era("0.28", "0.30")),
+             *_ascend_era("0.26", "0.28"), *_ascend_era("0.28", "0.30"),
+             *(Target("vllm_ascend.ops.gdn", qualname, None, "vllm-ascend", "vllm-ascend", "0.30", "0.40",
+                      inert=ASCEND_030_INERT)
+               for qualname in ("AscendGatedDeltaNetAttention._forward_core", "clear_ssm_states"))),
 )
 
 

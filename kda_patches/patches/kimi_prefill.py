@@ -139,6 +139,10 @@ PATCH = Patch(
         *era("vllm-ascend", "0.30", "0.40", (
             ("vllm_ascend.ops.kda_state_copy_plan", "initialize_kda_state_copy", wrap_fork_initialize,
              FORK_INITIALIZE_PARAMETERS, ("fork:kda_state_copy_plan",)),)),
+        *(Target(_KIMI_KDA, qualname, None, "vllm-ascend", "vllm-ascend", "0.30", "0.40",
+                 inert="vllm-ascend >= 0.30 copies Kimi states through its own plan (_ascend_kda_state_copy); "
+                 "kimi_prefill observes it or overlays it through initialize_kda_state_copy instead")
+          for qualname in ("AscendKimiK3DeltaAttention._run_prefill", "clear_ssm_states")),
         *_upstream_era("0.27", "0.30"),
         *_upstream_era("0.30", "0.40"),
     ),

@@ -109,6 +109,22 @@ def find_state(name: str, layer: Any, seam: Seam) -> torch.Tensor:
     return state
 
 
+def record_cpu_layers(seams: Mapping[str, Seam], states: Mapping[str, torch.Tensor]) -> None:
+    """Record the seam layers whose cache is on the CPU while the Triton interpreter is off (no plan for them).
+
+    vLLM's CPU platform runs GDN layers through its own in-place CPU kernels (``forward_cpu``), never through
+    these seams, and a compiled Triton plan cannot run on CPU tensors; a seam call of such a layer would be
+    refused with :class:`~kda_patches.routing.proof.PlanNotPublished` naming it.
+    """
+    ledger = get_ledger()
+    for name, state in states.items():
+        if state.device.type == "cpu":
+            ledger.set_fact(seams[name].section, name, {
+                "decision": "not-prepared", "seam": seams[name].name,
+                "reason": "cache on the CPU and TRITON_INTERPRET is not 1 (vLLM's CPU backend runs these layers "
+                "through its own CPU kernels, not this seam); a seam call would be refused"})
+
+
 def prepare_and_publish(runner: Any, section: str | None = None) -> dict[str, Any]:
     """Prepare, seal and publish the plans of every seam layer of ``runner``.
 
@@ -141,9 +157,14 @@ def prepare_and_publish(runner: Any, section: str | None = None) -> dict[str, An
     try:
         max_num_seqs = find_max_num_seqs(runner)
         states = {name: find_state(name, layer, seams[name]) for name, layer in selected.items()}
+        from kda_patches.state_copy.device import interpreter_active
         from kda_patches.state_copy.worker import initialize
 
-        plans = initialize(states, max_num_seqs)
+        if any(state.device.type == "cpu" for state in states.values()) and not interpreter_active():
+            record_cpu_layers(seams, states)
+            selected = {name: layer for name, layer in selected.items() if states[name].device.type != "cpu"}
+            states = {name: states[name] for name in selected}
+        plans = initialize(states, max_num_seqs) if states else {}
         missing = sorted(set(selected) - set(plans))
         if missing:
             raise RuntimeError(f"{seams[missing[0]].section}: worker startup aborted: no plan was returned for "
@@ -161,12 +182,13 @@ def prepare_and_publish(runner: Any, section: str | None = None) -> dict[str, An
         raise failure from error
     for name, layer in selected.items():
         setattr(layer, PLAN_ATTRIBUTE, plans[name])
-    for name, seam in seams.items():
+    for name in selected:
+        seam = seams[name]
         ledger.set_fact(seam.section, name, {
             "decision": "overlay-plan", "seam": seam.name, "plan_kind": plans[name].kind,
             "cache_shape": list(states[name].shape), "cache_dtype": str(states[name].dtype).replace("torch.", ""),
             "max_selected": max_num_seqs})
     for name in sections:
-        ledger.set_fact(name, "startup", {"ok": True, "layers": sum(seam.section == name for seam in seams.values()),
+        ledger.set_fact(name, "startup", {"ok": True, "layers": sum(seams[layer].section == name for layer in selected),
                                           "max_num_seqs": max_num_seqs})
     return dict(plans)

@@ -191,3 +191,19 @@ def test_kimi_and_gdn_layers_share_one_startup_and_one_table(load_dummies, stric
     call(module, kimi_layer, *batch(24, 3, torch.int32, 1))
     call(module, gdn_layer, *batch(24, 3, torch.int32, 2))
     assert grew(before_kimi, KIMI)["calls_routed"] == 1 and grew(before_gdn, GDN)["calls_routed"] == 1
+
+
+def test_cpu_caches_without_the_interpreter_get_no_plan_and_refuse(load_dummies, strict, monkeypatch):
+    """vLLM's CPU backend never calls these seams: without TRITON_INTERPRET=1 startup records and skips them."""
+    from kda_patches.routing.proof import PlanNotPublished
+    from kda_patches.state_copy import device
+
+    monkeypatch.setattr(device, "interpreter_active", lambda: False)
+    module = load_dummies(record("routing_cpu", ("NativeClearLayer",)))
+    layer = module.NativeClearLayer("model.layers.0.attn")
+    module.Runner({layer.prefix: layer}, max_num_seqs=8).initialize_kv_cache(None)  # does not abort
+    assert getattr(layer, PLAN_ATTRIBUTE, None) is None
+    facts = get_ledger().snapshot()["facts"][GDN]
+    assert facts[layer.prefix]["decision"] == "not-prepared" and "TRITON_INTERPRET" in facts[layer.prefix]["reason"]
+    with pytest.raises(PlanNotPublished, match=r"model\.layers\.0\.attn"):
+        call(module, layer, *batch(24, 3, torch.int32, 0))
