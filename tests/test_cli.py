@@ -54,21 +54,29 @@ def test_kda_run_execs_the_command_in_place():
 KIMI_LEDGER = {
     "pid": 4242, "role": "worker", "argv": ["x"], "started_at": 0.0, "written_at": 0.0, "final": True,
     "switches": {},
-    "patches": {"kimi_prefill": {"state": "applied", "reason": "", "targets": {}}},
-    "counters": {"kimi_prefill": {"calls_seen": 7, "calls_routed": 4, "calls_bypassed": 1, "calls_refused": 2}},
+    "patches": {"kimi_prefill": {"state": "applied", "reason": "", "targets": {}},
+                "gdn_state_copy": {"state": "applied", "reason": "", "targets": {}}},
+    "counters": {"kimi_prefill": {"calls_seen": 7, "calls_routed": 4, "calls_bypassed": 1, "calls_refused": 2},
+                 "gdn_state_copy": {"calls_seen": 3, "calls_routed": 3, "calls_failed": 1}},
     "facts": {"kimi_prefill": {"model.layers.3.self_attn": {"plan_kind": "fused"},
                                "model.layers.1.self_attn": {"plan_kind": "fused"},
                                "model.layers.2.self_attn": {"plan_kind": "fallback"},
-                               "note": "not a layer"}},
+                               "note": "not a layer"},
+              "gdn_state_copy": {"model.layers.4.linear_attn": {"plan_kind": "fused", "decision": "overlay-plan"},
+                                 "model.layers.5.linear_attn": {"plan_kind": "fused", "decision": "fork-native"}}},
 }
 # Written by hand from the ledger above (the design's status format), not produced by the formatter.
-KIMI_STATUS_LINE = ("  kimi_prefill: prefill calls seen 7, routed 4, bypassed 1, refused 2; "
-                    "plans fallback=1 (model.layers.2.self_attn), fused=2 (model.layers.1.self_attn\u2026)")
+STATUS_LINES = [
+    "  kimi_prefill: prefill calls seen 7, routed 4, bypassed 1, refused 2; "
+    "plans fallback=1 (model.layers.2.self_attn), fused=2 (model.layers.1.self_attn\u2026)",
+    "  gdn_state_copy: prefill calls seen 3, routed 3, bypassed 0, failed 1; "
+    "plans fork-native:fused=1 (model.layers.5.linear_attn), fused=1 (model.layers.4.linear_attn)",
+]
 
 
 def test_cli_status_prints_the_kimi_summary_line(tmp_path, capsys):
-    """``status --from DIR`` on a fixed ledger file prints the literal kimi_prefill summary line."""
+    """``status --from DIR`` on a fixed ledger file prints the literal state-copy summary lines."""
     (tmp_path / "ledger-4242.json").write_text(json.dumps(KIMI_LEDGER))
     assert cli.main(["status", "--from", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line for line in lines if line.startswith("  kimi_prefill:")] == [KIMI_STATUS_LINE]
+    assert [line for line in lines if line.startswith(("  kimi_prefill:", "  gdn_state_copy:"))] == STATUS_LINES
