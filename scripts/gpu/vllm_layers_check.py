@@ -235,6 +235,65 @@ def limit_autotune(keep: int = 1) -> None:
     triton.autotune = autotune
 
 
+STOOD_IN = {
+    "vllm._C_stable_libtorch": "vLLM's compiled custom-op library (92 MB .so in the wheel, built for torch 2.14): "
+    "vllm/platforms/cuda.py imports it unconditionally to register torch.ops._C.*; the Triton paths run here call "
+    "none of those ops (a call would fail with a missing-op error, not silently)",
+    "vllm.vllm_flash_attn": "package __init__ raises ImportError without the compiled FA2/FA3 extensions (~480 MB); "
+    "vllm.v1.worker.utils imports it through vllm.model_executor.layers.attention. Stood in by the package's own "
+    "flash_attn_interface module (FA2_AVAILABLE = FA3_AVAILABLE = False there): no attention kernel runs here",
+}
+
+
+def stand_in_compiled_modules() -> dict[str, str]:
+    """GPU only: stand in for vLLM's compiled extensions that its CUDA import chain needs at load time.
+
+    Only :data:`STOOD_IN` (never layer code), each recorded in the results: ``vllm._C_stable_libtorch`` as an
+    empty module; ``vllm.vllm_flash_attn`` as its real package path whose ``__init__`` (which raises without the
+    FA binaries) is replaced by the names of its own ``flash_attn_interface``.
+    """
+    import importlib
+    import importlib.machinery
+    import importlib.util
+    import types
+
+    sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch",
+                                                              STOOD_IN["vllm._C_stable_libtorch"])
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations, "vllm (the bundle) is not importable"
+    folder = os.path.join(next(iter(spec.submodule_search_locations)), "vllm_flash_attn")
+    package = types.ModuleType("vllm.vllm_flash_attn", STOOD_IN["vllm.vllm_flash_attn"])
+    package.__path__ = [folder]
+    package.__spec__ = importlib.machinery.ModuleSpec("vllm.vllm_flash_attn", None, is_package=True)
+    package.__spec__.submodule_search_locations = package.__path__
+    sys.modules["vllm.vllm_flash_attn"] = package
+    interface = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface")
+    for name in dir(interface):
+        if not name.startswith("__"):
+            setattr(package, name, getattr(interface, name))
+    stand_in_capability_queries()
+    return {**STOOD_IN, **{f"torch.ops._C.{name}": "capability query called at import time; answers False "
+                           "(unsupported), so vLLM picks no CUTLASS/compiled path" for name in CAPABILITY_QUERIES}}
+
+
+CAPABILITY_QUERIES = ("cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_block_fp8",
+                      "cutlass_group_gemm_supported")
+
+
+def stand_in_capability_queries() -> None:
+    """Define the ``torch.ops._C`` capability queries vLLM calls while importing, each answering False."""
+    import torch
+
+    library = torch.library.Library("_C", "FRAGMENT")  # kept alive by the module-level list below
+    for name in CAPABILITY_QUERIES:
+        library.define(f"{name}(int cuda_device_capability) -> bool")
+        library.impl(name, lambda cuda_device_capability: False, "CompositeExplicitAutograd")
+    _LIBRARIES.append(library)
+
+
+_LIBRARIES: list[Any] = []
+
+
 def write_model_dir(layer: str, root: pathlib.Path) -> pathlib.Path:
     """Write a ``config.json`` with the issue's head counts (Kimi K3 12x128; Qwen3.6-27B TP4 GDN 12v/4k x128)."""
     if layer == "kimi_k3":
@@ -579,6 +638,8 @@ def run_child_main(args: argparse.Namespace) -> int:
 
         facts["kda_patches_env"] = {k: v for k, v in os.environ.items() if k.startswith("KDA_PATCHES")}
         limit_autotune()
+        if not args.dry_run:
+            facts["stood_in"] = stand_in_compiled_modules()
         import torch
 
         device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
