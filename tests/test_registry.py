@@ -527,3 +527,16 @@ def test_absent_member_of_an_uninstalled_distribution_is_not_applicable():
     assert verdict.state == "not-applicable", verdict
     present = registry.group_verdict(patch, "g", lambda target: None, lambda target: ("self",))
     assert present.state == "skipped" and "version of not-installed-fork-x unknown" in present.reason
+
+
+def test_member_still_importing_is_read_from_source(tmp_path, monkeypatch):
+    """The runner module imports the layer module before defining its class: when the layer's hook fires, the
+    runner is in sys.modules but half-executed, so its class must be read from source, not looked up (absent)."""
+    layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
+    runner = make_named(tmp_path, monkeypatch, "runner", f"import {layer}\n" + textwrap.dedent(RUNNER_027))
+    patch = seam_patch(layer, runner)
+    registry.register_patch(patch, strict=True)
+    importlib.import_module(runner)
+    assert sys.modules[layer].Layer()._run_prefill(1, None) == ("wrapped", 2)
+    assert sys.modules[runner].Runner().initialize_kv_cache(None) == ("wrapped", "bound")
+    registry.revert_patch(patch)
