@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--fallback-variants", type=parse_variants, default=[],
                        help="extra fallback configurations to measure, BYTES[/WARPS][,...]")
     add_gdn_parser(commands)
+    commands.add_parser("serve-ab", help="vLLM's own `vllm bench throughput|latency`, KDA_PATCHES=0 vs =1, shuffled "
+                        "rounds, patched/baseline ratios (own options: `kda-patches bench serve-ab --help`)")
     return parser
 
 
@@ -79,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status (0 on success, 2 for a refused output path or device).
     """
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-ab"]:  # parses its own options; everything after `--` goes to `vllm bench`
+        from kda_patches.bench.serve_ab import main as serve_ab_main
+
+        return serve_ab_main(argv[1:])
+    args = build_parser().parse_args(argv)
     if args.benchmark == "state-copy":
         from kda_patches.bench.state_copy import run_benchmark
 

