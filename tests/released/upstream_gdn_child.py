@@ -1,0 +1,121 @@
+"""Child process: run the installed vLLM 0.32 ``QwenGatedDeltaNetAttention._forward_core`` on the CPU.
+
+``python upstream_gdn_child.py SEED CACHE_DTYPE CONV_LAYOUT OUT``. Same frame as :mod:`upstream_kimi_child`:
+overlay activated first, device kernels stood in at the names the layer module imports
+(:mod:`gdn_standins`), the real module imported (the overlay's hooks wrap ``_forward_core``), the stand-in
+``GPUModelRunner`` binds poisoned pages (the overlay's startup hook prepares the plans), and the layer's
+own ``_forward_core`` runs inside a real ``ForwardContext`` with real ``GDNAttentionMetadata``: prefill,
+mixed decode + prefill (decodes peeled off first, as the builder lays them out), decode-only, continued.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import sys
+
+import torch
+
+HEADS, HEAD_DIM, BLOCKS, LAYERS, MAX_NUM_SEQS, CONV_WIDTH = 2, 32, 9, 2, 8, 4
+# (rows, has_initial_state, token counts, leading decodes, index dtype)
+BATCHES = (
+    ((4, 1, 6), (False, False, False), (7, 5, 9), 0, torch.int32),
+    ((4, 1, 6, 3), (True, True, True, False), (1, 1, 6, 8), 2, torch.int64),
+    ((4, 6), (True, True), (1, 1), 2, torch.int32),
+    ((3, 8, 4), (True, False, True), (10, 3, 2), 0, torch.int64),
+)
+PREFILL_CALLS = sum(1 for batch in BATCHES if batch[3] < len(batch[0])) * LAYERS
+
+
+def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
+    """Return the real Qwen GDN layer class, constructed without vLLM's config (only what it reads is set)."""
+    from gdn_standins import chunk_gated_delta_rule
+
+    projection = HEADS * HEAD_DIM
+    layer = object.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    conv = torch.nn.Module()
+    object.__setattr__(conv, "weight", torch.randn((3 * projection, 1, CONV_WIDTH), generator=generator) * 0.5)
+    object.__setattr__(conv, "bias", None)
+    values = {"prefix": name, "activation": "silu", "num_k_heads": HEADS, "num_v_heads": HEADS, "tp_size": 1,
+              "head_k_dim": HEAD_DIM, "head_v_dim": HEAD_DIM, "key_dim": projection, "value_dim": projection,
+              "enable_packed_recurrent_decode": False, "chunk_gated_delta_rule": chunk_gated_delta_rule,
+              "A_log": torch.randn(HEADS, generator=generator) * 0.5,
+              "dt_bias": torch.randn(HEADS, generator=generator), "conv1d": conv}
+    for key, value in values.items():
+        object.__setattr__(layer, key, value)
+    return layer
+
+
+def metadata_of(batch: tuple) -> tuple[object, int]:
+    """Return the batch's real ``GDNAttentionMetadata`` (prefill tail fields as the builder sets them)."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    rows, flags, lengths, decodes, index_dtype = batch
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    tail = [bound - bounds[decodes] for bound in bounds[decodes:]]
+    prefills = len(rows) - decodes
+    indices = torch.tensor(rows, dtype=index_dtype)
+    has_initial = torch.tensor(flags)
+    return GDNAttentionMetadata(
+        num_prefills=prefills, num_prefill_tokens=bounds[-1] - decodes, num_decodes=decodes,
+        num_decode_tokens=decodes, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=bounds[-1],
+        has_initial_state=has_initial, non_spec_query_start_loc=torch.tensor(bounds, dtype=torch.int32),
+        non_spec_state_indices_tensor=indices,
+        prefill_query_start_loc=torch.tensor(tail, dtype=torch.int32) if prefills else None,
+        prefill_state_indices=indices[decodes:] if prefills else None,
+        prefill_has_initial_state=has_initial[decodes:] if prefills else None), bounds[-1]
+
+
+def main(seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv_layout
+    import gdn_standins
+    from release_loader import ReleaseStack
+    from runner_standin import PageSpec, make_runner_module
+    from upstream_standins import RUNNER_MODULE
+
+    import kda_patches
+
+    gdn_standins.install_upstream()
+    import vllm
+
+    root = pathlib.Path(vllm.__file__).parent.parent
+    runner = make_runner_module(root / "vllm/v1/worker/gpu_model_runner.py", RUNNER_MODULE, "GPUModelRunner")
+    stack = ReleaseStack(root, "", vllm.__version__, (), modules={RUNNER_MODULE: runner}).install()
+    runner_module = importlib.import_module(RUNNER_MODULE)  # the worker's runner first
+    layer_module = importlib.import_module(gdn_standins.QWEN_MODULE)
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    cls = layer_module.QwenGatedDeltaNetAttention
+    generator = torch.Generator().manual_seed(seed)
+    layers = {f"model.layers.{i}.linear_attn": build_layer(cls, f"model.layers.{i}.linear_attn", generator)
+              for i in range(LAYERS)}
+    runner = runner_module.GPUModelRunner(layers, MAX_NUM_SEQS, seed)
+    config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH,
+                             conv_layout=conv_layout) for name in layers}
+    runner.initialize_kv_cache(config, False, None)
+    outputs, snapshots = [], [{name: raw.clone() for name, raw in runner.raw_caches.items()}]
+    for batch in BATCHES:
+        metadata, tokens = metadata_of(batch)
+        mixed_qkv = torch.randn((tokens, 3 * HEADS * HEAD_DIM), generator=generator).to(torch.bfloat16)
+        b = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
+        a = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
+        for name, layer in layers.items():
+            core = torch.zeros((tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16)
+            context = ForwardContext(no_compile_layers=layers, attn_metadata={name: metadata}, slot_mapping={})
+            with override_forward_context(context):
+                layer._forward_core(mixed_qkv, b, a, core)
+            outputs.append(core)
+        snapshots.append({name: raw.clone() for name, raw in runner.raw_caches.items()})
+    torch.save({"outputs": outputs, "snapshots": snapshots, "ledger": kda_patches.get_ledger().snapshot(),
+                "bound": stack.bound, "standins": gdn_standins.STANDINS, "class": cls.__qualname__,
+                "init_error": None, "wrapped": type(vars(cls)["_forward_core"]).__name__,
+                "conv": layer_module.causal_conv1d_fn.__name__}, out)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
