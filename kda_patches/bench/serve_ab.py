@@ -236,6 +236,8 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
         run's ledgers contradict its switch; 2 when a run failed or the arguments are refused.
     """
     bench = check_bench_args(bench)
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"--out {out_dir!r} exists and is not empty; pass a new directory")
     tiny = not has_option(bench, "--model")
     if tiny:
         from kda_patches.regress.tiny_model import ensure_tiny_model
@@ -245,8 +247,6 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
                                           ("the tiny random-weight model", tiny)) if flag]
     demo = bool(demo_reasons)
     note = f"{DEMO_NOTE}: {' and '.join(demo_reasons)}" if demo else ""
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"--out {out_dir!r} exists and is not empty; pass a new directory")
     os.makedirs(out_dir, exist_ok=True)
     if demo:
         print(f"kda-patches bench serve-ab: {note}")
