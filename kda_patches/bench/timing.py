@@ -138,11 +138,18 @@ def measure_rounds(calls: dict[tuple[str, ...], Call], trials: int, graph_calls:
             for mode, measure in modes.items():
                 samples.setdefault((*key, mode), []).append(measure(calls[key], step, device))
     if device.type == "cuda":
-        graphs = {key: capture_graph(call, graph_calls, device) for key, call in calls.items()}
+        graphs = {}
+        for key, call in calls.items():
+            try:
+                graphs[key] = capture_graph(call, graph_calls, device)
+            except RuntimeError as exc:  # e.g. a pattern that synchronizes the host: reported, not timed
+                print(f"kda-patches bench: {'/'.join(key)} cannot be captured in a CUDA graph: {exc}", flush=True)
+                synchronize(device)
         for _ in range(trials):
             shuffler.shuffle(order)
             for key in order:
-                samples.setdefault((*key, "graph"), []).append(time_graph(graphs[key], graph_calls, device))
+                if key in graphs:
+                    samples.setdefault((*key, "graph"), []).append(time_graph(graphs[key], graph_calls, device))
         del graphs
         torch.cuda.empty_cache()
     return samples
