@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD,
                         help=f"registered name or module:function (default {DEFAULT_WORKLOAD})")
     parser.add_argument("--list-workloads", action="store_true", help="list the registered workloads and exit")
+    parser.add_argument("--tiny-model-dir", action="store_true",
+                        help="build the tiny model if needed, print its directory (a --param model=DIR for "
+                             "--workload vllm, a --model for bench serve-ab) and exit")
     parser.add_argument("--param", action="append", default=[], type=parse_param, metavar="KEY=VALUE",
                         help="keyword parameter of the workload, VALUE as JSON (repeatable); for --workload vllm: "
                              "model=DIR, prompts=FILE.jsonl, max_tokens, ignore_eos, logprobs, and any vLLM "
@@ -69,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_workloads:
         for name, workload in sorted(WORKLOADS.items()):
             print(f"{name}  {workload.target}\n    {workload.summary}")
+        return 0
+    if args.tiny_model_dir:
+        from kda_patches.regress.tiny_model import ensure_tiny_model
+
+        print(ensure_tiny_model(args.cache_dir))
         return 0
     if args.update_baseline and not args.baseline:
         parser.error("--update-baseline needs --baseline DIR")

@@ -122,3 +122,19 @@ def test_cli_prints_the_one_error_and_exits_2(tmp_path, capsys) -> None:
     assert main(["--list-workloads"]) == 0
     assert "vllm  kda_patches.regress.vllm_workload:run_vllm_prompts" in capsys.readouterr().out
     assert not os.path.exists(tmp_path / "nowhere")
+
+
+def test_tiny_model_dir_has_a_tokenizer_that_round_trips_ids(tmp_path, capsys) -> None:
+    assert main(["--tiny-model-dir", "--cache-dir", str(tmp_path / "cache")]) == 0
+    model = capsys.readouterr().out.strip().splitlines()[-1]
+    assert model.startswith(str(tmp_path / "cache" / "models" / "tiny-qwen3-next-"))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with open(os.path.join(model, "config.json")) as handle:
+        vocab = json.load(handle)["vocab_size"]
+    assert tokenizer.vocab_size == vocab >= 10000  # `vllm bench latency` draws prompt ids below 10000
+    ids = [2, 17, 9999, vocab - 1, 5, 5]
+    assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids  # what vllm bench's dataset does
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1)
+    assert validate_params({"model": model, "prompts": write_lines(tmp_path / "p.jsonl", ['{"prompt": "w5 w6"}'])})
