@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.machinery
 import json
 import os
 import pathlib
@@ -98,9 +99,10 @@ def unpack_bundle(bundle: pathlib.Path, site: pathlib.Path) -> dict[str, Any]:
 
 
 def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool) -> dict[str, str]:
-    """Return the environment of one child: bundle + project on the path, the overlay switches."""
+    """Return the environment of one child: bundle + project on the path (+ the stand-in hook on GPU), switches."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(site), *filter(None, [env.get("PYTHONPATH")])])
+    hook = [] if dry_run else [str(write_stand_in_hook(site.with_name(site.name + "-standins")))]
+    env["PYTHONPATH"] = os.pathsep.join([*hook, str(ROOT), str(site), *filter(None, [env.get("PYTHONPATH")])])
     env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_ONLY=PATCH_OF[layer],
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
                VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
@@ -197,18 +199,22 @@ def run_parent(args: argparse.Namespace) -> int:
         report["bundle"]["unpack_s"] = round(time.perf_counter() - started, 1)
         report["source_sha256"] = source_hash()
         print(f"bundle {bundle.name} unpacked in {report['bundle']['unpack_s']} s", file=log, flush=True)
+        results: dict[str, dict[str, Any]] = {}
+        # every overlay-on child first (the main result), then the KDA_PATCHES=0 cross-checks
+        for enabled in (True, False) if not args.skip_off else (True,):
+            for layer in args.layers:
+                results.setdefault(layer, {})["overlay_on" if enabled else "overlay_off"] = run_child(
+                    pathlib.Path(args.site), layer, enabled, args, log)
+                report["layers"] = results
+                (out / "vllm_layers.json").write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
         verdicts: list[str] = []
         for layer in args.layers:
-            on = run_child(pathlib.Path(args.site), layer, True, args, log)
-            off = run_child(pathlib.Path(args.site), layer, False, args, log) if not args.skip_off else {}
-            report["layers"][layer] = {"overlay_on": on, "overlay_off": off}
-            verdicts += judge(layer, on, off)
-            (out / "vllm_layers.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+            verdicts += judge(layer, results[layer]["overlay_on"], results[layer].get("overlay_off", {}))
         report["verdicts"] = verdicts
         for line in verdicts:
             print(line, file=log)
             print(line)
-    (out / "vllm_layers.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+    (out / "vllm_layers.json").write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
     for child in out.glob(".child-*.json"):
         child.unlink()
     return 0 if verdicts and not any(" FAIL" in line for line in verdicts) else 1
@@ -245,33 +251,63 @@ STOOD_IN = {
 }
 
 
-def stand_in_compiled_modules() -> dict[str, str]:
-    """GPU only: stand in for vLLM's compiled extensions that its CUDA import chain needs at load time.
+class StandInFinder:
+    """Meta-path finder that supplies :data:`STOOD_IN` modules when vLLM imports them (GPU processes only).
 
-    Only :data:`STOOD_IN` (never layer code), each recorded in the results: ``vllm._C_stable_libtorch`` as an
-    empty module; ``vllm.vllm_flash_attn`` as its real package path whose ``__init__`` (which raises without the
-    FA binaries) is replaced by the names of its own ``flash_attn_interface``.
+    Installed by the ``sitecustomize.py`` the parent writes next to the bundle, so every child and every process
+    vLLM itself starts (its model-registry inspection subprocess) gets the same stand-ins. Lazy: nothing is
+    imported until vLLM asks for one of the names.
     """
-    import importlib
-    import importlib.machinery
-    import importlib.util
-    import types
 
-    sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch",
-                                                              STOOD_IN["vllm._C_stable_libtorch"])
-    spec = importlib.util.find_spec("vllm")
-    assert spec is not None and spec.submodule_search_locations, "vllm (the bundle) is not importable"
-    folder = os.path.join(next(iter(spec.submodule_search_locations)), "vllm_flash_attn")
-    package = types.ModuleType("vllm.vllm_flash_attn", STOOD_IN["vllm.vllm_flash_attn"])
-    package.__path__ = [folder]
-    package.__spec__ = importlib.machinery.ModuleSpec("vllm.vllm_flash_attn", None, is_package=True)
-    package.__spec__.submodule_search_locations = package.__path__
-    sys.modules["vllm.vllm_flash_attn"] = package
-    interface = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface")
-    for name in dir(interface):
-        if not name.startswith("__"):
-            setattr(package, name, getattr(interface, name))
-    stand_in_capability_queries()
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        """Return a spec for the stood-in names, None for everything else."""
+        if fullname not in STOOD_IN:
+            return None
+        if fullname == "vllm._C_stable_libtorch":
+            return importlib.machinery.ModuleSpec(fullname, self)
+        if fullname == "vllm.vllm_flash_attn" and path:
+            spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            spec.submodule_search_locations = [os.path.join(next(iter(path)), "vllm_flash_attn")]
+            return spec
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        """Default module creation."""
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        """Fill the stand-in: capability queries for ``_C_stable_libtorch``; FA's own interface names otherwise."""
+        import importlib
+
+        module.__doc__ = f"kda_patches vllm_layers_check stand-in: {STOOD_IN[module.__name__]}"
+        if module.__name__ == "vllm._C_stable_libtorch":
+            stand_in_capability_queries()
+            return
+        interface = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface")
+        for name in dir(interface):
+            if not name.startswith("__"):
+                setattr(module, name, getattr(interface, name))
+
+
+def install_stand_ins() -> None:
+    """Put :class:`StandInFinder` first on ``sys.meta_path`` (idempotent); called from the generated sitecustomize."""
+    if not any(isinstance(finder, StandInFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, StandInFinder())
+
+
+def write_stand_in_hook(folder: pathlib.Path) -> pathlib.Path:
+    """Write ``folder/sitecustomize.py`` that installs the stand-ins in every process with ``folder`` on its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script_dir = str(pathlib.Path(__file__).resolve().parent)
+    (folder / "sitecustomize.py").write_text(
+        "# written by kda_patches scripts/gpu/vllm_layers_check.py: stand-ins for vLLM's compiled extensions\n"
+        f"import sys\nsys.path.insert(0, {script_dir!r})\nimport vllm_layers_check\n"
+        f"sys.path.remove({script_dir!r})\nvllm_layers_check.install_stand_ins()\n")
+    return folder
+
+
+def stood_in_record() -> dict[str, str]:
+    """Return every stand-in and why (for the results)."""
     return {**STOOD_IN, **{f"torch.ops._C.{name}": "capability query called at import time; answers False "
                            "(unsupported), so vLLM picks no CUTLASS/compiled path" for name in CAPABILITY_QUERIES}}
 
@@ -639,7 +675,9 @@ def run_child_main(args: argparse.Namespace) -> int:
         facts["kda_patches_env"] = {k: v for k, v in os.environ.items() if k.startswith("KDA_PATCHES")}
         limit_autotune()
         if not args.dry_run:
-            facts["stood_in"] = stand_in_compiled_modules()
+            facts["stood_in"] = stood_in_record()
+            facts["stand_in_finder_installed"] = any(isinstance(f, StandInFinder) or type(f).__name__ ==
+                                                     "StandInFinder" for f in sys.meta_path)
         import torch
 
         device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
