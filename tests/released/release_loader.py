@@ -141,7 +141,9 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return importlib.machinery.ModuleSpec(fullname, self, origin=origin,
                                                   is_package=origin is not None and origin.endswith("__init__.py"))
         if fullname in self._packages:  # parent packages: empty, their __init__ is not executed
-            if importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
+            parent = sys.modules.get(fullname.rpartition(".")[0]) if "." in fullname else None
+            ours = parent is not None and getattr(parent.__spec__, "loader", None) is self
+            if not ours and importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
                 return None  # installed here (vLLM's own packages): the real one loads
             spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
             # A top-level package points at its release folder, as an installed one would, so that code
