@@ -255,19 +255,20 @@ def judge_patch(patch: registry.Patch, targets: list[dict], platform: str = "vll
 
 
 def _inert_reasons(targets: list[dict]) -> list[str]:
-    """Why each target does not apply; targets whose package is not in the stack are summarised per package."""
+    """Why each target does not apply, one line per distinct reason (the keys sharing it listed first);
+    targets whose package is not in the stack are summarised per package."""
     absent: dict[str, int] = {}
-    reasons = []
+    reasons: dict[str, list[str]] = {}
     for target in targets:
         if target["runtime"] == "absent" and not target["package_in_stack"]:
             package = target["key"].split(".")[0]
             absent[package] = absent.get(package, 0) + 1
             continue
-        reason = f"{target['key']}: {target['runtime_reason']}"
-        reasons.append(f"{reason} ({target['hint']})" if target.get("hint") else reason)
-    reasons += [f"{count} target(s) in {package}, which this stack does not ship" for package, count in
-                sorted(absent.items())]
-    return reasons
+        reason = target["runtime_reason"] + (f" ({target['hint']})" if target.get("hint") else "")
+        reasons.setdefault(reason, []).append(target["key"])
+    lines = [f"{', '.join(keys)}: {reason}" for reason, keys in reasons.items()]
+    return lines + [f"{count} target(s) in {package}, which this stack does not ship" for package, count in
+                    sorted(absent.items())]
 
 
 def check_stack(stack: Stack, patches: dict[str, registry.Patch] | None = None) -> dict:
