@@ -4,7 +4,8 @@ A *stack* is what one deployment installs together: one or more releases (``vllm
 ``vllm==0.28.0``), each read from its source folder (:mod:`kda_patches.releases.fetch`) with ``ast`` only
 (:mod:`kda_patches.releases.source`). For every registered patch and every target key whose module the stack
 ships, conformance computes what :mod:`kda_patches.registry` would decide at run time — by calling the
-registry's own predicates (:func:`~kda_patches.registry.check_key`, :func:`~kda_patches.registry.group_verdict`)
+registry's own predicates (:func:`~kda_patches.registry.select_target`, :func:`~kda_patches.registry.check_key`,
+:func:`~kda_patches.registry.group_verdict`)
 with the version and the parameter names read from the release, never a re-implementation — and checks each
 code shape the target's wrapper relies on (``Target.shapes``, :mod:`kda_patches.releases.shapes`).
 
@@ -21,6 +22,7 @@ Then one verdict per patch per stack (first rule that matches):
   (2) A target would be wrapped while a shape its wrapper relies on is missing (the wrapper would route
   nothing, or raise). (3) A target of a group would be wrapped while another member of that group would not
   (a seam without its startup hook).
+
 The remaining rules look only at the targets of the stack's *platform* (``Target.stack``: ``vllm-ascend`` when
 the fork is in the stack, else ``vllm``): on Ascend the fork's layers override the upstream methods that the
 ``vllm`` targets wrap, so those (listed as "also wrapped") cannot make the patch work there.
