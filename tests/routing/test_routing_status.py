@@ -1,0 +1,34 @@
+"""The one-line status summaries of the state-copy patches, from a fixed ledger snapshot (literal expectations)."""
+
+from __future__ import annotations
+
+from kda_patches.patches import gdn_state_copy, kimi_prefill
+
+SNAPSHOT = {
+    "counters": {"gdn_state_copy": {"calls_seen": 7, "calls_routed": 6, "calls_bypassed": 1, "calls_refused": 2},
+                 "kimi_prefill": {}},
+    "facts": {
+        "gdn_state_copy": {
+            "model.layers.0.linear_attn": {"decision": "overlay-plan", "plan_kind": "fused"},
+            "model.layers.1.linear_attn": {"decision": "overlay-plan", "plan_kind": "fused"},
+            "model.layers.2.linear_attn": {"decision": "not-prepared", "reason": "cpu"},
+            "startup": {"ok": True, "layers": 2},
+        },
+        "kimi_prefill": {
+            "model.layers.3.self_attn": {"decision": "fork-native", "plan_kind": "fallback"},
+            "startup": {"ok": True, "layers": 1, "decision": "fork-native"},
+        },
+    },
+}
+
+
+def test_gdn_status_line_counts_calls_and_plans():
+    assert gdn_state_copy.format_status_line(SNAPSHOT) == (
+        "gdn_state_copy: prefill calls seen 7, routed 6, bypassed 1, refused 2; "
+        "plans fused=2 (model.layers.0.linear_attn…)")
+
+
+def test_kimi_status_line_names_fork_native_layers():
+    assert kimi_prefill.format_status_line(SNAPSHOT) == (
+        "kimi_prefill: prefill calls seen 0, routed 0, bypassed 0; plans fork-native:fallback=1 "
+        "(model.layers.3.self_attn)")
