@@ -52,6 +52,11 @@ SITE_DIR = pathlib.Path(tempfile.gettempdir()) / "kda-vllm-bundle"
 LAYERS = ("kimi_k3", "qwen_gdn")
 PATCH_OF = {"kimi_k3": "kimi_prefill", "qwen_gdn": "gdn_state_copy"}
 PREFIX_OF = {"kimi_k3": "model.layers.1.self_attn", "qwen_gdn": "model.layers.0.linear_attn"}
+# Prefix caching (vLLM's default) puts mamba layers in "align" mode. Under the V2 model runner,
+# KimiK3KDAMetadataBuilder.build asserts that the runner precomputed the aligned state indices (its model state
+# does, per step); no runner is built here, so the Kimi child selects the V1 runner, where the builder computes
+# the same indices itself with vLLM's own Triton kernel. The Qwen GDN builder computes them in both.
+RUNNER_NOTE = "kimi_k3: VLLM_USE_V2_MODEL_RUNNER=0 (builder computes aligned state indices itself)"
 TIMED_SEQS = (1, 8, 64, 256)
 TIMED_LEN, TIMED_CACHED = 512, 512
 MAX_NUM_SEQS = 256
@@ -106,6 +111,8 @@ def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool) -> d
     env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_ONLY=PATCH_OF[layer],
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
                VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
+    if layer == "kimi_k3":  # see RUNNER_NOTE
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if dry_run:
         env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1")
     else:
@@ -600,6 +607,7 @@ def run_case(bench: LayerBench, overlay: Overlay | None, name: str, decodes: lis
     record["digest_baseline"] = digest(out_base, raw_base)
     if overlay is None or overlay.patch is None:
         record["digest_patched"] = record["digest_baseline"]
+        bench.raw.copy_(snapshot)  # every case starts from the same cache bytes
         return record
     bench.raw.copy_(snapshot)
     overlay.on()
@@ -681,6 +689,7 @@ def run_child_main(args: argparse.Namespace) -> int:
         import torch
 
         device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+        facts["runner_env"] = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         facts.update(torch=torch.__version__, device=str(device), device_name=torch.cuda.get_device_name()
                      if device.type == "cuda" else "cpu")
         started = time.perf_counter()
