@@ -221,15 +221,15 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             for item in fromlist:
                 self.record(name, item, "inert" if getattr(namespace[item], "_kda_inert", False) else "standin")
             return module
-        if self._matches(name, self.inert):
-            module = InertModule(name, self.record)
-            for item in fromlist:
-                getattr(module, item)
-            return module
         if self._matches(name, self.real):
             module = builtins.__import__(name, None, None, fromlist, 0)
             for item in fromlist or ("*",):
                 self.record(name, item, "real")
+            return module
+        if self._matches(name, self.inert):
+            module = InertModule(name, self.record)
+            for item in fromlist:
+                getattr(module, item)
             return module
         raise ImportError(f"{filename}: import of {name!r} is not declared (release, real, stand-in or inert) in "
                           "the harness's table for this release")

@@ -1,0 +1,125 @@
+"""Child process: run vllm-ascend's released ``AscendGatedDeltaNetAttention._forward_core`` on the CPU.
+
+``python ascend_gdn_child.py RELEASE VARIANT SEED CACHE_DTYPE OUT``; ``VARIANT`` = ``fused`` (the CANN fused
+prefill is present: gather/scatter on the cache layout) or ``triton`` (absent: the fork's
+``.transpose(-1, -2).contiguous()`` gather/scatter around its Triton chunk). The release's ``gdn.py`` and
+``clear_ssm_states`` are imported under their real names (the overlay's hooks wrap them), the stand-in
+runner binds poisoned hybrid pages (SD conv state, the fork's layout) and the overlay's startup hook
+prepares the plans; then prefill, mixed decode + prefill, decode-only and continued batches run through the
+fork's own ``_forward_core``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+import torch
+
+HEADS, HEAD_DIM, BLOCKS, LAYERS, MAX_NUM_SEQS, CONV_WIDTH = 2, 32, 9, 2, 8, 4
+# (rows, has_initial_state, token counts, leading decodes, index dtype)
+BATCHES = (
+    ((4, 1, 6), (False, False, False), (7, 5, 9), 0, torch.int32),
+    ((4, 1, 6, 3), (True, True, True, False), (1, 1, 6, 8), 2, torch.int64),
+    ((4, 6), (True, True), (1, 1), 2, torch.int32),
+    ((3, 8, 4), (True, False, True), (10, 3, 2), 0, torch.int64),
+)
+PREFILL_CALLS = sum(1 for batch in BATCHES if batch[3] < len(batch[0])) * LAYERS
+
+
+def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
+    """Return the release's layer class, constructed without vLLM's config (only what ``_forward_core`` reads)."""
+    projection = HEADS * HEAD_DIM
+    layer = object.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    conv = torch.nn.Module()
+    weight = torch.randn((3 * projection, 1, CONV_WIDTH), generator=generator) * 0.5
+    conv.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+    conv.register_parameter("ascend_conv1d_weight",  # the fork's packed [W, D] copy (0.28+)
+                            torch.nn.Parameter(weight[:, 0].transpose(0, 1).contiguous(), requires_grad=False))
+    object.__setattr__(conv, "bias", None)
+    values = {"prefix": name, "activation": "silu", "conv_kernel_size": CONV_WIDTH, "num_k_heads": HEADS,
+              "num_v_heads": HEADS, "tp_size": 1, "head_k_dim": HEAD_DIM, "head_v_dim": HEAD_DIM,
+              "key_dim": projection, "value_dim": projection, "A_log": torch.randn(HEADS, generator=generator) * 0.5,
+              "dt_bias": torch.randn(HEADS, generator=generator)}
+    for key, value in values.items():
+        object.__setattr__(layer, key, value)
+    layer.conv1d = conv
+    return layer
+
+
+def metadata_of(batch: tuple, metadata_class: type) -> tuple[object, int]:
+    """Return the batch's metadata with the fields the Ascend GDN builder fills (decodes first)."""
+    rows, flags, lengths, decodes, index_dtype = batch
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    tail = [bound - bounds[decodes] for bound in bounds[decodes:]]
+    prefills = len(rows) - decodes
+    indices, has_initial = torch.tensor(rows, dtype=index_dtype), torch.tensor(flags)
+    starts = torch.tensor(bounds, dtype=torch.int32)
+    conv = types.SimpleNamespace(query_start_loc=starts, cache_indices=indices, initial_state_mode=has_initial.int())
+    decode_conv = types.SimpleNamespace(query_start_loc=starts[:decodes + 1], cache_indices=indices[:decodes])
+    return metadata_class(
+        num_prefills=prefills, num_decodes=decodes, num_decode_tokens=decodes, num_actual_tokens=bounds[-1],
+        spec_sequence_masks=None, spec_token_indx=None, non_spec_token_indx=None, spec_state_indices_tensor=None,
+        non_spec_state_indices_tensor=indices, non_spec_query_start_loc=starts,
+        non_spec_prefill_metadata=types.SimpleNamespace(causal_conv1d=conv, chunk=None),
+        non_spec_decode_metadata=types.SimpleNamespace(causal_conv1d=decode_conv, actual_seq_lengths=[1] * decodes),
+        prefill_query_start_loc=torch.tensor(tail, dtype=torch.int32) if prefills else None,
+        prefill_state_indices=indices[decodes:] if prefills else None,
+        prefill_has_initial_state=has_initial[decodes:] if prefills else None), bounds[-1]
+
+
+def main(release: str, variant: str, seed: int, cache_dtype: str, out: str) -> None:
+    import ascend_gdn_standins as standins
+    from ascend_standins import CLEAR_MODULE, INERT, REAL, RUNNER_MODULE
+    from release_loader import ReleaseStack
+    from runner_standin import PageSpec, make_runner_module
+
+    import kda_patches
+    from kda_patches.releases.fetch import release_dir
+
+    root = release_dir("vllm-ascend", release)
+    standins.install_c_ascend_gdn()
+    runner = make_runner_module(root / "vllm_ascend/worker/model_runner_v1.py", RUNNER_MODULE, "NPUModelRunner")
+    stack = ReleaseStack(root, "vllm-ascend", release, [standins.GDN_MODULE, CLEAR_MODULE],
+                         real=REAL + standins.REAL_MODULES, inert=INERT,
+                         standins=standins.gdn_standin_modules(release, variant == "fused"),
+                         modules={RUNNER_MODULE: runner}).install()
+    runner_module = importlib.import_module(RUNNER_MODULE)  # the worker's runner first
+    gdn = importlib.import_module(standins.GDN_MODULE)
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    cls = gdn.AscendGatedDeltaNetAttention
+    generator = torch.Generator().manual_seed(seed)
+    layers = {f"model.layers.{i}.linear_attn": build_layer(cls, f"model.layers.{i}.linear_attn", generator)
+              for i in range(LAYERS)}
+    runner = runner_module.NPUModelRunner(layers, MAX_NUM_SEQS, seed)
+    config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout="SD")
+              for name in layers}
+    runner.initialize_kv_cache(config)
+    outputs, snapshots = [], [{name: raw.clone() for name, raw in runner.raw_caches.items()}]
+    for batch in BATCHES:
+        metadata, tokens = metadata_of(batch, standins.GDNAttentionMetadata)
+        mixed_qkv = torch.randn((tokens, 3 * HEADS * HEAD_DIM), generator=generator).to(torch.bfloat16)
+        b = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
+        a = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
+        for name, layer in layers.items():
+            core = torch.zeros((tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16)
+            context = ForwardContext(no_compile_layers=layers, attn_metadata={name: metadata}, slot_mapping={})
+            with override_forward_context(context):
+                layer._forward_core(mixed_qkv, b, a, core)
+            outputs.append(core)
+        snapshots.append({name: raw.clone() for name, raw in runner.raw_caches.items()})
+    torch.save({"outputs": outputs, "snapshots": snapshots, "ledger": kda_patches.get_ledger().snapshot(),
+                "bound": stack.bound, "standins": standins.STANDINS, "class": cls.__qualname__, "init_error": None,
+                "wrapped": type(vars(cls)["_forward_core"]).__name__,
+                "fused": bool(cls._probe_fused_chunk()) if hasattr(cls, "_probe_fused_chunk") else False}, out)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -1,0 +1,47 @@
+"""vllm-ascend's released ``AscendGatedDeltaNetAttention._forward_core`` (0.26.0rc1-0.29.0rc1) on the CPU, A/B.
+
+:mod:`ascend_gdn_child` twice in fresh processes (``KDA_PATCHES=0`` / ``1``, both STRICT), same fresh seed:
+the release's own ``gdn.py`` and ``clear_ssm_states`` (Triton kernel under the interpreter), both of its
+prefill variants -- ``fused`` (CANN fused chunk present: gather/scatter on the cache layout) and ``triton``
+(``.transpose(-1, -2).contiguous()`` around the Triton chunk; 0.26 has only this one) -- with prefill,
+mixed decode + prefill, decode-only and continued batches, INT32 and INT64 indices, FP32 and BF16 caches.
+The conv state is the fork's SD layout (its AscendC kernel's only layout; the kernel is stood in).
+vllm-ascend 0.30 is not a ``gdn_state_copy`` target (its NPU paths copy with its own kernels): read only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import released_ab
+import torch
+from ascend_gdn_child import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
+from runner_standin import PageSpec, poison_problems
+
+CASES = [("0.26.0rc1", "triton", "float32"), ("0.27.1rc1", "fused", "bfloat16"), ("0.28.0rc1", "triton", "bfloat16"),
+         ("0.29.0rc1", "fused", "float32"), ("0.29.0rc1", "triton", "float32")]
+
+
+@pytest.mark.parametrize(("release", "variant", "cache_dtype"), CASES, ids=[f"{r}-{v}" for r, v, _ in CASES])
+def test_released_gdn_forward_core_patched_equals_baseline(release: str, variant: str, cache_dtype: str) -> None:
+    seed = released_ab.fresh_seed()
+    baseline, patched = released_ab.run_pair("ascend_gdn_child.py", [release, variant, str(seed), cache_dtype])
+    context = (f"vllm-ascend {release} {baseline['class']}._forward_core ({variant}), seed {seed}, {cache_dtype}"
+               f"\nstood in:\n{released_ab.describe_standins(baseline)}")
+    print(context)
+    assert baseline["fused"] == patched["fused"] == (variant == "fused"), context + "\nwrong prefill variant ran"
+    assert baseline["wrapped"] == "function" and patched["wrapped"] != "function", context
+
+    spec = PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout="SD")
+    rows = {row for batch in BATCHES for row in batch[0]}  # the fork's convolution writes these conv rows
+    for run in (baseline, patched):
+        for name, raw in run["snapshots"][-1].items():
+            problems = poison_problems(raw, spec, conv_rows=rows)
+            assert not problems, context + f"\n{name}: {problems}"
+    problems = released_ab.compare_runs(baseline, patched)
+    assert not problems, context + "\n" + "\n".join(problems)
+
+    seen = released_ab.counters(patched, "gdn_state_copy")
+    assert seen.get("calls_seen") == seen.get("calls_routed") == PREFILL_CALLS, context + f"\nledger: {seen}"
+    assert not seen.get("calls_bypassed"), context + f"\nledger: {seen}"
+    facts = patched["ledger"].get("facts", {}).get("gdn_state_copy", {})
+    assert all(facts.get(name, {}).get("plan_kind") for name in patched["snapshots"][-1]), context + f"\n{facts}"
