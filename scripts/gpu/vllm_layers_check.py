@@ -23,7 +23,15 @@ Timing: the layer call (``_forward`` / ``_forward_core``) for 1, 8, 64, 256 sequ
 continuing 512 cached ones, CUDA events and synchronized wall time, medians over shuffled rounds.
 
 Usage: ``python scripts/gpu/vllm_layers_check.py --out DIR [--bundle ZIP] [--dry-run] [--rounds N]``.
-``--dry-run`` (CPU machine): same bundle for this interpreter, CPU platform, Triton interpreter, tiny shapes.
+``--dry-run`` (CPU machine): same bundle for this interpreter, CPU platform, Triton interpreter, tiny shapes; it
+imports, builds, allocates, binds and publishes the plans, and names where the CPU stops (the Kimi builder asserts
+CUDA tensors; vLLM's Triton kernels are placeholders on its CPU platform). Run it in a clean interpreter that
+mirrors the H200 image (its package list: the device tool's KINDS.md) and has no vLLM, e.g. ``python3 -m venv V &&
+V/bin/pip install torch==2.13.0 numpy triton==3.6.0 transformers==5.17.0 huggingface_hub==1.33.0 tokenizers==0.23.2
+safetensors einops cloudpickle psutil regex requests pyyaml packaging tqdm filelock sentencepiece tiktoken pytest
+hypothesis pillow protobuf aiohttp typer rich click msgpack prometheus-client py-cpuinfo nvidia-ml-py wrapt``
+(then ``pip uninstall pydantic pydantic-core annotated-types typing-inspection``, which one of those pulls in
+and the image lacks), after ``vllm_bundle.py build --python-version 3.11``.
 Writes ``DIR/vllm_layers.json`` and ``DIR/vllm_layers.log``; prints one verdict line per layer and batch.
 """
 
