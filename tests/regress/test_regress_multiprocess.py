@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,7 +117,7 @@ def is_alive(pid: int, head: subprocess.Popen) -> bool:
         return False
 
 
-def stop_processes(pids: set[int], head: subprocess.Popen, grace_s: float = 10.0) -> None:
+def stop_processes(pids: set[int], head: subprocess.Popen, grace_s: float = 3.0) -> None:
     """SIGTERM the given pids (the head and what it started), SIGKILL what is left after ``grace_s``."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in sorted(pids):
@@ -158,7 +159,7 @@ def ray_cluster(monkeypatch):
         yield f"127.0.0.1:{port}"
     finally:
         stop_processes(descendants(head.pid) | {head.pid}, head)
-        subprocess.run(["rm", "-rf", temp_dir], check=False)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.engine
