@@ -172,7 +172,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "fallback byte kernel treats index -1 as a valid row"),
     kernel_mask("bytes-mask-index-n-valid", BYTES_HEAD, BYTES_TAIL, INDEX_N_VALID, (GATHER_FIXED, SCATTER_FIXED),
                 "fallback byte kernel treats index == N as a valid row"),
-    kernel_mask("cast-scatter-mask-negative-valid", BYTES_HEAD, CAST_TAIL, NEGATIVE_VALID, (SCATTER_FIXED,),
+    kernel_mask("cast-scatter-mask-negative-valid", BYTES_HEAD, CAST_TAIL, NEGATIVE_VALID, (SCATTER_FIXED, PROPERTY),
                 "fallback casting scatter writes index -1"),
     kernel_mask("cast-scatter-mask-index-n-valid", BYTES_HEAD, CAST_TAIL, INDEX_N_VALID, (SCATTER_FIXED,),
                 "fallback casting scatter writes index == N"),
