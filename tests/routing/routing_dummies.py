@@ -8,6 +8,7 @@ the cache:
   module-level :func:`clear_ssm_states`, ``cache[idx] = final.to(cache.dtype)``;
 - :class:`NativeClearLayer` -- upstream Qwen GDN ``_forward_core``: metadata from vLLM's forward context,
   ``initial = cache[idx]``, ``initial[~flags, ...] = 0``;
+- :class:`ContiguousNativeClearLayer` -- Olmo hybrid GDN: other metadata names, ``.contiguous()`` after the gather;
 - :class:`TransposeLayer` -- vllm-ascend GDN's ``.transpose(-1, -2).contiguous()`` variant;
 - :class:`GatherFunctionLayer` -- Kimi Linear GDN: module-level :func:`gather_initial_states`;
 - :class:`OtherIndexLayer` -- gathers with a *different* index tensor of the same shape and values, no clear;
@@ -53,6 +54,8 @@ class Metadata:
     num_decodes: int
     prefill_state_indices: torch.Tensor
     prefill_has_initial_state: torch.Tensor
+    non_spec_state_indices_tensor: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
 
 
 class Layer:
@@ -116,6 +119,20 @@ class NativeClearLayer(Layer):
         initial_state[~prefill_has_initial_state, ...] = 0
         out, last = chunk(initial_state)
         ssm_state[prefill_state_indices] = last.to(ssm_state.dtype)
+        core_attn_out.copy_(out)
+
+
+class ContiguousNativeClearLayer(Layer):
+    """Olmo hybrid's shape: other metadata names, ``.contiguous()`` after the gather, native clear."""
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        m = _metadata(self)
+        ssm_state = self.kv_cache[1]
+        has_initial_state = m.has_initial_state
+        initial_state = ssm_state[m.non_spec_state_indices_tensor].contiguous()
+        initial_state[~has_initial_state, ...] = 0
+        out, last = chunk(initial_state)
+        ssm_state[m.non_spec_state_indices_tensor] = last.to(ssm_state.dtype)
         core_attn_out.copy_(out)
 
 

@@ -24,6 +24,7 @@ SEAMS = {  # class -> (method, seam declaration)
     "NoClearLayer": ("_run_prefill", kimi_prefill.ASCEND_SEAM),
     "OtherIndexLayer": ("_run_prefill", kimi_prefill.ASCEND_SEAM),
     "NativeClearLayer": ("_forward_core", gdn_state_copy.QWEN_SEAM),
+    "ContiguousNativeClearLayer": ("_forward_core", gdn_state_copy.OLMO_SEAM),
     "TransposeLayer": ("_forward_core", gdn_state_copy.ASCEND_SEAM),
     "GatherFunctionLayer": ("_forward", gdn_state_copy.KIMI_GDN_SEAM),
 }
@@ -53,7 +54,8 @@ def call(module, layer, indices: torch.Tensor, flags: torch.Tensor, num_prefills
     from vllm.forward_context import ForwardContext, override_forward_context
 
     metadata = module.Metadata(num_prefills=num_prefills, num_decodes=0 if num_prefills else 2,
-                               prefill_state_indices=indices, prefill_has_initial_state=flags)
+                               prefill_state_indices=indices, prefill_has_initial_state=flags,
+                               non_spec_state_indices_tensor=indices, has_initial_state=flags)
     out = torch.zeros(indices.shape[0])
     context = ForwardContext(no_compile_layers={layer.prefix: layer}, attn_metadata={layer.prefix: metadata},
                              slot_mapping={})
@@ -82,7 +84,8 @@ def grew(before: dict[str, int], section: str) -> dict[str, int]:
     return {key: after.get(key, 0) - before.get(key, 0) for key in ("calls_seen", "calls_routed", "calls_bypassed")}
 
 
-@pytest.mark.parametrize("cls", ["FunctionClearLayer", "NativeClearLayer", "TransposeLayer", "GatherFunctionLayer"])
+@pytest.mark.parametrize("cls", ["FunctionClearLayer", "NativeClearLayer", "ContiguousNativeClearLayer",
+                                 "TransposeLayer", "GatherFunctionLayer"])
 @pytest.mark.parametrize(("dtype", "index_dtype"), [(torch.float32, torch.int32), (torch.bfloat16, torch.int64)])
 def test_every_seam_kind_is_routed_and_exact(load_dummies, strict, cls, dtype, index_dtype):
     """Each declaration kind: outputs and every cache byte equal the unpatched fork's; every call routed."""
