@@ -28,13 +28,14 @@ import tempfile
 import time
 
 import pytest
+import vllm_stack
 
 from kda_patches.regress.report import format_report
 from kda_patches.regress.runner import run_ab
 from kda_patches.regress.tiny_model import ensure_tiny_model
 from kda_patches.regress.workloads import resolve_workload
 
-pytest.importorskip("vllm")
+vllm_stack.import_vllm("vllm")
 
 RAY_LIMITATION = "ValueError: current platform cpu does not support ray."
 PROMPTS = [

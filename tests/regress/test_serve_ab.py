@@ -11,6 +11,7 @@ import re
 import statistics
 
 import pytest
+import vllm_stack
 
 from kda_patches.bench.cli import main as bench_main
 from kda_patches.bench.serve_ab import check_bench_args, extract_metrics, summarize_rounds
@@ -60,7 +61,7 @@ def test_ratios_over_rounds() -> None:
 
 @pytest.mark.engine
 def test_throughput_ab_on_the_tiny_model_writes_json_and_png(tmp_path, monkeypatch, capsys) -> None:
-    pytest.importorskip("vllm")
+    vllm_stack.import_vllm("vllm")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     out = tmp_path / "ab"
     code = bench_main(["serve-ab", "--rounds", "1", "--out", str(out), "--", *BENCH])

@@ -11,13 +11,14 @@ import json
 import os
 
 import pytest
+import vllm_stack
 
 from kda_patches.regress.cli import main
 from kda_patches.regress.runner import run_ab
 from kda_patches.regress.vllm_workload import engine_arg_names, read_prompts, validate_params
 from kda_patches.regress.workloads import resolve_workload
 
-pytest.importorskip("vllm")
+vllm_stack.import_vllm("vllm")
 VLLM = resolve_workload("vllm")
 
 
