@@ -156,13 +156,3 @@ def test_status_line_shows_counters_and_plan_kinds(load_reference, strict):
     facts = get_ledger().snapshot()["facts"]["kimi_prefill"]
     assert {facts[name]["plan_kind"] for name in world.layers} <= {"fused", "fallback"}
 
-
-def test_cli_status_prints_the_kimi_summary_line(load_reference, strict, capsys):
-    from kda_patches.cli import main
-
-    modules = load_reference(patched=True)
-    world, layer = started_world(modules, num_layers=1)
-    kimi_workload.run_batch(world, layer, one_batch(layer))
-    assert main(["status"]) == 0
-    expected = kimi_prefill.format_status_line(get_ledger().snapshot())
-    assert f"  {expected}" in capsys.readouterr().out.splitlines()
