@@ -155,4 +155,3 @@ def test_status_line_shows_counters_and_plan_kinds(load_reference, strict):
     assert "fused=" in line or "fallback=" in line
     facts = get_ledger().snapshot()["facts"]["kimi_prefill"]
     assert {facts[name]["plan_kind"] for name in world.layers} <= {"fused", "fallback"}
-
