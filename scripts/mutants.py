@@ -264,18 +264,17 @@ def heavy_lock(path: str | None) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def run_tests(python: str, copy: Path, tests: tuple[str, ...], lock: str | None, stop_first: bool) -> tuple[int, str]:
+def run_tests(python: str, copy: Path, tests: tuple[str, ...], stop_first: bool) -> tuple[int, str]:
     """Run ``tests`` in ``copy`` with the copy's package first on the path; return (exit status, output tail)."""
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("KDA_PATCHES", "PYTHONPATH", "PYTHONHOME", "TRITON_"))}
     env.update(PYTHONPATH=str(copy), TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
     args = [python, "-c", RUNNER, str(copy), "-q", "-p", "no:cacheprovider", *(["-x"] if stop_first else []),
             *tests]
-    with heavy_lock(lock):
-        try:
-            result = subprocess.run(args, cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return -999, f"timed out after {TIMEOUT_S} s"
+    try:
+        result = subprocess.run(args, cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return -999, f"timed out after {TIMEOUT_S} s"
     output = (result.stdout + result.stderr).strip().splitlines()
     return result.returncode, "\n".join(output[-12:])
 
@@ -307,7 +306,7 @@ def check_mutant(mutant: Mutant, copy: Path) -> str | None:
     return None
 
 
-def run_mutant(mutant: Mutant, python: str, copy: Path, lock: str | None) -> Outcome:
+def run_mutant(mutant: Mutant, python: str, copy: Path) -> Outcome:
     """Apply ``mutant`` to ``copy``, run its tests, restore the file; return the outcome."""
     problem = check_mutant(mutant, copy)
     if problem is not None:
@@ -317,7 +316,7 @@ def run_mutant(mutant: Mutant, python: str, copy: Path, lock: str | None) -> Out
     began = time.monotonic()
     path.write_text(source.replace(mutant.original, mutant.replacement))
     try:
-        status, tail = run_tests(python, copy, mutant.tests, lock, stop_first=True)
+        status, tail = run_tests(python, copy, mutant.tests, stop_first=True)
     finally:
         path.write_text(source)
     seconds = time.monotonic() - began
@@ -333,13 +332,13 @@ def run_mutant(mutant: Mutant, python: str, copy: Path, lock: str | None) -> Out
     return Outcome("ERROR", f"pytest exit status {status}:\n{tail}", seconds)
 
 
-def run_baseline(mutants: tuple[Mutant, ...], python: str, copy: Path, lock: str | None) -> tuple[bool, str]:
+def run_baseline(mutants: tuple[Mutant, ...], python: str, copy: Path) -> tuple[bool, str]:
     """Run every listed (existing) test once on the unmutated copy; return (passed, output tail)."""
     tests = tuple(dict.fromkeys(test for mutant in mutants for test in mutant.tests
                                 if test not in missing_tests(copy, (test,))))
     if not tests:
         return True, ""
-    status, tail = run_tests(python, copy, tests, lock, stop_first=False)
+    status, tail = run_tests(python, copy, tests, stop_first=False)
     return status == 0, f"exit status {status}\n{tail}"
 
 
@@ -376,7 +375,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     parser.add_argument("--worktree", action="store_true",
                         help="copy the working tree (uncommitted changes included) instead of HEAD")
-    parser.add_argument("--lock", metavar="FILE", help="hold an flock on FILE around each pytest run")
+    parser.add_argument("--lock", metavar="FILE", help="flock FILE during each run (baseline + mutants)")
     parser.add_argument("--python", default=str(DEFAULT_PYTHON), help="interpreter with the test environment")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--check", action="store_true",
@@ -414,15 +413,16 @@ def main(argv: list[str] | None = None) -> int:
                 for name, problem in problems.items():
                     print(f"  {name}: {problem or 'ok'}")
                 return 1 if any(problems.values()) else 0
-            passed, tail = run_baseline(mutants, args.python, copy, args.lock)
-            if not passed:
-                print(f"baseline FAILED: the listed tests fail on the unmutated copy, so no kill means "
-                      f"anything:\n{tail}", file=sys.stderr)
-                return 2
-            run: dict[str, Outcome] = {}
-            for mutant in mutants:
-                run[mutant.name] = outcome = run_mutant(mutant, args.python, copy, args.lock)
-                print(f"  {mutant.name}: {outcome.result} ({outcome.seconds:.1f} s)", flush=True)
+            with heavy_lock(args.lock):  # one run's baseline and mutants at a stretch, released between runs
+                passed, tail = run_baseline(mutants, args.python, copy)
+                if not passed:
+                    print(f"baseline FAILED: the listed tests fail on the unmutated copy, so no kill means "
+                          f"anything:\n{tail}", file=sys.stderr)
+                    return 2
+                run: dict[str, Outcome] = {}
+                for mutant in mutants:
+                    run[mutant.name] = outcome = run_mutant(mutant, args.python, copy)
+                    print(f"  {mutant.name}: {outcome.result} ({outcome.seconds:.1f} s)", flush=True)
             runs.append(run)
     return 0 if print_table(mutants, runs) else 1
 
