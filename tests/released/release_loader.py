@@ -92,12 +92,16 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         inert: module-name prefixes whose names become placeholders.
         modules: module name -> ready-made module object served under that name (stand-in modules of
             ours that the overlay must see, e.g. a runner module; recorded as ``standin``).
+        absent_inert: a ``real`` module or name the installed packages lack becomes inert (a newer
+            release's file on an older install: what it imports that is new must then stay unused).
     """
 
     def __init__(self, root: pathlib.Path, dist: str, version: str, release: Iterable[str],
                  real: Iterable[str] = (), standins: Mapping[str, Mapping[str, Any]] | None = None,
-                 inert: Iterable[str] = (), modules: Mapping[str, types.ModuleType] | None = None) -> None:
+                 inert: Iterable[str] = (), modules: Mapping[str, types.ModuleType] | None = None,
+                 absent_inert: bool = False) -> None:
         self.root = pathlib.Path(root)
+        self.absent_inert = absent_inert
         self.dist, self.version = dist, version
         self.release = set(release)
         self.real = tuple(real)
@@ -151,7 +155,8 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             folder = self.root / fullname
             spec.submodule_search_locations = [str(folder)] if "." not in fullname and folder.is_dir() else []
             return spec
-        if fullname.split(".")[0] in self._packages and self.release:
+        top = sys.modules.get(fullname.split(".")[0])
+        if top is not None and getattr(top.__spec__, "loader", None) is self and self.release:
             raise ModuleNotFoundError(f"{fullname} is not executed by this harness (release {self.dist} "
                                       f"{self.version}: only {sorted(self._served)} are)", name=fullname)
         return None
@@ -222,9 +227,24 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 self.record(name, item, "inert" if getattr(namespace[item], "_kda_inert", False) else "standin")
             return module
         if self._matches(name, self.real):
-            module = builtins.__import__(name, None, None, fromlist, 0)
+            try:
+                module = builtins.__import__(name, None, None, fromlist, 0)
+            except ModuleNotFoundError:
+                if not self.absent_inert:
+                    raise
+                module = InertModule(name, self.record)
+                for item in fromlist:
+                    getattr(module, item)
+                return module
+            absent = [item for item in fromlist if self.absent_inert and not hasattr(module, item)]
+            if absent:  # a view of the real module with placeholders added (the real one is left as it is)
+                view = types.ModuleType(name)
+                view.__dict__.update(vars(module))
+                for item in absent:
+                    setattr(view, item, placeholder(name, item))
+                module = view
             for item in fromlist or ("*",):
-                self.record(name, item, "real")
+                self.record(name, item, "inert" if item in absent else "real")
             return module
         if self._matches(name, self.inert):
             module = InertModule(name, self.record)

@@ -1,4 +1,4 @@
-"""The installed vLLM 0.32 ``KimiK3DeltaAttention._forward`` executed on the CPU, overlay off vs on.
+"""vLLM's ``KimiK3DeltaAttention._forward`` (installed 0.32; released 0.33's file) on the CPU, overlay off vs on.
 
 :mod:`upstream_kimi_child` in two fresh processes (``KDA_PATCHES=0`` / ``1``, both STRICT), same fresh seed:
 the real layer class and module (its ``gather_initial_states`` name, vLLM's CPU causal convolution), only
@@ -14,14 +14,17 @@ import torch
 from runner_standin import PageSpec, poison_problems
 from upstream_kimi_child import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 
+CASES = [("installed", "float32", "SD"), ("installed", "bfloat16", "DS"), ("0.33.0", "bfloat16", "SD")]
 
-@pytest.mark.parametrize(("cache_dtype", "conv_layout"), [("float32", "SD"), ("bfloat16", "DS")])
-def test_installed_kimi_forward_patched_equals_baseline(cache_dtype: str, conv_layout: str) -> None:
+
+@pytest.mark.parametrize(("source", "cache_dtype", "conv_layout"), CASES, ids=["-".join(case) for case in CASES])
+def test_kimi_forward_patched_equals_baseline(source: str, cache_dtype: str, conv_layout: str) -> None:
     seed = released_ab.fresh_seed()
-    baseline, patched = released_ab.run_pair("upstream_kimi_child.py", [str(seed), cache_dtype, conv_layout])
-    context = (f"vLLM (installed) {baseline['class']}._forward, seed {seed}, {cache_dtype} cache, conv {conv_layout}"
-               f"\nstood in:\n{released_ab.describe_standins(baseline)}")
+    baseline, patched = released_ab.run_pair("upstream_kimi_child.py", [source, str(seed), cache_dtype, conv_layout])
+    context = (f"vLLM {source} {baseline['class']}._forward ({baseline['layer_file']}), seed {seed}, {cache_dtype} "
+               f"cache, conv {conv_layout}\nstood in:\n{released_ab.describe_standins(baseline)}")
     print(context)
+    assert ("site-packages" in baseline["layer_file"]) == (source == "installed"), context  # whose code ran
     assert baseline["wrapped"] == "function" and patched["wrapped"] != "function", context
     assert patched["gather_wrapped"] != "function", context + "\nthe module's gather_initial_states is not wrapped"
     assert baseline["conv"] == "causal_conv1d_fn_cpu", context  # vLLM's own CPU convolution ran

@@ -1,13 +1,18 @@
-"""Child process: run the installed vLLM 0.32 ``KimiK3DeltaAttention._forward`` on the CPU and save what it did.
+"""Child process: run vLLM's ``KimiK3DeltaAttention._forward`` on the CPU and save what it did.
 
-``python upstream_kimi_child.py SEED CACHE_DTYPE CONV_LAYOUT OUT`` (``CONV_LAYOUT`` = ``SD`` / ``DS``, vLLM's
-``VLLM_SSM_CONV_STATE_LAYOUT``). The overlay is activated first (``import kda_patches``; the parent sets
-``KDA_PATCHES=0|1``, STRICT in both); the CUDA-only kernels are stood in at their module-level names
-(:mod:`upstream_standins`), then the real layer module is imported (the overlay's hooks wrap its ``_forward``
-and its ``gather_initial_states``), the stand-in ``GPUModelRunner`` binds poisoned pages (the overlay's
-startup hook prepares the plans), and every batch of :data:`BATCHES` runs through the layer's own
-``_forward`` inside a real ``ForwardContext`` with real ``KimiK3KDAMetadata``: fresh prefills, a mixed
-decode + prefill batch, a decode-only batch (must pass through untouched), chunked continuations.
+``python upstream_kimi_child.py SOURCE SEED CACHE_DTYPE CONV_LAYOUT OUT`` (``CONV_LAYOUT`` = ``SD`` / ``DS``,
+vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``). ``SOURCE`` is ``installed`` (vLLM 0.32, the real module) or a vLLM
+release such as ``0.33.0``: then that release's ``kda.py`` is executed under the real module name on top of
+the installed vLLM (its other imports are the installed modules; names the installed vLLM lacks are inert),
+with ``vllm.__version__`` reporting the release so the overlay picks that release's targets.
+
+The overlay is activated first (``import kda_patches``; the parent sets ``KDA_PATCHES=0|1``, STRICT in
+both); the CUDA-only kernels are stood in at their module-level names (:mod:`upstream_standins`), then the
+layer module is imported (the overlay's hooks wrap its ``_forward`` and its ``gather_initial_states``),
+the stand-in ``GPUModelRunner`` binds poisoned pages (the overlay's startup hook prepares the plans), and
+every batch of :data:`BATCHES` runs through the layer's own ``_forward`` inside a real ``ForwardContext``
+with real ``KimiK3KDAMetadata``: fresh prefills, a mixed decode + prefill batch, a decode-only batch (must
+pass through untouched), chunked continuations.
 """
 
 from __future__ import annotations
@@ -69,21 +74,28 @@ def metadata_of(batch: tuple) -> tuple[object, tuple[int, ...]]:
         non_spec_state_indices_tensor=torch.tensor(rows, dtype=index_dtype)), tuple(bounds)
 
 
-def main(seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
+def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv_layout
     import upstream_standins
+    import vllm
+    from ascend_standins import REAL
     from release_loader import ReleaseStack
     from runner_standin import PageSpec, make_runner_module
 
     import kda_patches
 
-    upstream_standins.install()
-    import vllm
-
+    release: tuple[str, ...] = ()
     root = pathlib.Path(vllm.__file__).parent.parent
+    if source != "installed":
+        from kda_patches.releases.fetch import release_dir
+
+        root, release = release_dir("vllm", source), (upstream_standins.LAYER_MODULE,)
+        vllm.__version__ = source  # the overlay reads the stack's version here (the layer is the release's)
     runner = make_runner_module(root / "vllm/v1/worker/gpu_model_runner.py", upstream_standins.RUNNER_MODULE,
                                 "GPUModelRunner")
-    stack = ReleaseStack(root, "", vllm.__version__, (), modules={upstream_standins.RUNNER_MODULE: runner}).install()
+    stack = ReleaseStack(root, "", vllm.__version__, release, real=("vllm", *REAL), absent_inert=True,
+                         modules={upstream_standins.RUNNER_MODULE: runner}).install()
+    upstream_standins.install()  # after the stack: importing the kernels' package may import the layer module
     runner_module = importlib.import_module(upstream_standins.RUNNER_MODULE)  # the worker's runner first
     layer_module = importlib.import_module(upstream_standins.LAYER_MODULE)
     from vllm.forward_context import ForwardContext, override_forward_context
@@ -112,7 +124,9 @@ def main(seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
                 layer._forward(mixed_qkv, g1, g2, beta, core)
             outputs.append(core)
         snapshots.append({name: raw.clone() for name, raw in runner.raw_caches.items()})
-    torch.save({"outputs": outputs, "snapshots": snapshots, "ledger": kda_patches.get_ledger().snapshot(),
+    layer_file = layer_module.KimiK3DeltaAttention._forward.__code__.co_filename
+    torch.save({"layer_file": layer_file, "outputs": outputs, "snapshots": snapshots,
+                "ledger": kda_patches.get_ledger().snapshot(),
                 "bound": stack.bound, "standins": upstream_standins.STANDINS, "class": cls.__qualname__,
                 "init_error": None, "wrapped": type(vars(cls)["_forward"]).__name__,
                 "gather_wrapped": type(layer_module.gather_initial_states).__name__,
@@ -121,4 +135,4 @@ def main(seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
