@@ -277,6 +277,56 @@ _reported: set[tuple[str, str]] = set()  # failed groups already recorded and wa
 _lock = _thread.RLock()
 
 
+def _current_attribute(parent: Any, attribute: str) -> Any:
+    """Return what ``parent.attribute`` is now, raw from the class ``__dict__`` for classes."""
+    import inspect
+
+    return vars(parent).get(attribute) if inspect.isclass(parent) else getattr(parent, attribute, None)
+
+
+def _restore(applied: _Applied) -> str:
+    """Take ``applied``'s wrapper out of its attribute without removing wrappers stacked on top of it.
+
+    When another wrapper (another patch, or a third party) wrapped ours later, plain ``setattr(original)``
+    would drop that wrapper too while its owner still believes it is applied. Instead the proxy directly
+    above ours is re-pointed at our original, and any other record of ours that remembered our wrapper as
+    its original now remembers our original.
+
+    Returns:
+        ``"restored"`` (ours was outermost), ``"spliced"`` (ours was removed from under another wrapper)
+        or ``"lost"`` (the attribute no longer leads to our wrapper: someone replaced it; left alone).
+    """
+    current = _current_attribute(applied.parent, applied.attribute)
+    outcome = "lost"
+    if current is applied.wrapper_object:
+        setattr(applied.parent, applied.attribute, applied.original)
+        outcome = "restored"
+    else:
+        node = current
+        for _ in range(64):  # a wrapper chain longer than this is not ours to untangle
+            inner = getattr(node, "__wrapped__", None) if _is_proxy(node) else None
+            if inner is None:
+                break
+            if inner is applied.wrapper_object:
+                node.__wrapped__ = applied.original
+                outcome = "spliced"
+                break
+            node = inner
+    for other in _applied.values():
+        if other.original is applied.wrapper_object:
+            other.original = applied.original
+    return outcome
+
+
+def _is_proxy(obj: Any) -> bool:
+    import wrapt  # deferred: only reached when reverting
+
+    # wrapt 2 builds FunctionWrapper on its C-level proxy base, which is not a subclass of wrapt.ObjectProxy
+    bases = tuple(getattr(wrapt, name) for name in ("BaseObjectProxy", "ObjectProxy", "FunctionWrapper")
+                  if hasattr(wrapt, name))
+    return isinstance(obj, bases)
+
+
 def _report(patch: Patch, key: str, stack: str, state: str, reason: str, strict: bool, warn: bool = True) -> None:
     get_ledger().record_target(patch.name, key, state, reason)
     if state in ("skipped", "failed"):
@@ -313,7 +363,7 @@ def _fail_group(patch: Patch, group: str, state: str, reason: str, keys: list[st
     for key in keys:
         applied = _applied.pop((patch.name, key), None)
         if applied is not None:
-            setattr(applied.parent, applied.attribute, applied.original)
+            _restore(applied)
             reverted.append(key)
     if reverted:
         reason = f"{reason}; reverted {', '.join(reverted)}"
@@ -463,9 +513,13 @@ def revert_patch(patch: Patch) -> int:
             applied = _applied.pop((patch.name, key), None)
             if applied is None:
                 continue
-            setattr(applied.parent, applied.attribute, applied.original)
-            get_ledger().record_target(patch.name, key, "disabled", "reverted")
-            restored += 1
+            outcome = _restore(applied)
+            if outcome == "lost":
+                _logger().warning("kda_patches: reverting patch %r: %s no longer leads to its wrapper (replaced "
+                                  "by someone else); left as it is", patch.name, key)
+            get_ledger().record_target(patch.name, key, "disabled", "reverted" if outcome != "lost" else
+                                       "reverted (the attribute had been replaced by someone else; left as is)")
+            restored += outcome != "lost"
     return restored
 
 

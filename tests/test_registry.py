@@ -540,3 +540,46 @@ def test_member_still_importing_is_read_from_source(tmp_path, monkeypatch):
     assert sys.modules[layer].Layer()._run_prefill(1, None) == ("wrapped", 2)
     assert sys.modules[runner].Runner().initialize_kv_cache(None) == ("wrapped", "bound")
     registry.revert_patch(patch)
+
+
+def times_two(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) * 2
+
+
+@pytest.mark.parametrize("first_reverted", ["inner", "outer"])
+def test_reverting_one_of_two_stacked_patches_keeps_the_other(tmp_path, monkeypatch, first_reverted):
+    # kimi_prefill and gdn_state_copy both wrap the runners' initialize_kv_cache: reverting the patch that
+    # wrapped first must not silently drop the one stacked on top of it
+    name = make_module(tmp_path, monkeypatch, ENGINE)
+    module = importlib.import_module(name)
+    original = vars(module.Engine)["step"]
+    inner, outer = make_patch(name), make_patch(name, wrapper=times_two)
+    registry.register_patch(inner)
+    registry.register_patch(outer)
+    assert module.Engine().step(1) == (10 + 1) * 2
+    if first_reverted == "inner":
+        assert registry.revert_patch(inner) == 1
+        assert module.Engine().step(1) == 10 * 2  # outer still wraps, inner is gone
+        assert registry.revert_patch(outer) == 1
+    else:
+        assert registry.revert_patch(outer) == 1
+        assert module.Engine().step(1) == 10 + 1
+        assert registry.revert_patch(inner) == 1
+    assert vars(module.Engine)["step"] is original
+    assert module.Engine().step(1) == 10
+
+
+def test_reverting_a_wrapper_someone_replaced_leaves_the_replacement(tmp_path, monkeypatch, caplog):
+    name = make_module(tmp_path, monkeypatch, ENGINE)
+    module = importlib.import_module(name)
+    patch = make_patch(name)
+    registry.register_patch(patch)
+
+    def replacement(self, value):
+        return -value
+
+    module.Engine.step = replacement
+    with caplog.at_level("WARNING", logger="kda_patches"):
+        assert registry.revert_patch(patch) == 0
+    assert vars(module.Engine)["step"] is replacement
+    assert "replaced by someone else" in caplog.text
