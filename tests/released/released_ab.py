@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
+EXECUTED: dict[str, str] = {}  # what ran -> what was stood in (printed at the end of the session by conftest)
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 CHILD_TIMEOUT_S = 600
 
@@ -103,3 +104,9 @@ def describe_standins(run: dict[str, Any]) -> str:
     lines.append(f"  bound inert (placeholders, unused by the executed path): {', '.join(bound['inert'])}")
     lines.append(f"  executed from the release: {', '.join(bound['release'])}")
     return "\n".join(lines)
+
+
+def note_run(title: str, run: dict[str, Any]) -> str:
+    """Record that ``title`` was executed with ``run``'s stand-ins; return the failure-message context."""
+    EXECUTED[title] = describe_standins(run)
+    return f"{title}\nstood in:\n{EXECUTED[title]}"

@@ -25,9 +25,8 @@ CASES = [("0.26.0rc1", "triton", "float32"), ("0.27.1rc1", "fused", "bfloat16"),
 def test_released_gdn_forward_core_patched_equals_baseline(release: str, variant: str, cache_dtype: str) -> None:
     seed = released_ab.fresh_seed()
     baseline, patched = released_ab.run_pair("ascend_gdn_child.py", [release, variant, str(seed), cache_dtype])
-    context = (f"vllm-ascend {release} {baseline['class']}._forward_core ({variant}), seed {seed}, {cache_dtype}"
-               f"\nstood in:\n{released_ab.describe_standins(baseline)}")
-    print(context)
+    context = released_ab.note_run(f"vllm-ascend {release} {baseline['class']}._forward_core ({variant})", baseline)
+    context += f"\nseed {seed}, {cache_dtype} cache"
     assert baseline["fused"] == patched["fused"] == (variant == "fused"), context + "\nwrong prefill variant ran"
     assert baseline["wrapped"] == "function" and patched["wrapped"] != "function", context
 

@@ -24,9 +24,8 @@ FORK_RELEASES = ["0.30.0rc1", "0.30.0rc2"]
 def test_released_run_prefill_patched_equals_baseline(release: str, cache_dtype: str) -> None:
     seed = released_ab.fresh_seed()
     baseline, patched = released_ab.run_pair("ascend_kimi_child.py", [release, str(seed), cache_dtype])
-    context = (f"vllm-ascend {release}, seed {seed}, class {baseline['class']}\nstood in:\n"
-               f"{released_ab.describe_standins(baseline)}")
-    print(context)
+    context = released_ab.note_run(f"vllm-ascend {release} {baseline['class']}._run_prefill", baseline)
+    context += f"\nseed {seed}, {cache_dtype} cache"
     assert baseline["init_error"] is None, context + f"\nbaseline startup failed: {baseline['init_error']}"
     assert patched["init_error"] is None, context + f"\npatched startup failed: {patched['init_error']}"
     assert baseline["wrapped"] == "function", context
@@ -58,8 +57,8 @@ def test_released_fork_plan_release_is_left_to_the_fork(release: str) -> None:
     """
     seed = released_ab.fresh_seed()
     baseline, patched = released_ab.run_pair("ascend_kimi_child.py", [release, str(seed), "float32"])
-    context = f"vllm-ascend {release}, seed {seed}\nstood in:\n{released_ab.describe_standins(baseline)}"
-    print(context)
+    context = released_ab.note_run(f"vllm-ascend {release} kda_state_copy_plan.initialize_kda_state_copy "
+                                   "(the fork's own plan; refuses CPU caches)", baseline) + f"\nseed {seed}"
     assert baseline["init_error"] == patched["init_error"], context
     assert "requires nonempty NPU" in str(baseline["init_error"]), context + f"\n{baseline['init_error']}"
     assert baseline["wrapped"] == patched["wrapped"] == "function", context + "\nthe fork's _run_prefill was wrapped"

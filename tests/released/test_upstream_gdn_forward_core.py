@@ -1,4 +1,4 @@
-"""The installed vLLM 0.32 ``QwenGatedDeltaNetAttention._forward_core`` executed on the CPU, overlay off vs on.
+"""vLLM's ``QwenGatedDeltaNetAttention._forward_core`` (installed 0.32; released 0.33's file) on the CPU, A/B.
 
 :mod:`upstream_gdn_child` in two fresh processes (``KDA_PATCHES=0`` / ``1``, both STRICT), same fresh seed:
 the real layer class and module (vLLM's CPU causal convolution), only the fused Triton GDN kernels stood in
@@ -15,14 +15,17 @@ import torch
 from runner_standin import PageSpec, poison_problems
 from upstream_gdn_child import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 
+CASES = [("installed", "float32", "SD"), ("installed", "bfloat16", "DS"), ("0.33.0", "float32", "DS")]
 
-@pytest.mark.parametrize(("cache_dtype", "conv_layout"), [("float32", "SD"), ("bfloat16", "DS")])
-def test_installed_qwen_gdn_forward_core_patched_equals_baseline(cache_dtype: str, conv_layout: str) -> None:
+
+@pytest.mark.parametrize(("source", "cache_dtype", "conv_layout"), CASES, ids=["-".join(case) for case in CASES])
+def test_qwen_gdn_forward_core_patched_equals_baseline(source: str, cache_dtype: str, conv_layout: str) -> None:
     seed = released_ab.fresh_seed()
-    baseline, patched = released_ab.run_pair("upstream_gdn_child.py", [str(seed), cache_dtype, conv_layout])
-    context = (f"vLLM (installed) {baseline['class']}._forward_core, seed {seed}, {cache_dtype} cache, conv "
-               f"{conv_layout}\nstood in:\n{released_ab.describe_standins(baseline)}")
-    print(context)
+    baseline, patched = released_ab.run_pair("upstream_gdn_child.py", [source, str(seed), cache_dtype, conv_layout])
+    context = released_ab.note_run(f"vLLM {source} {baseline['class']}._forward_core ({baseline['layer_file']})",
+                                   baseline)
+    context += f"\nseed {seed}, {cache_dtype} cache, conv {conv_layout}"
+    assert ("site-packages" in baseline["layer_file"]) == (source == "installed"), context  # whose code ran
     assert baseline["wrapped"] == "function" and patched["wrapped"] != "function", context
     assert baseline["conv"] == "causal_conv1d_fn_cpu", context
 

@@ -21,9 +21,8 @@ CASES = [("installed", "float32", "SD"), ("installed", "bfloat16", "DS"), ("0.33
 def test_kimi_forward_patched_equals_baseline(source: str, cache_dtype: str, conv_layout: str) -> None:
     seed = released_ab.fresh_seed()
     baseline, patched = released_ab.run_pair("upstream_kimi_child.py", [source, str(seed), cache_dtype, conv_layout])
-    context = (f"vLLM {source} {baseline['class']}._forward ({baseline['layer_file']}), seed {seed}, {cache_dtype} "
-               f"cache, conv {conv_layout}\nstood in:\n{released_ab.describe_standins(baseline)}")
-    print(context)
+    context = released_ab.note_run(f"vLLM {source} {baseline['class']}._forward ({baseline['layer_file']})", baseline)
+    context += f"\nseed {seed}, {cache_dtype} cache, conv {conv_layout}"
     assert ("site-packages" in baseline["layer_file"]) == (source == "installed"), context  # whose code ran
     assert baseline["wrapped"] == "function" and patched["wrapped"] != "function", context
     assert patched["gather_wrapped"] != "function", context + "\nthe module's gather_initial_states is not wrapped"

@@ -1,6 +1,9 @@
 """Child process: run the installed vLLM 0.32 ``QwenGatedDeltaNetAttention._forward_core`` on the CPU.
 
-``python upstream_gdn_child.py SEED CACHE_DTYPE CONV_LAYOUT OUT``. Same frame as :mod:`upstream_kimi_child`:
+``python upstream_gdn_child.py SOURCE SEED CACHE_DTYPE CONV_LAYOUT OUT`` (``SOURCE``: ``installed`` or a vLLM
+release, whose ``qwen_gdn_linear_attn.py`` then runs on the installed vLLM, as in :mod:`upstream_kimi_child`;
+0.33's metadata field ``flashinfer_checkpoint_plan`` is set to None on 0.32's metadata class, meaning no
+FlashInfer checkpoint plan). Same frame as :mod:`upstream_kimi_child`:
 overlay activated first, device kernels stood in at the names the layer module imports
 (:mod:`gdn_standins`), the real module imported (the overlay's hooks wrap ``_forward_core``), the stand-in
 ``GPUModelRunner`` binds poisoned pages (the overlay's startup hook prepares the plans), and the layer's
@@ -48,7 +51,7 @@ def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Mo
     return layer
 
 
-def metadata_of(batch: tuple) -> tuple[object, int]:
+def metadata_of(batch: tuple, extra_fields: dict | None = None) -> tuple[object, int]:
     """Return the batch's real ``GDNAttentionMetadata`` (prefill tail fields as the builder sets them)."""
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
@@ -60,31 +63,44 @@ def metadata_of(batch: tuple) -> tuple[object, int]:
     prefills = len(rows) - decodes
     indices = torch.tensor(rows, dtype=index_dtype)
     has_initial = torch.tensor(flags)
-    return GDNAttentionMetadata(
+    metadata = GDNAttentionMetadata(
         num_prefills=prefills, num_prefill_tokens=bounds[-1] - decodes, num_decodes=decodes,
         num_decode_tokens=decodes, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=bounds[-1],
         has_initial_state=has_initial, non_spec_query_start_loc=torch.tensor(bounds, dtype=torch.int32),
         non_spec_state_indices_tensor=indices,
         prefill_query_start_loc=torch.tensor(tail, dtype=torch.int32) if prefills else None,
         prefill_state_indices=indices[decodes:] if prefills else None,
-        prefill_has_initial_state=has_initial[decodes:] if prefills else None), bounds[-1]
+        prefill_has_initial_state=has_initial[decodes:] if prefills else None)
+    for key, value in (extra_fields or {}).items():
+        object.__setattr__(metadata, key, value)
+    return metadata, bounds[-1]
 
 
-def main(seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
+def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv_layout
     import gdn_standins
+    from ascend_standins import REAL
     from release_loader import ReleaseStack
     from runner_standin import PageSpec, make_runner_module
     from upstream_standins import RUNNER_MODULE
 
     import kda_patches
 
-    gdn_standins.install_upstream()
-    import vllm
+    vllm = importlib.import_module("vllm")  # after the overlay's activation above (not reordered by isort)
 
+    release: tuple[str, ...] = ()
     root = pathlib.Path(vllm.__file__).parent.parent
+    extra_fields = {}
+    if source != "installed":
+        from kda_patches.releases.fetch import release_dir
+
+        root, release = release_dir("vllm", source), (gdn_standins.QWEN_MODULE,)
+        vllm.__version__ = source  # the overlay reads the stack's version here (the layer is the release's)
+        extra_fields = {"flashinfer_checkpoint_plan": None}
     runner = make_runner_module(root / "vllm/v1/worker/gpu_model_runner.py", RUNNER_MODULE, "GPUModelRunner")
-    stack = ReleaseStack(root, "", vllm.__version__, (), modules={RUNNER_MODULE: runner}).install()
+    stack = ReleaseStack(root, "", vllm.__version__, release, real=("vllm", "transformers", *REAL),
+                         absent_inert=True, modules={RUNNER_MODULE: runner}).install()
+    gdn_standins.install_upstream()
     runner_module = importlib.import_module(RUNNER_MODULE)  # the worker's runner first
     layer_module = importlib.import_module(gdn_standins.QWEN_MODULE)
     from vllm.forward_context import ForwardContext, override_forward_context
@@ -99,7 +115,7 @@ def main(seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
     runner.initialize_kv_cache(config, False, None)
     outputs, snapshots = [], [{name: raw.clone() for name, raw in runner.raw_caches.items()}]
     for batch in BATCHES:
-        metadata, tokens = metadata_of(batch)
+        metadata, tokens = metadata_of(batch, extra_fields)
         mixed_qkv = torch.randn((tokens, 3 * HEADS * HEAD_DIM), generator=generator).to(torch.bfloat16)
         b = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
         a = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
@@ -110,7 +126,9 @@ def main(seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
                 layer._forward_core(mixed_qkv, b, a, core)
             outputs.append(core)
         snapshots.append({name: raw.clone() for name, raw in runner.raw_caches.items()})
-    torch.save({"outputs": outputs, "snapshots": snapshots, "ledger": kda_patches.get_ledger().snapshot(),
+    layer_file = cls._forward_core.__code__.co_filename
+    torch.save({"layer_file": layer_file, "outputs": outputs, "snapshots": snapshots,
+                "ledger": kda_patches.get_ledger().snapshot(),
                 "bound": stack.bound, "standins": gdn_standins.STANDINS, "class": cls.__qualname__,
                 "init_error": None, "wrapped": type(vars(cls)["_forward_core"]).__name__,
                 "conv": layer_module.causal_conv1d_fn.__name__}, out)
@@ -118,4 +136,4 @@ def main(seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

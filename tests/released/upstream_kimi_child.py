@@ -77,12 +77,13 @@ def metadata_of(batch: tuple) -> tuple[object, tuple[int, ...]]:
 def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv_layout
     import upstream_standins
-    import vllm
     from ascend_standins import REAL
     from release_loader import ReleaseStack
     from runner_standin import PageSpec, make_runner_module
 
     import kda_patches
+
+    vllm = importlib.import_module("vllm")  # after the overlay's activation above (not reordered by isort)
 
     release: tuple[str, ...] = ()
     root = pathlib.Path(vllm.__file__).parent.parent
