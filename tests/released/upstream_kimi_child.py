@@ -1,10 +1,13 @@
-"""Child process: run vLLM's ``KimiK3DeltaAttention._forward`` on the CPU and save what it did.
+"""Child process: run vLLM's ``KimiK3DeltaAttention._forward`` (or Kimi Linear's GDN one) on the CPU.
 
-``python upstream_kimi_child.py SOURCE SEED CACHE_DTYPE CONV_LAYOUT OUT`` (``CONV_LAYOUT`` = ``SD`` / ``DS``,
-vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``). ``SOURCE`` is ``installed`` (vLLM 0.32, the real module) or a vLLM
-release such as ``0.33.0``: then that release's ``kda.py`` is executed under the real module name on top of
-the installed vLLM (its other imports are the installed modules; names the installed vLLM lacks are inert),
-with ``vllm.__version__`` reporting the release so the overlay picks that release's targets.
+``python upstream_kimi_child.py LAYER SOURCE SEED CACHE_DTYPE CONV_LAYOUT OUT``; ``LAYER`` = ``k3``
+(``vllm.models.kimi_k3.nvidia.kda.KimiK3DeltaAttention``, ``kimi_prefill``) or ``linear``
+(``...mamba.gdn.kimi_gdn_linear_attn.KimiGatedDeltaNetAttention``, ``gdn_state_copy``; same kernels);
+``CONV_LAYOUT`` = ``SD`` / ``DS`` (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``). ``SOURCE`` is ``installed``
+(vLLM 0.32, the real module) or a vLLM release such as ``0.33.0``: then that release's layer file is
+executed under the real module name on top of the installed vLLM (its other imports are the installed
+modules; names the installed vLLM lacks are inert), with ``vllm.__version__`` reporting the release so the
+overlay picks that release's targets.
 
 The overlay is activated first (``import kda_patches``; the parent sets ``KDA_PATCHES=0|1``, STRICT in
 both); the CUDA-only kernels are stood in at their module-level names (:mod:`upstream_standins`), then the
@@ -74,7 +77,7 @@ def metadata_of(batch: tuple) -> tuple[object, tuple[int, ...]]:
         non_spec_state_indices_tensor=torch.tensor(rows, dtype=index_dtype)), tuple(bounds)
 
 
-def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
+def main(kind: str, source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv_layout
     import upstream_standins
     from ascend_standins import REAL
@@ -90,7 +93,7 @@ def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -
     if source != "installed":
         from kda_patches.releases.fetch import release_dir
 
-        root, release = release_dir("vllm", source), (upstream_standins.LAYER_MODULE,)
+        root, release = release_dir("vllm", source), (upstream_standins.LAYERS[kind][0],)
         vllm.__version__ = source  # the overlay reads the stack's version here (the layer is the release's)
     runner = make_runner_module(root / "vllm/v1/worker/gpu_model_runner.py", upstream_standins.RUNNER_MODULE,
                                 "GPUModelRunner")
@@ -98,10 +101,11 @@ def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -
                          modules={upstream_standins.RUNNER_MODULE: runner}).install()
     upstream_standins.install()  # after the stack: importing the kernels' package may import the layer module
     runner_module = importlib.import_module(upstream_standins.RUNNER_MODULE)  # the worker's runner first
-    layer_module = importlib.import_module(upstream_standins.LAYER_MODULE)
+    module_name, class_name, _ = upstream_standins.LAYERS[kind]
+    layer_module = importlib.import_module(module_name)
     from vllm.forward_context import ForwardContext, override_forward_context
 
-    cls = layer_module.KimiK3DeltaAttention
+    cls = getattr(layer_module, class_name)
     generator = torch.Generator().manual_seed(seed)
     layers = {f"model.layers.{i}.self_attn": build_layer(cls, f"model.layers.{i}.self_attn", generator)
               for i in range(LAYERS)}
@@ -125,7 +129,7 @@ def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -
                 layer._forward(mixed_qkv, g1, g2, beta, core)
             outputs.append(core)
         snapshots.append({name: raw.clone() for name, raw in runner.raw_caches.items()})
-    layer_file = layer_module.KimiK3DeltaAttention._forward.__code__.co_filename
+    layer_file = cls._forward.__code__.co_filename
     torch.save({"layer_file": layer_file, "outputs": outputs, "snapshots": snapshots,
                 "ledger": kda_patches.get_ledger().snapshot(),
                 "bound": stack.bound, "standins": upstream_standins.STANDINS, "class": cls.__qualname__,
@@ -136,4 +140,4 @@ def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])

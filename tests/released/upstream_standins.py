@@ -25,6 +25,10 @@ from ascend_standins import l2norm_fwd, spans_of, token_gate
 GATHER_MODULE = "vllm.model_executor.layers.mamba.ops.gather_initial_states"
 KDA_OPS_MODULE = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 LAYER_MODULE = "vllm.models.kimi_k3.nvidia.kda"
+# layer kind -> (module, class, the overlay's ledger section): Kimi K3 KDA and Kimi Linear GDN share the kernels
+LAYERS = {"k3": (LAYER_MODULE, "KimiK3DeltaAttention", "kimi_prefill"),
+          "linear": ("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention",
+                     "gdn_state_copy")}
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 STANDINS = {
@@ -33,8 +37,8 @@ STANDINS = {
     "sigmoid beta, L2-normalized q/k, [H,V,K] state)",
     f"{KDA_OPS_MODULE}.fused_recurrent_kda_packed_decode": "fla-core naive_recurrent_kda, one token per row, "
     "state updated in place",
-    "KimiK3DeltaAttention.o_norm (layer attribute)": "torch gated RMS norm x*rsqrt(mean(x^2)+eps)*w*sigmoid(g)",
-    "KimiK3DeltaAttention.__init__ (not run)": "layer built with object.__new__ + the attributes _forward reads",
+    "<layer>.o_norm (layer attribute)": "torch gated RMS norm x*rsqrt(mean(x^2)+eps)*w*sigmoid(g)",
+    "<layer>.__init__ (not run)": "layer built with object.__new__ + the attributes _forward reads",
     f"{RUNNER_MODULE}.GPUModelRunner": "stand-in runner: the installed initialize_kv_cache signature, binds "
     "poisoned pages (the real body needs the whole engine)",
 }
