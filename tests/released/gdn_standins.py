@@ -101,8 +101,50 @@ def fused_sigmoid_gating_delta_rule_update(A_log: torch.Tensor, a: torch.Tensor,
     return torch.cat(outs, dim=1).to(v.dtype), None
 
 
+def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                     beta: torch.Tensor, initial_state: torch.Tensor, inplace_final_state: bool = True,
+                                     cu_seqlens: Any = None, ssm_state_indices: Any = None,
+                                     use_qk_l2norm_in_kernel: bool = False, **unused: Any) -> tuple[torch.Tensor, None]:
+    """Stand-in of vLLM's fused recurrent GDN decode (gates given): cache rows updated in place."""
+    outs = []
+    for row, (start, end) in enumerate(spans_of(cu_seqlens)):
+        index = int(ssm_state_indices[row])
+        o, final = delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+                              beta[:, start:end], initial_state[index], use_qk_l2norm_in_kernel)
+        initial_state[index] = final.to(initial_state.dtype)
+        outs.append(o)
+    return torch.cat(outs, dim=1).to(v.dtype), None
+
+
+def fused_olmo_hybrid_gdn_gating(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor,
+                                 allow_neg_eigval: bool = False, **unused: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-in of Olmo hybrid's Triton gating: ``(g, beta)`` ``[1, T, HV]`` FP32, beta doubled when negative
+    eigenvalues are allowed."""
+    g, beta = gating(a, b, A_log, dt_bias)
+    return g.unsqueeze(0), (beta * 2.0 if allow_neg_eigval else beta).unsqueeze(0)
+
+
+OLMO_MODULE = "vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn"
+STANDINS_OLMO = {
+    f"{FLA_OPS_MODULE}.chunk_gated_delta_rule": "fla-core naive_recurrent_gated_delta_rule per sequence",
+    f"{FLA_OPS_MODULE}.fused_recurrent_gated_delta_rule": "fla-core naive rule, cache rows updated in place",
+    f"{OLMO_MODULE}.fused_olmo_hybrid_gdn_gating": "torch -exp(A_log)*softplus(a+dt_bias), sigmoid(b) (x2 when "
+    "allow_neg_eigval); set on the module after import (vLLM's CPU build disables its Triton kernel)",
+    "OlmoHybridGatedDeltaNetAttention.__init__ (not run)": "layer built with object.__new__ + the attributes "
+    "_forward_core reads",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner": STANDINS["vllm.v1.worker.gpu_model_runner.GPUModelRunner"],
+}
+
+
+# layer kind -> (module, class, stand-in list)
+LAYERS = {"qwen": (QWEN_MODULE, "QwenGatedDeltaNetAttention", STANDINS),
+          "olmo": (OLMO_MODULE, "OlmoHybridGatedDeltaNetAttention", STANDINS_OLMO)}
+
+
 def install_upstream() -> None:
-    """Put the stand-ins at the names vLLM 0.32's Qwen GDN module imports (before it is imported)."""
+    """Put the stand-ins at the names vLLM's Qwen / Olmo GDN modules import (before they are imported)."""
     ops = importlib.import_module(FLA_OPS_MODULE)
     ops.fused_post_conv_prep = fused_post_conv_prep
     ops.fused_sigmoid_gating_delta_rule_update = fused_sigmoid_gating_delta_rule_update
+    ops.chunk_gated_delta_rule = chunk_gated_delta_rule
+    ops.fused_recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule

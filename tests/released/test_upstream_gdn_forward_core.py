@@ -1,4 +1,4 @@
-"""vLLM's ``QwenGatedDeltaNetAttention._forward_core`` (installed 0.32; released 0.33's file) on the CPU, A/B.
+"""vLLM's Qwen / Olmo hybrid GDN ``_forward_core`` (installed 0.32; released 0.33's files) on the CPU, A/B.
 
 :mod:`upstream_gdn_child` in two fresh processes (``KDA_PATCHES=0`` / ``1``, both STRICT), same fresh seed:
 the real layer class and module (vLLM's CPU causal convolution), only the fused Triton GDN kernels stood in
@@ -15,13 +15,16 @@ import torch
 from runner_standin import PageSpec, poison_problems
 from upstream_gdn_child import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 
-CASES = [("installed", "float32", "SD"), ("installed", "bfloat16", "DS"), ("0.33.0", "float32", "DS")]
+CASES = [("qwen", "installed", "float32", "SD"), ("qwen", "installed", "bfloat16", "DS"),
+         ("qwen", "0.33.0", "float32", "DS"), ("olmo", "installed", "bfloat16", "SD"),
+         ("olmo", "0.33.0", "float32", "DS")]
 
 
-@pytest.mark.parametrize(("source", "cache_dtype", "conv_layout"), CASES, ids=["-".join(case) for case in CASES])
-def test_qwen_gdn_forward_core_patched_equals_baseline(source: str, cache_dtype: str, conv_layout: str) -> None:
+@pytest.mark.parametrize(("kind", "source", "cache_dtype", "conv_layout"), CASES, ids=["-".join(c) for c in CASES])
+def test_gdn_forward_core_patched_equals_baseline(kind: str, source: str, cache_dtype: str, conv_layout: str) -> None:
     seed = released_ab.fresh_seed()
-    baseline, patched = released_ab.run_pair("upstream_gdn_child.py", [source, str(seed), cache_dtype, conv_layout])
+    baseline, patched = released_ab.run_pair("upstream_gdn_child.py",
+                                             [kind, source, str(seed), cache_dtype, conv_layout])
     context = released_ab.note_run(f"vLLM {source} {baseline['class']}._forward_core ({baseline['layer_file']})",
                                    baseline)
     context += f"\nseed {seed}, {cache_dtype} cache, conv {conv_layout}"

@@ -1,6 +1,6 @@
-"""Child process: run the installed vLLM 0.32 ``QwenGatedDeltaNetAttention._forward_core`` on the CPU.
+"""Child process: run vLLM's ``QwenGatedDeltaNetAttention`` / ``OlmoHybridGatedDeltaNetAttention._forward_core``.
 
-``python upstream_gdn_child.py SOURCE SEED CACHE_DTYPE CONV_LAYOUT OUT`` (``SOURCE``: ``installed`` or a vLLM
+``python upstream_gdn_child.py LAYER SOURCE SEED CACHE_DTYPE CONV_LAYOUT OUT`` (``SOURCE``: ``installed`` or a vLLM
 release, whose ``qwen_gdn_linear_attn.py`` then runs on the installed vLLM, as in :mod:`upstream_kimi_child`;
 0.33's metadata field ``flashinfer_checkpoint_plan`` is set to None on 0.32's metadata class, meaning no
 FlashInfer checkpoint plan). Same frame as :mod:`upstream_kimi_child`:
@@ -43,7 +43,8 @@ def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Mo
     object.__setattr__(conv, "bias", None)
     values = {"prefix": name, "activation": "silu", "num_k_heads": HEADS, "num_v_heads": HEADS, "tp_size": 1,
               "head_k_dim": HEAD_DIM, "head_v_dim": HEAD_DIM, "key_dim": projection, "value_dim": projection,
-              "enable_packed_recurrent_decode": False, "chunk_gated_delta_rule": chunk_gated_delta_rule,
+              "enable_packed_recurrent_decode": False, "allow_neg_eigval": True,
+              "chunk_gated_delta_rule": chunk_gated_delta_rule,
               "A_log": torch.randn(HEADS, generator=generator) * 0.5,
               "dt_bias": torch.randn(HEADS, generator=generator), "conv1d": conv}
     for key, value in values.items():
@@ -76,7 +77,7 @@ def metadata_of(batch: tuple, extra_fields: dict | None = None) -> tuple[object,
     return metadata, bounds[-1]
 
 
-def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
+def main(kind: str, source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv_layout
     import gdn_standins
     from ascend_standins import REAL
@@ -94,7 +95,7 @@ def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -
     if source != "installed":
         from kda_patches.releases.fetch import release_dir
 
-        root, release = release_dir("vllm", source), (gdn_standins.QWEN_MODULE,)
+        root, release = release_dir("vllm", source), (gdn_standins.LAYERS[kind][0],)
         vllm.__version__ = source  # the overlay reads the stack's version here (the layer is the release's)
         extra_fields = {"flashinfer_checkpoint_plan": None}
     runner = make_runner_module(root / "vllm/v1/worker/gpu_model_runner.py", RUNNER_MODULE, "GPUModelRunner")
@@ -102,10 +103,13 @@ def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -
                          absent_inert=True, modules={RUNNER_MODULE: runner}).install()
     gdn_standins.install_upstream()
     runner_module = importlib.import_module(RUNNER_MODULE)  # the worker's runner first
-    layer_module = importlib.import_module(gdn_standins.QWEN_MODULE)
+    module_name, class_name, standins = gdn_standins.LAYERS[kind]
+    layer_module = importlib.import_module(module_name)
+    if kind == "olmo":  # its gating is a Triton kernel vLLM's CPU build disables; not an overlay target
+        layer_module.fused_olmo_hybrid_gdn_gating = gdn_standins.fused_olmo_hybrid_gdn_gating
     from vllm.forward_context import ForwardContext, override_forward_context
 
-    cls = layer_module.QwenGatedDeltaNetAttention
+    cls = getattr(layer_module, class_name)
     generator = torch.Generator().manual_seed(seed)
     layers = {f"model.layers.{i}.linear_attn": build_layer(cls, f"model.layers.{i}.linear_attn", generator)
               for i in range(LAYERS)}
@@ -129,11 +133,11 @@ def main(source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -
     layer_file = cls._forward_core.__code__.co_filename
     torch.save({"layer_file": layer_file, "outputs": outputs, "snapshots": snapshots,
                 "ledger": kda_patches.get_ledger().snapshot(),
-                "bound": stack.bound, "standins": gdn_standins.STANDINS, "class": cls.__qualname__,
+                "bound": stack.bound, "standins": standins, "class": cls.__qualname__,
                 "init_error": None, "wrapped": type(vars(cls)["_forward_core"]).__name__,
                 "conv": layer_module.causal_conv1d_fn.__name__}, out)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])
