@@ -134,9 +134,12 @@ class RoutedCache(torch.Tensor):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         route = self.__dict__.get("_kda_route")
-        if route is not None and route.open and is_index_vector(key) and isinstance(value, torch.Tensor):
+        if route is not None and route.open and is_index_vector(key) and isinstance(value, torch.Tensor) \
+                and value.dtype is self.dtype:
             route.scatter(key, value)
             return
+        # a source of another dtype makes torch's own index_put raise (Kimi Linear scatters its final state
+        # uncast): the routed scatter would cast and succeed, so the call would behave differently patched
         torch.Tensor.__setitem__(self, key, value)
 
 
