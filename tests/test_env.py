@@ -21,7 +21,14 @@ import pytest
 from kda_patches.bootstrap_env import discovery
 
 CC = shutil.which("cc") or shutil.which("gcc")
-pytestmark = pytest.mark.skipif(CC is None, reason="needs a system C compiler (cc)")
+
+
+@pytest.fixture(autouse=True)
+def _require_compiler() -> None:
+    """The bootstrap tests compile a real shared library: a missing compiler fails them instead of skipping."""
+    if CC is None:
+        pytest.fail("tests/test_env.py needs a system C compiler (cc or gcc on PATH) to build its shared library")
+
 
 FAKE_LIBRARY_SOURCE = r"""
 #include <stdio.h>
