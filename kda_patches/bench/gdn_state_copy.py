@@ -31,7 +31,7 @@ import torch
 
 from kda_patches.bench import timing
 from kda_patches.bench.entries import CompilerEntryCounter
-from kda_patches.bench.state_copy import DTYPES, build_cache, collect_versions, source_hash
+from kda_patches.bench.state_copy import DTYPES, build_cache, collect_versions, resolve_run_target, source_hash
 
 NATIVE, PLAN, PLAN_TORCH_CAST = "native", "plan", "plan+torch-cast"
 
@@ -145,17 +145,10 @@ def run_gdn_benchmark(args: argparse.Namespace) -> int:
     """
     from kda_patches.bench.gdn_report import plot_gdn, print_gdn_table, summarize_gdn
 
-    output = Path(args.output)
-    if output.exists():
-        print(f"kda-patches bench: {output} already exists; every run writes a new file", flush=True)
+    target = resolve_run_target(args)
+    if target is None:
         return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("kda-patches bench: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
-        return 2
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        torch.cuda.set_device(device)
+    output, device = target
     generator = torch.Generator().manual_seed(args.seed)
     shuffler = random.Random(args.seed)
     ceiling = timing.measure_copy_ceiling(device) if device.type == "cuda" else None

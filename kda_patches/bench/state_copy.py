@@ -180,23 +180,35 @@ def collect_versions(device: torch.device) -> dict[str, Any]:
     return versions
 
 
+def resolve_run_target(args: argparse.Namespace) -> tuple[Path, torch.device] | None:
+    """Return the new output file and the benchmark device of ``args``, or None (reason printed) when refused.
+
+    A run never overwrites an earlier result file; a CUDA device is pinned as current for the whole run.
+    """
+    output = Path(args.output)
+    if output.exists():
+        print(f"kda-patches bench: {output} already exists; every run writes a new file", flush=True)
+        return None
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("kda-patches bench: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
+        return None
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    return output, device
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     """Run the state-copy benchmark described by ``args`` (see ``kda_patches.bench.cli``).
 
     Returns:
         0 on success, 2 when the output exists or the device cannot run it.
     """
-    output = Path(args.output)
-    if output.exists():
-        print(f"kda-patches bench: {output} already exists; every run writes a new file", flush=True)
+    target = resolve_run_target(args)
+    if target is None:
         return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("kda-patches bench: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
-        return 2
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        torch.cuda.set_device(device)
+    output, device = target
     generator = torch.Generator().manual_seed(args.seed)
     shuffler = random.Random(args.seed)
     ceiling = timing.measure_copy_ceiling(device) if device.type == "cuda" else None

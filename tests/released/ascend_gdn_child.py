@@ -17,16 +17,7 @@ import sys
 import types
 
 import torch
-
-HEADS, HEAD_DIM, BLOCKS, LAYERS, MAX_NUM_SEQS, CONV_WIDTH = 2, 32, 9, 2, 8, 4
-# (rows, has_initial_state, token counts, leading decodes, index dtype)
-BATCHES = (
-    ((4, 1, 6), (False, False, False), (7, 5, 9), 0, torch.int32),
-    ((4, 1, 6, 3), (True, True, True, False), (1, 1, 6, 8), 2, torch.int64),
-    ((4, 6), (True, True), (1, 1), 2, torch.int32),
-    ((3, 8, 4), (True, False, True), (10, 3, 2), 0, torch.int64),
-)
-PREFILL_CALLS = sum(1 for batch in BATCHES if batch[3] < len(batch[0])) * LAYERS
+from batch_plan import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS
 
 
 def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import released_ab
 import torch
-from ascend_gdn_child import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
+from batch_plan import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 from runner_standin import PageSpec, poison_problems
 
 CASES = [("0.26.0rc1", "triton", "float32"), ("0.27.1rc1", "fused", "bfloat16"), ("0.28.0rc1", "triton", "bfloat16"),

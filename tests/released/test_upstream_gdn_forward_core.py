@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import released_ab
 import torch
+from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 from runner_standin import PageSpec, poison_problems
-from upstream_gdn_child import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 
 CASES = [("qwen", "installed", "float32", "SD"), ("qwen", "installed", "bfloat16", "DS"),
          ("qwen", "0.33.0", "float32", "DS"), ("olmo", "installed", "bfloat16", "SD"),

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import released_ab
 import torch
+from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 from runner_standin import PageSpec, poison_problems
-from upstream_kimi_child import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 from upstream_standins import LAYERS
 
 CASES = [("k3", "installed", "float32", "SD"), ("k3", "installed", "bfloat16", "DS"),
