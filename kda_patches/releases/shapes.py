@@ -77,53 +77,59 @@ def _is_name(node: ast.AST, name: str | None) -> bool:
     return name is None or dotted_name(node) == name
 
 
-def gathers(container: str, index: str) -> Predicate:
-    """Body reads ``container[index]`` (a gather by an index tensor), e.g. ``recurrent_state[state_indices]``."""
+def body_match(match: Callable[[ast.AST], str | None], missing: Callable[[str], str]) -> Predicate:
+    """A predicate that holds when ``match`` describes some node of the target function's body.
+
+    Args:
+        match: node -> the evidence text when the node is the wanted shape, else None.
+        missing: the function's qualname -> what to say when no node matched.
+    Returns:
+        The predicate; its evidence is ``path:line`` plus ``match``'s text, or ``missing``'s.
+    """
     def predicate(context: ShapeContext) -> ShapeResult:
         found = _body_nodes(context)
         if isinstance(found, ShapeResult):
             return found
         definition, nodes = found
         for node in nodes:
-            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
-                    and _is_name(node.value, container) and _is_name(node.slice, index):
-                return ShapeResult(True, f"{_where(definition, node)} {ast.unparse(node)}")
-        return ShapeResult(False, f"no `{container}[{index}]` read in {definition.qualname}")
+            evidence = match(node)
+            if evidence is not None:
+                return ShapeResult(True, f"{_where(definition, node)} {evidence}")
+        return ShapeResult(False, missing(definition.qualname))
     return predicate
+
+
+def gathers(container: str, index: str) -> Predicate:
+    """Body reads ``container[index]`` (a gather by an index tensor), e.g. ``recurrent_state[state_indices]``."""
+    def match(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and _is_name(node.value, container) and _is_name(node.slice, index):
+            return ast.unparse(node)
+        return None
+    return body_match(match, lambda qualname: f"no `{container}[{index}]` read in {qualname}")
 
 
 def scatters(container: str, index: str | None = None) -> Predicate:
     """Body assigns ``container[index] = ...`` (a scatter by index assignment; ``index`` None: any index)."""
-    def predicate(context: ShapeContext) -> ShapeResult:
-        found = _body_nodes(context)
-        if isinstance(found, ShapeResult):
-            return found
-        definition, nodes = found
-        for node in nodes:
-            targets = node.targets if isinstance(node, ast.Assign) else []
-            for target in targets:
-                if isinstance(target, ast.Subscript) and _is_name(target.value, container) \
-                        and _is_name(target.slice, index):
-                    return ShapeResult(True, f"{_where(definition, node)} {ast.unparse(target)} = ...")
-        return ShapeResult(False, f"no `{container}[{index or '...'}] = ...` in {definition.qualname}")
-    return predicate
+    def match(node: ast.AST) -> str | None:
+        for target in node.targets if isinstance(node, ast.Assign) else []:
+            if isinstance(target, ast.Subscript) and _is_name(target.value, container) \
+                    and _is_name(target.slice, index):
+                return f"{ast.unparse(target)} = ..."
+        return None
+    return body_match(match, lambda qualname: f"no `{container}[{index or '...'}] = ...` in {qualname}")
 
 
 def calls(function: str, args: tuple[str | None, ...] | None = None) -> Predicate:
     """Body calls ``function``; ``args``: the positional arguments' names (None = any expression there)."""
-    def predicate(context: ShapeContext) -> ShapeResult:
-        found = _body_nodes(context)
-        if isinstance(found, ShapeResult):
-            return found
-        definition, nodes = found
-        for node in nodes:
-            if isinstance(node, ast.Call) and dotted_name(node.func) == function and (
-                    args is None or (len(node.args) == len(args)
-                                     and all(_is_name(a, n) for a, n in zip(node.args, args, strict=True)))):
-                return ShapeResult(True, f"{_where(definition, node)} {ast.unparse(node)}")
-        wanted = f"{function}({', '.join(a or '_' for a in args)})" if args is not None else f"{function}(...)"
-        return ShapeResult(False, f"no call `{wanted}` in {definition.qualname}")
-    return predicate
+    def match(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Call) and dotted_name(node.func) == function and (
+                args is None or (len(node.args) == len(args)
+                                 and all(_is_name(a, n) for a, n in zip(node.args, args, strict=True)))):
+            return ast.unparse(node)
+        return None
+    wanted = f"{function}({', '.join(a or '_' for a in args)})" if args is not None else f"{function}(...)"
+    return body_match(match, lambda qualname: f"no call `{wanted}` in {qualname}")
 
 
 def _is_mask_clear(target: ast.AST, container: str, flags: str) -> bool:
@@ -138,31 +144,21 @@ def _is_mask_clear(target: ast.AST, container: str, flags: str) -> bool:
 
 def clears_by_mask(container: str, flags: str) -> Predicate:
     """Body zeroes rows by a negated boolean mask: ``container[~flags, ...] = 0`` (the native clear)."""
-    def predicate(context: ShapeContext) -> ShapeResult:
-        found = _body_nodes(context)
-        if isinstance(found, ShapeResult):
-            return found
-        definition, nodes = found
-        for node in nodes:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value == 0 \
-                    and any(_is_mask_clear(target, container, flags) for target in node.targets):
-                return ShapeResult(True, f"{_where(definition, node)} {ast.unparse(node)}")
-        return ShapeResult(False, f"no `{container}[~{flags}, ...] = 0` in {definition.qualname}")
-    return predicate
+    def match(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value == 0 \
+                and any(_is_mask_clear(target, container, flags) for target in node.targets):
+            return ast.unparse(node)
+        return None
+    return body_match(match, lambda qualname: f"no `{container}[~{flags}, ...] = 0` in {qualname}")
 
 
 def reads_attribute(dotted: str) -> Predicate:
     """Body reads the attribute chain ``dotted`` (e.g. ``self.kv_cache``)."""
-    def predicate(context: ShapeContext) -> ShapeResult:
-        found = _body_nodes(context)
-        if isinstance(found, ShapeResult):
-            return found
-        definition, nodes = found
-        for node in nodes:
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and dotted_name(node) == dotted:
-                return ShapeResult(True, f"{_where(definition, node)} {dotted}")
-        return ShapeResult(False, f"no read of `{dotted}` in {definition.qualname}")
-    return predicate
+    def match(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and dotted_name(node) == dotted:
+            return dotted
+        return None
+    return body_match(match, lambda qualname: f"no read of `{dotted}` in {qualname}")
 
 
 def module_exists(module: str) -> Predicate:
