@@ -55,3 +55,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     counts = Counter(skip_reason(report) for report in reports)
     rendered = "; ".join(f"{count} x {reason}" for reason, count in sorted(counts.items())) or "none"
     terminalreporter.write_line(f"skips ({len(reports)}): {rendered}")
+
+
+@pytest.fixture
+def strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the test as under ``KDA_PATCHES_STRICT=1`` (bypassed calls raise)."""
+    import kda_patches
+    from kda_patches.flags import Flags
+
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True))
+
+
+@pytest.fixture
+def lenient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the test without STRICT (bypassed calls are counted, not raised), whatever the environment says."""
+    import kda_patches
+    from kda_patches.flags import Flags
+
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=False))

@@ -19,8 +19,6 @@ if "--run-gpu" not in sys.argv and "kda_patches.state_copy.kernels" not in sys.m
 
 import kimi_workload
 
-import kda_patches
-from kda_patches.flags import Flags
 from kda_patches.registry import revert_patch
 
 
@@ -47,14 +45,3 @@ def load_reference() -> Iterator[Callable[..., dict[str, Any]]]:
     for name in kimi_workload.REFERENCE_MODULES:
         sys.modules.pop(name, None)
 
-
-@pytest.fixture
-def strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the test as under ``KDA_PATCHES_STRICT=1`` (bypassed calls raise)."""
-    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True))
-
-
-@pytest.fixture
-def lenient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the test without STRICT (bypassed calls are counted, not raised), whatever the environment says."""
-    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=False))

@@ -17,8 +17,6 @@ import pytest
 if "kda_patches.state_copy.kernels" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kda_patches
-from kda_patches.flags import Flags
 from kda_patches.registry import Patch, register_patch, revert_patch
 
 DUMMIES = "routing_dummies"
@@ -48,14 +46,3 @@ def load_dummies() -> Iterator[Callable[..., Any]]:
         revert_patch(patch)
     sys.modules.pop(DUMMIES, None)
 
-
-@pytest.fixture
-def strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the test as under ``KDA_PATCHES_STRICT=1`` (bypassed calls raise)."""
-    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True))
-
-
-@pytest.fixture
-def lenient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the test without STRICT (bypassed calls are counted, not raised)."""
-    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=False))
