@@ -24,6 +24,14 @@ Seams, per the released sources (``kda-patches conformance`` re-reads them):
   kernels (``gather_ssm_states`` / ``scatter_ssm_states_``, flags and the dtype cast in one pass); only its
   CPU branch indexes the cache, so 0.30 is not a target (not-applicable, not drift).
 
+Final-state cast folded into the scatter (``Seam.final``): where the released body scatters
+``ssm_state[idx] = last_recurrent_state.to(ssm_state.dtype)`` with the final state straight from a chunk
+callable -- Qwen's ``self.chunk_gated_delta_rule`` (a layer attribute, shadowed for the call), Olmo's module-level
+``chunk_gated_delta_rule`` and vllm-ascend 0.27-0.29's fused ``_chunk_gated_delta_rule_fused`` (wrapped names) --
+the ``.to()`` is deferred and the plan's scatter reads the FP32 final state and writes the cache dtype in one
+pass (``casts_folded``). vllm-ascend's Triton variant casts a transposed copy (``.transpose(-1, -2)
+.contiguous().to(...)``) and Kimi Linear scatters uncast: those are left as written.
+
 Decode-only and speculative-only batches pass through untouched and uncounted. Importing this module imports
 neither torch nor vLLM.
 """
@@ -37,12 +45,14 @@ from kda_patches.routing.seams import (
     CLEAR_FUNCTION,
     CLEAR_NATIVE,
     CLEAR_NONE,
+    FinalFrom,
     KVCacheSlot,
     MetadataField,
     Seam,
     SeamWrapper,
     StartupWrapper,
     wrap_clear,
+    wrap_final,
     wrap_gather,
 )
 
@@ -58,38 +68,52 @@ CLEAR_PARAMETERS = ("ssm_states", "has_initial_state")
 
 QWEN_SEAM = Seam("vLLM Qwen GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
                  indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
-                 clear=CLEAR_NATIVE, prefill_gated=True)
+                 clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, attribute="chunk_gated_delta_rule"))
 OLMO_SEAM = Seam("vLLM Olmo hybrid GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
                  indices=MetadataField("non_spec_state_indices_tensor"), flags=MetadataField("has_initial_state"),
-                 clear=CLEAR_NATIVE, prefill_gated=True)
+                 clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, function="chunk_gated_delta_rule"))
 KIMI_GDN_SEAM = Seam("vLLM Kimi Linear GDN _forward", LEDGER_PATH, state=KVCacheSlot(1), clear=CLEAR_NONE,
                      gather_function="gather_initial_states", prefill_gated=True)
 ASCEND_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
                    indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
                    clear=CLEAR_FUNCTION, clear_function="clear_ssm_states", prefill_gated=True)
+ASCEND_FUSED_CHUNK = "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"
+ASCEND_FOLD_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
+                        indices=MetadataField("prefill_state_indices"),
+                        flags=MetadataField("prefill_has_initial_state"), clear=CLEAR_FUNCTION,
+                        clear_function="clear_ssm_states", prefill_gated=True,
+                        final=FinalFrom(1, function=ASCEND_FUSED_CHUNK))
 
 wrap_qwen_forward_core = SeamWrapper(QWEN_SEAM)
 wrap_olmo_forward_core = SeamWrapper(OLMO_SEAM)
 wrap_kimi_gdn_forward = SeamWrapper(KIMI_GDN_SEAM)
 wrap_ascend_forward_core = SeamWrapper(ASCEND_SEAM)
+wrap_ascend_fold_forward_core = SeamWrapper(ASCEND_FOLD_SEAM)
 wrap_initialize_kv_cache = StartupWrapper(LEDGER_PATH)
 
 _GDN = "vllm.model_executor.layers.mamba.gdn"
 _QWEN_SHAPES = ("read:self.kv_cache", "gather:ssm_state[prefill_state_indices]",
-                "clear:initial_state[~prefill_has_initial_state, ...]=0", "scatter:ssm_state[prefill_state_indices]=")
+                "clear:initial_state[~prefill_has_initial_state, ...]=0", "scatter:ssm_state[prefill_state_indices]=",
+                "fold:ssm_state[prefill_state_indices]=self.chunk_gated_delta_rule(...)[1].to(ssm_state.dtype)")
 _OLMO_SHAPES = ("read:self.kv_cache", "gather:ssm_state[non_spec_state_indices_tensor]",
-                "clear:initial_state[~has_initial_state, ...]=0", "scatter:ssm_state[non_spec_state_indices_tensor]=")
+                "clear:initial_state[~has_initial_state, ...]=0", "scatter:ssm_state[non_spec_state_indices_tensor]=",
+                "fold:ssm_state[non_spec_state_indices_tensor]=chunk_gated_delta_rule(...)[1].to(ssm_state.dtype)")
 _KIMI_GDN_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recurrent_state, ...)",
                     "scatter:recurrent_state[...]=")
 _ASCEND_SHAPES = ("read:self.kv_cache", "gather:ssm_state[prefill_state_indices]",
                   "clear:clear_ssm_states(_, prefill_has_initial_state)", "scatter:ssm_state[prefill_state_indices]=")
+_ASCEND_FOLD_SHAPES = (*_ASCEND_SHAPES, f"fold:ssm_state[prefill_state_indices]={ASCEND_FUSED_CHUNK}(...)"
+                       "[1].to(ssm_state.dtype)")
+ASCEND_FUSED_CHUNK_PARAMETERS = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "scale")
 
 def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
     members = [
         (f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_forward_core,
          FORWARD_CORE_PARAMETERS, _QWEN_SHAPES),
         (f"{_GDN}.olmo_gdn_linear_attn", "OlmoHybridGatedDeltaNetAttention._forward_core", wrap_olmo_forward_core,
-         FORWARD_CORE_PARAMETERS, _OLMO_SHAPES)]
+         FORWARD_CORE_PARAMETERS, _OLMO_SHAPES),
+        # re-exported FLA function: its keyword signature varies by release; the seam's fold shape is the contract
+        (f"{_GDN}.olmo_gdn_linear_attn", "chunk_gated_delta_rule", wrap_final, None, ())]
     if _release(low) >= (0, 27):  # 0.26's Kimi Linear _forward clears with a boolean-mask index first: not this seam
         members += [
             (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_forward,
@@ -99,10 +123,16 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
 
 
 def _ascend_era(low: str, high: str) -> tuple[Target, ...]:
+    if _release(low) < (0, 27):  # 0.26 has only the Triton variant (transposed copies around the chunk)
+        seam: tuple[tuple[Any, ...], ...] = (
+            ("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core", wrap_ascend_forward_core,
+             FORWARD_CORE_PARAMETERS, _ASCEND_SHAPES),)
+    else:
+        seam = (("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core", wrap_ascend_fold_forward_core,
+                 FORWARD_CORE_PARAMETERS, _ASCEND_FOLD_SHAPES),
+                ("vllm_ascend.ops.gdn", ASCEND_FUSED_CHUNK, wrap_final, ASCEND_FUSED_CHUNK_PARAMETERS, ()))
     return era("vllm-ascend", low, high, (
-        ("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core", wrap_ascend_forward_core,
-         FORWARD_CORE_PARAMETERS, _ASCEND_SHAPES),
-        ("vllm_ascend.ops.gdn", "clear_ssm_states", wrap_clear, CLEAR_PARAMETERS, ()),
+        *seam, ("vllm_ascend.ops.gdn", "clear_ssm_states", wrap_clear, CLEAR_PARAMETERS, ()),
         *ascend_runners(wrap_initialize_kv_cache, low)))
 
 
@@ -115,7 +145,7 @@ PATCH = Patch(
     summary="route the GDN layers' prefill gather(+clear)/scatter through the sealed state-copy plans "
     "(shared routing core and startup with kimi_prefill)",
     targets=(*_upstream_era("0.26", "0.27"), *_upstream_era("0.27", "0.30"), *_upstream_era("0.30", "0.40"),
-             *_ascend_era("0.26", "0.28"), *_ascend_era("0.28", "0.30"),
+             *_ascend_era("0.26", "0.27"), *_ascend_era("0.27", "0.28"), *_ascend_era("0.28", "0.30"),
              *(Target("vllm_ascend.ops.gdn", qualname, None, "vllm-ascend", "vllm-ascend", "0.30", "0.40",
                       inert=ASCEND_030_INERT)
                for qualname in ("AscendGatedDeltaNetAttention._forward_core", "clear_ssm_states"))),

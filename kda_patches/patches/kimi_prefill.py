@@ -207,4 +207,7 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
     for extra in ("calls_refused", "calls_failed"):
         if counters.get(extra):
             line += f", {extra.split('_')[1]} {counters[extra]}"
+    for extra in ("casts_folded", "casts_materialized"):  # the final-state cast inside the scatter, or not
+        if counters.get(extra):
+            line += f", {extra.replace('_', ' ')} {counters[extra]}"
     return f"{line}; plans {plans}"

@@ -132,6 +132,46 @@ def calls(function: str, args: tuple[str | None, ...] | None = None) -> Predicat
     return body_match(match, lambda qualname: f"no call `{wanted}` in {qualname}")
 
 
+def scatters_cast_result(container: str, index: str, chunk: str, position: int, final: str = "last_recurrent_state"
+                          ) -> Predicate:
+    """Body assigns ``final`` from element ``position`` of a call to ``chunk`` and scatters it cast as one
+    statement: ``container[index] = final.to(container.dtype)`` (what ``Seam.final`` folds into the scatter)."""
+    def unpacked_from_chunk(node: ast.AST) -> bool:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and dotted_name(node.value.func) == chunk):
+            return False
+        for target in node.targets:
+            elements = target.elts if isinstance(target, (ast.Tuple, ast.List)) else []
+            if len(elements) > position and _is_name(elements[position], final):
+                return True
+        return False
+
+    def scatter_of_cast(node: ast.AST) -> bool:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and not node.value.keywords
+                and len(node.value.args) == 1 and isinstance(node.value.func, ast.Attribute)
+                and node.value.func.attr == "to" and _is_name(node.value.func.value, final)
+                and dotted_name(node.value.args[0]) == f"{container}.dtype"):
+            return False
+        return any(isinstance(target, ast.Subscript) and _is_name(target.value, container)
+                   and _is_name(target.slice, index) for target in node.targets)
+
+    def predicate(context: ShapeContext) -> ShapeResult:
+        found = _body_nodes(context)
+        if isinstance(found, ShapeResult):
+            return found
+        definition, nodes = found
+        nodes = list(nodes)
+        source = next((node for node in nodes if unpacked_from_chunk(node)), None)
+        scatter = next((node for node in nodes if scatter_of_cast(node)), None)
+        if source is None or scatter is None:
+            missing = [] if source is not None else [f"`..., {final}, ... = {chunk}(...)` (element {position})"]
+            missing += [] if scatter is not None else [f"`{container}[{index}] = {final}.to({container}.dtype)`"]
+            return ShapeResult(False, f"no {' and no '.join(missing)} in {definition.qualname}")
+        return ShapeResult(True, f"{_where(definition, source)} {final} = {chunk}(...)[{position}]; "
+                                 f"{_where(definition, scatter)} {ast.unparse(scatter)}")
+    return predicate
+
+
 def _is_mask_clear(target: ast.AST, container: str, flags: str) -> bool:
     """``container[~flags, ...]`` (the ``...`` optional) as an assignment target."""
     if not (isinstance(target, ast.Subscript) and _is_name(target.value, container)):
@@ -232,6 +272,13 @@ SHAPES: dict[str, Shape] = _shapes(
           "the prefill clears rows without initial state by calling "
           "`clear_ssm_states(initial_state, prefill_has_initial_state)`",
           calls("clear_ssm_states", (None, "prefill_has_initial_state"))),
+    *(Shape(f"fold:ssm_state[{index}]={chunk}(...)[1].to(ssm_state.dtype)",
+            f"the prefill's final state is element 1 of `{chunk}(...)`, scattered cast in one statement "
+            f"`ssm_state[{index}] = last_recurrent_state.to(ssm_state.dtype)` (the cast the plan's scatter folds)",
+            scatters_cast_result("ssm_state", index, chunk, 1))
+      for index, chunk in (("prefill_state_indices", "self.chunk_gated_delta_rule"),
+                           ("non_spec_state_indices_tensor", "chunk_gated_delta_rule"),
+                           ("prefill_state_indices", "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"))),
     Shape("read:self.kv_cache",
           "the layer reads its cache tensors from `self.kv_cache` (the seam swaps slot 1 for the call)",
           reads_attribute("self.kv_cache")),

@@ -19,9 +19,17 @@ The two clears a fork may run after a folded gather are elided only when provabl
   :class:`RoutedFlags` alias whose ``~`` returns an :class:`InvertedFlags` tagged with the route, so the
   assignment's mask is known to be exactly ``~flags`` of this call without reading a device value.
 
-Every other use of these tensors is plain tensor behaviour (``__torch_function__`` is disabled on all
-four subclasses, so nothing else pays a Python dispatch). Each call must end with exactly one gather,
-one scatter and as many elided clears as folded gathers, or it is not counted as routed
+The final-state cast ``alias[indices] = final.to(alias.dtype)`` is folded into the plan's scatter where the
+seam declares where its final state comes from (``Seam.final``): the declared chunk callable's result element
+is a :class:`FinalStates` for the call, whose ``.to(cache dtype)`` returns a :class:`PendingCast` -- an
+uncomputed cast (an allocated, unwritten tensor of the cache dtype) that the routed scatter consumes by
+casting inside its own copy (one pass, no separate cast kernel). Any other use of a pending cast first
+computes it with torch's own cast (``copy_``), so it behaves exactly as ``.to()``'s result; that is counted
+``casts_materialized``.
+
+Every other use of these tensors is plain tensor behaviour (``__torch_function__`` is disabled on the
+subclasses except :class:`PendingCast`, so nothing else pays a Python dispatch). Each call must end with
+exactly one gather, one scatter and as many elided clears as folded gathers, or it is not counted as routed
 (:mod:`kda_patches.routing.proof`).
 """
 
@@ -30,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree
 
 _disabled = torch._C._disabled_torch_function_impl
 
@@ -47,11 +56,13 @@ class CallRoute:
         proxy: the routed alias standing in for ``state`` during the call.
         gathers / scatters: gathers / scatters of this cache routed to the plan.
         folded / elided: gathers that folded the clear / fork clears recognised and elided.
+        finals / casts_folded: final states tagged from the declared chunk callable / scatters that cast
+            a :class:`PendingCast` inside the plan's copy.
         open: False once the call returned (a leaked alias then behaves like the plain cache).
     """
 
-    __slots__ = ("elided", "flags", "folded", "gathers", "indices", "layer_name", "open", "plan", "proxy",
-                 "scatters", "seam", "state")
+    __slots__ = ("casts_folded", "elided", "finals", "flags", "folded", "gathers", "indices", "layer_name", "open",
+                 "plan", "proxy", "scatters", "seam", "state")
 
     def __init__(self, seam: Any, layer_name: str, plan: Any, state: torch.Tensor, indices: Any = None,
                  flags: Any = None) -> None:
@@ -62,7 +73,7 @@ class CallRoute:
         self.indices = indices
         self.flags = flags if foldable_flags(flags, indices, state) else None
         self.proxy: RoutedCache | None = None
-        self.gathers = self.scatters = self.folded = self.elided = 0
+        self.gathers = self.scatters = self.folded = self.elided = self.finals = self.casts_folded = 0
         self.open = True
 
     def gather(self, indices: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
@@ -85,6 +96,29 @@ class CallRoute:
         """Route ``alias[indices] = final`` (the plan casts to the cache dtype; invalid indices skipped)."""
         self.plan.scatter(self.state, final, indices)
         self.scatters += 1
+
+    def scatter_pending(self, indices: torch.Tensor, pending: PendingCast) -> bool:
+        """Route ``alias[indices] = final.to(cache dtype)`` with the cast folded into the plan's scatter.
+
+        Returns:
+            False when ``pending`` is not this call's uncomputed cast (the caller then scatters it as a tensor).
+        """
+        source = pending.__dict__.get("_kda_source")
+        if pending.__dict__.get("_kda_route") is not self or source is None:
+            return False
+        self.plan.scatter(self.state, source, indices)
+        self.scatters += 1
+        self.casts_folded += 1
+        return True
+
+    def can_fold_cast(self, final: torch.Tensor, dtype: Any) -> bool:
+        """Return whether ``final.to(dtype)`` may become a :class:`PendingCast` the plan's scatter casts.
+
+        True only during the call, for a cast to this cache's dtype from another dtype the plan prepared a
+        folded scatter for, on the cache's device.
+        """
+        return (self.open and dtype is self.state.dtype and final.dtype is not dtype
+                and final.device == self.state.device and final.dtype in getattr(self.plan, "final_dtypes", ()))
 
     def elide_clear(self, states: Any, flags: Any) -> bool:
         """Return True (and count it) when ``clear_fn(states, flags)`` repeats this call's folded clear."""
@@ -134,10 +168,12 @@ class RoutedCache(torch.Tensor):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         route = self.__dict__.get("_kda_route")
-        if route is not None and route.open and is_index_vector(key) and isinstance(value, torch.Tensor) \
-                and value.dtype is self.dtype:
-            route.scatter(key, value)
-            return
+        if route is not None and route.open and is_index_vector(key):
+            if type(value) is PendingCast and route.scatter_pending(key, value):
+                return
+            if isinstance(value, torch.Tensor) and value.dtype is self.dtype:
+                route.scatter(key, value)
+                return
         # a source of another dtype makes torch's own index_put raise (Kimi Linear scatters its final state
         # uncast): the routed scatter would cast and succeed, so the call would behave differently patched
         torch.Tensor.__setitem__(self, key, value)
@@ -180,6 +216,84 @@ class InvertedFlags(torch.Tensor):
     """``~flags`` of a routed call (a plain mask otherwise)."""
 
     __torch_function__ = _disabled
+
+
+class FinalStates(torch.Tensor):
+    """The final state a routed call's declared chunk callable returned: ``.to(cache dtype)`` is deferred."""
+
+    __torch_function__ = _disabled
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        route = self.__dict__.get("_kda_route")
+        if route is not None and len(args) == 1 and not kwargs and route.can_fold_cast(self, args[0]):
+            return make_pending_cast(self, route)
+        return torch.Tensor.to(self, *args, **kwargs)
+
+
+# metadata reads that do not need a pending cast's values (a routed scatter reads its dtype)
+_METADATA_ONLY = frozenset((torch.Tensor.dtype.__get__, torch.Tensor.shape.__get__, torch.Tensor.device.__get__,
+                            torch.Tensor.ndim.__get__, torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel,
+                            torch.Tensor.is_cuda.__get__, torch.Tensor.layout.__get__))
+
+
+class PendingCast(torch.Tensor):
+    """``final.to(cache dtype)`` of a routed call, allocated but not computed yet.
+
+    The call's routed scatter consumes it without computing it (the plan casts in its copy). Any other
+    use -- any torch function but a metadata read -- first computes it exactly as ``.to()`` would have
+    (``copy_`` from the final state: the same cast kernel), then runs as on a plain tensor.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _METADATA_ONLY:
+            for leaf in _pytree.tree_leaves((args, kwargs)):
+                if type(leaf) is PendingCast:
+                    materialize_pending(leaf)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def make_pending_cast(final: torch.Tensor, route: CallRoute) -> PendingCast:
+    """Return an uncomputed ``final.to(route.state.dtype)``: same shape and strides, the cache dtype, no kernel."""
+    with torch._C.DisableTorchFunctionSubclass():
+        storage = torch.empty_like(final, dtype=route.state.dtype)
+    pending = storage.as_subclass(PendingCast)
+    pending._kda_route = route
+    pending._kda_source = final
+    return pending
+
+
+def materialize_pending(pending: PendingCast) -> None:
+    """Compute a pending cast in place (torch's own cast, as ``.to()``) and count it ``casts_materialized``."""
+    source = pending.__dict__.pop("_kda_source", None)
+    if source is None:
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.Tensor.copy_(pending, source)
+    route = pending.__dict__.pop("_kda_route", None)
+    if route is not None:
+        from kda_patches.ledger import get_ledger
+
+        get_ledger().count(route.seam.section, "casts_materialized")
+
+
+def tag_final(result: Any, index: int, route: CallRoute) -> Any:
+    """Return the chunk callable's ``result`` with element ``index`` as a :class:`FinalStates` of ``route``.
+
+    Only the call's first final state is tagged; a result that is not a tuple/list holding a tensor there
+    is returned as it is (the cast then runs unfolded, as the fork wrote it).
+    """
+    if not (route.open and route.finals == 0 and isinstance(result, (tuple, list)) and len(result) > index
+            and type(result[index]) is torch.Tensor):
+        return result
+    final = result[index].as_subclass(FinalStates)
+    final._kda_route = route
+    route.finals += 1
+    tagged = list(result)
+    tagged[index] = final
+    return tuple(tagged) if isinstance(result, tuple) else tagged
 
 
 def _keep_tag(result: torch.Tensor, source: PackedStates) -> torch.Tensor:

@@ -14,7 +14,9 @@ seam function:
    bypassed, :func:`~kda_patches.routing.proof.settle_route`).
 
 :func:`route_clear` and :func:`route_gather` serve the module-level ``clear_ssm_states`` /
-``gather_initial_states`` names a fork calls inside a routed call.
+``gather_initial_states`` names a fork calls inside a routed call; :func:`route_final` the chunk callable
+whose final state the seam scatters cast (``Seam.final``), and a layer-attribute chunk callable is shadowed
+on the instance for the call by a :class:`FinalTagger`.
 """
 
 from __future__ import annotations
@@ -26,11 +28,26 @@ from typing import Any
 import torch
 
 from kda_patches.ledger import get_ledger
-from kda_patches.routing.alias import CallRoute, make_alias, make_flags_alias
+from kda_patches.routing.alias import CallRoute, make_alias, make_flags_alias, tag_final
 from kda_patches.routing.proof import layer_name_of, report_bypass, require_plan, settle_route
 from kda_patches.routing.seams import CLEAR_NATIVE, CLEAR_NONE, Argument, KVCacheSlot, MetadataField, Seam
 
 active_call = threading.local()
+_MISSING = object()
+
+
+class FinalTagger:
+    """Stands in for a layer's chunk-callable attribute during one routed call: tags its final state."""
+
+    __slots__ = ("index", "route", "wrapped")
+
+    def __init__(self, wrapped: Any, index: int, route: CallRoute) -> None:
+        self.wrapped = wrapped
+        self.index = index
+        self.route = route
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return tag_final(self.wrapped(*args, **kwargs), self.index, self.route)
 
 
 def prefill_metadata(layer: Any) -> Any:
@@ -158,6 +175,8 @@ def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dic
                 restore_flags = route.flags
             except (AttributeError, TypeError):  # frozen/slotted metadata: no fold, the fork clears itself
                 route.flags = None
+    final = seam.final
+    shadowed = final is not None and final.attribute is not None and shadow_attribute(instance, final, route)
     try:
         return run_routed(wrapped, args, kwargs, route)
     finally:
@@ -165,6 +184,35 @@ def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dic
             instance.kv_cache = restore_cache
         if restore_flags is not None:
             setattr(metadata, seam.flags.name, restore_flags)
+        if shadowed:
+            unshadow_attribute(instance, final.attribute, shadowed)
+
+
+def shadow_attribute(layer: Any, final: Any, route: CallRoute) -> tuple[Any] | None:
+    """Shadow ``layer.<final.attribute>`` on the instance with a :class:`FinalTagger` for one call.
+
+    The instance ``__dict__`` entry wins over a class attribute and over ``nn.Module``'s submodule lookup,
+    and is removed afterwards.
+
+    Returns:
+        ``(previous,)``: what the instance ``__dict__`` held under that name (:data:`_MISSING` if nothing);
+        None when the layer has no such attribute (nothing shadowed: the fork's own lookup fails as it would).
+    """
+    current = getattr(layer, final.attribute, _MISSING)
+    if current is _MISSING:
+        return None
+    previous = layer.__dict__.get(final.attribute, _MISSING)
+    layer.__dict__[final.attribute] = FinalTagger(current, final.index, route)
+    return (previous,)
+
+
+def unshadow_attribute(layer: Any, attribute: str, shadowed: tuple[Any]) -> None:
+    """Undo :func:`shadow_attribute`: put back the instance's own entry, or remove the shadow."""
+    previous = shadowed[0]
+    if previous is _MISSING:
+        layer.__dict__.pop(attribute, None)
+    else:
+        layer.__dict__[attribute] = previous
 
 
 def route_clear(wrapped: Any, args: tuple, kwargs: dict) -> Any:
@@ -182,3 +230,12 @@ def route_gather(wrapped: Any, args: tuple, kwargs: dict) -> Any:
     if route is None or not route.open or read_argument(args, kwargs, 0, "state") is not route.proxy:
         return wrapped(*args, **kwargs)
     return route.gather(read_argument(args, kwargs, 1, "indices"), read_argument(args, kwargs, 2, "has_initial_state"))
+
+
+def route_final(wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """Inside a routed call whose seam declares ``FinalFrom(function=...)``, tag the chunk callable's final state."""
+    result = wrapped(*args, **kwargs)
+    route = getattr(active_call, "route", None)
+    if route is None or route.seam.final is None or route.seam.final.function is None:
+        return result
+    return tag_final(result, route.seam.final.index, route)

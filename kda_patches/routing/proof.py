@@ -78,6 +78,9 @@ def settle_route(route: CallRoute) -> None:
     """Close ``route`` and count the call as routed, or report it as bypassed."""
     route.close()
     if route.gathers == 1 and route.scatters == 1 and route.folded == route.elided:  # the common case, inline
-        get_ledger().count(route.seam.section, "calls_routed")
+        ledger = get_ledger()
+        ledger.count(route.seam.section, "calls_routed")
+        if route.casts_folded:
+            ledger.count(route.seam.section, "casts_folded")
         return
     report_bypass(route.seam.section, route.layer_name, route.problem() or "unknown")

@@ -14,7 +14,10 @@ the final states back. They differ only in *where* things are. A :class:`Seam` s
   :data:`CLEAR_NONE` (the gather function takes the flags itself, e.g. ``gather_initial_states``);
 - ``gather_function``: module-level name the fork gathers through instead of indexing, if any;
 - ``prefill_gated``: the seam is a whole forward: only calls whose forward-context metadata has
-  ``num_prefills > 0`` are routed; decode-only and speculative-only calls pass through uncounted.
+  ``num_prefills > 0`` are routed; decode-only and speculative-only calls pass through uncounted;
+- ``final``: a :class:`FinalFrom` -- which callable returns the final state the seam scatters as
+  ``state[indices] = final.to(state.dtype)``, so that cast is folded into the plan's scatter -- or None
+  (the scatter then gets what the fork computed).
 
 The mechanism that reads these declarations lives in :mod:`kda_patches.routing.calls` (it imports torch);
 this module is standard-library only, so patch records can build seams at ``import kda_patches``.
@@ -69,6 +72,31 @@ class MetadataField:
         return f"MetadataField({self.name!r})"
 
 
+class FinalFrom:
+    """Where a seam's final state comes from: element ``index`` of what its chunk callable returns.
+
+    Exactly one of:
+
+    - ``attribute``: the seam calls ``self.<attribute>(...)`` (a layer attribute: a CustomOp module, a bound
+      method); the router shadows that attribute on the layer instance for the call;
+    - ``function``: the seam calls a module-level (or ``Class.static``) name; the patch record wraps that
+      name with :data:`wrap_final` as a target of the seam's group.
+    """
+
+    __slots__ = ("attribute", "function", "index")
+
+    def __init__(self, index: int, attribute: str | None = None, function: str | None = None) -> None:
+        if (attribute is None) == (function is None):
+            raise ValueError(f"FinalFrom needs exactly one of attribute / function, got {attribute!r} / {function!r}")
+        self.index = index
+        self.attribute = attribute
+        self.function = function
+
+    def __repr__(self) -> str:
+        where = f"self.{self.attribute}" if self.attribute else self.function
+        return f"FinalFrom({where}()[{self.index}])"
+
+
 class Seam:
     """One state-copy seam of one fork function (see the module docstring).
 
@@ -84,14 +112,16 @@ class Seam:
         gather_function: module-level gather name, e.g. ``gather_initial_states``, or None.
         prefill_gated: route only calls whose metadata has ``num_prefills > 0``.
         cache_slot: ``layer.kv_cache`` entry the worker startup prepares the plan for.
+        final: :class:`FinalFrom` (the folded final-state cast) or None.
     """
 
-    __slots__ = ("cache_slot", "clear", "clear_function", "flags", "gather_function", "indices", "name",
+    __slots__ = ("cache_slot", "clear", "clear_function", "final", "flags", "gather_function", "indices", "name",
                  "prefill_gated", "section", "state")
 
     def __init__(self, name: str, section: str, state: Argument | KVCacheSlot, indices: Any = None,
                  flags: Any = None, clear: str = CLEAR_NATIVE, clear_function: str | None = None,
-                 gather_function: str | None = None, prefill_gated: bool = False, cache_slot: int = 1) -> None:
+                 gather_function: str | None = None, prefill_gated: bool = False, cache_slot: int = 1,
+                 final: FinalFrom | None = None) -> None:
         if clear not in _CLEARS:
             raise ValueError(f"seam {name!r}: clear must be one of {_CLEARS}, got {clear!r}")
         if (clear == CLEAR_FUNCTION) != (clear_function is not None):
@@ -115,6 +145,9 @@ class Seam:
         self.gather_function = gather_function
         self.prefill_gated = prefill_gated
         self.cache_slot = cache_slot
+        if final is not None and not isinstance(final, FinalFrom):
+            raise TypeError(f"seam {name!r}: final must be a FinalFrom or None, got {final!r}")
+        self.final = final
 
     def __repr__(self) -> str:
         return f"Seam({self.name!r}, section={self.section!r})"
@@ -123,7 +156,8 @@ class Seam:
         """Return the declaration as a JSON-serialisable dict (ledger, doctor)."""
         return {"name": self.name, "state": repr(self.state), "indices": repr(self.indices),
                 "flags": repr(self.flags), "clear": self.clear, "clear_function": self.clear_function,
-                "gather_function": self.gather_function, "prefill_gated": self.prefill_gated}
+                "gather_function": self.gather_function, "prefill_gated": self.prefill_gated,
+                "final": repr(self.final) if self.final is not None else None}
 
 
 _calls: Any = None
@@ -173,6 +207,16 @@ class GatherWrapper:
         return (_calls or _load_calls()).route_gather(wrapped, args, kwargs)
 
 
+class FinalWrapper:
+    """wrapt wrapper of a seam's module-level chunk callable (``FinalFrom(function=...)``): inside a routed
+    call whose seam declares it, its final-state result is tagged so ``.to(cache dtype)`` folds into the scatter."""
+
+    __slots__ = ()
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (_calls or _load_calls()).route_final(wrapped, args, kwargs)
+
+
 class StartupWrapper:
     """wrapt wrapper of a model runner's ``initialize_kv_cache``: prepare and publish every seam layer's plan.
 
@@ -214,3 +258,4 @@ class ForkPlanWrapper:
 
 wrap_clear = ClearWrapper()
 wrap_gather = GatherWrapper()
+wrap_final = FinalWrapper()

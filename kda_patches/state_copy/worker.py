@@ -44,6 +44,11 @@ class LayerStatePlan:
     def __repr__(self) -> str:
         return f"LayerStatePlan({self.layer_name!r}, kind={self.kind!r}, sealed={self.plan.sealed})"
 
+    @property
+    def final_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The final-state dtypes the scatter accepts (decided at startup; others are refused)."""
+        return self.plan.final_dtypes
+
     def gather(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
         """Gather initial states: packed row ``s`` = cache row ``indices[s]``, zero when invalid or flag false.
 

@@ -43,5 +43,8 @@ def test_gdn_forward_core_patched_equals_baseline(kind: str, source: str, cache_
     seen = released_ab.counters(patched, "gdn_state_copy")
     assert seen.get("calls_seen") == seen.get("calls_routed") == PREFILL_CALLS, context + f"\nledger: {seen}"
     assert not seen.get("calls_bypassed"), context + f"\nledger: {seen}"
+    # the stand-in chunk rule returns FP32 finals: a BF16 cache's `.to()` is folded into every routed scatter
+    folds = PREFILL_CALLS if cache_dtype == "bfloat16" else 0
+    assert seen.get("casts_folded", 0) == folds and not seen.get("casts_materialized"), context + f"\nledger: {seen}"
     facts = patched["ledger"].get("facts", {}).get("gdn_state_copy", {})
     assert all(facts.get(name, {}).get("plan_kind") for name in patched["snapshots"][-1]), context + f"\n{facts}"

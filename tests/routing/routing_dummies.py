@@ -13,6 +13,9 @@ the cache:
 - :class:`GatherFunctionLayer` -- Kimi Linear GDN: module-level :func:`gather_initial_states`;
 - :class:`OtherIndexLayer` -- gathers with a *different* index tensor of the same shape and values, no clear;
 - :class:`NoClearLayer` -- a fork that stopped calling ``clear_ssm_states`` after its gather;
+- :class:`AttributeChunkLayer` -- Qwen GDN: ``self.chunk_gated_delta_rule(...)``, ``ssm_state[idx] = last.to(dtype)``;
+- :class:`FunctionChunkLayer` -- Olmo hybrid GDN: module-level :func:`chunk_gated_delta_rule`;
+- :class:`CastReuseLayer` -- uses ``last.to(dtype)`` (a sum) before scattering it;
 - :class:`Runner` -- ``initialize_kv_cache(self, kv_cache_config)`` binding page-gapped, poisoned caches.
 """
 
@@ -44,6 +47,26 @@ def chunk(initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(output [S], final [S, ...] float32)`` of the dummy chunk math."""
     final = initial.float() * 0.5 + 1.0
     return final.sum(dim=tuple(range(1, final.dim()))), final
+
+
+def special_finals(initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dummy chunk math, with FP32 edge values written into each final row's first items.
+
+    NaNs with payloads and both signs, infinities, -0.0, FP32 subnormals, values past the 16-bit range and
+    BF16/FP16 rounding ties: the folded cast must give torch's ``.to()`` bits for every one.
+    """
+    out, final = chunk(initial)
+    edges = torch.tensor([0x7FC00001, 0xFFC00000, 0x7FA00000, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001,
+                          0x80400000, 0x7F7FFFFF, 0x477FF000, 0x3F808000, 0x3F818000, 0x3F800800, 0x33800000,
+                          0xC7800000, 0x00800000], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    rows = final.reshape(final.shape[0], -1)
+    rows[:, :edges.numel()] = edges
+    return out, final
+
+
+def chunk_gated_delta_rule(initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Module-level chunk callable (Olmo's name): :func:`special_finals`."""
+    return special_finals(initial)
 
 
 @dataclass
@@ -156,6 +179,57 @@ class GatherFunctionLayer(Layer):
         initial_state = gather_initial_states(recurrent_state, m.prefill_state_indices, m.prefill_has_initial_state)
         out, last = chunk(initial_state)
         recurrent_state[m.prefill_state_indices] = last.to(recurrent_state.dtype)
+        core_attn_out.copy_(out)
+
+
+class AttributeChunkLayer(Layer):
+    """Qwen's shape: the chunk rule is a layer attribute; the final state is scattered ``.to(ssm_state.dtype)``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__(prefix)
+        self.chunk_gated_delta_rule = special_finals
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        m = _metadata(self)
+        ssm_state = self.kv_cache[1]
+        prefill_state_indices = m.prefill_state_indices
+        prefill_has_initial_state = m.prefill_has_initial_state
+        initial_state = ssm_state[prefill_state_indices]
+        initial_state[~prefill_has_initial_state, ...] = 0
+        out, last_recurrent_state = self.chunk_gated_delta_rule(initial_state)
+        ssm_state[prefill_state_indices] = last_recurrent_state.to(ssm_state.dtype)
+        core_attn_out.copy_(out)
+
+
+class FunctionChunkLayer(Layer):
+    """Olmo hybrid's shape: module-level ``chunk_gated_delta_rule``, other metadata names, ``.contiguous()``."""
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        m = _metadata(self)
+        ssm_state = self.kv_cache[1]
+        initial_state = ssm_state[m.non_spec_state_indices_tensor].contiguous()
+        initial_state[~m.has_initial_state, ...] = 0
+        out, last_recurrent_state = chunk_gated_delta_rule(initial_state)
+        ssm_state[m.non_spec_state_indices_tensor] = last_recurrent_state.to(ssm_state.dtype)
+        core_attn_out.copy_(out)
+
+
+class CastReuseLayer(AttributeChunkLayer):
+    """Reads the cast final state (a copy, into ``cast_copies``) before scattering it."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__(prefix)
+        self.cast_copies: list[torch.Tensor] = []
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        m = _metadata(self)
+        ssm_state = self.kv_cache[1]
+        initial_state = ssm_state[m.prefill_state_indices]
+        initial_state[~m.prefill_has_initial_state, ...] = 0
+        out, last_recurrent_state = self.chunk_gated_delta_rule(initial_state)
+        cast = last_recurrent_state.to(ssm_state.dtype)
+        self.cast_copies.append(cast.clone())
+        ssm_state[m.prefill_state_indices] = cast
         core_attn_out.copy_(out)
 
 

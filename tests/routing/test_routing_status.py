@@ -5,7 +5,8 @@ from __future__ import annotations
 from kda_patches.patches import gdn_state_copy, kimi_prefill
 
 SNAPSHOT = {
-    "counters": {"gdn_state_copy": {"calls_seen": 7, "calls_routed": 6, "calls_bypassed": 1, "calls_refused": 2},
+    "counters": {"gdn_state_copy": {"calls_seen": 7, "calls_routed": 6, "calls_bypassed": 1, "calls_refused": 2,
+                                    "casts_folded": 5, "casts_materialized": 1},
                  "kimi_prefill": {}},
     "facts": {
         "gdn_state_copy": {
@@ -24,7 +25,7 @@ SNAPSHOT = {
 
 def test_gdn_status_line_counts_calls_and_plans():
     assert gdn_state_copy.format_status_line(SNAPSHOT) == (
-        "gdn_state_copy: prefill calls seen 7, routed 6, bypassed 1, refused 2; "
+        "gdn_state_copy: prefill calls seen 7, routed 6, bypassed 1, refused 2, casts folded 5, casts materialized 1; "
         "plans fused=2 (model.layers.0.linear_attn…)")
 
 
