@@ -51,6 +51,9 @@ def summarize_gdn(result: dict[str, Any]) -> dict[str, Any]:
         row["speedup_vs_native"] = {mode: native[mode] / plan[mode] for mode in MODES
                                     if native.get(mode) and plan.get(mode)}
         row["plan_graph_over_floor"] = plan["graph"] / floor if plan.get("graph") and floor else None
+        copy = impls.get("copy", {})
+        row["plan_graph_over_copy"] = plan["graph"] / copy["graph"] if plan.get("graph") and copy.get("graph") else None
+        row["copy_graph_over_floor"] = copy["graph"] / floor if copy.get("graph") and floor else None
         rows.append(row)
         tag = f"{shape}/{cache}:{final}/{selected}"
         if selected >= 64 and op == "pair" and (cache, final) in SPEEDUP_CASES:
@@ -60,6 +63,9 @@ def summarize_gdn(result: dict[str, Any]) -> dict[str, Any]:
         if selected >= 64 and op == "scatter":
             checks[f"scatter_graph_over_floor {tag}"] = _check(row["plan_graph_over_floor"],
                                                               GDN_TARGETS["scatter_graph_over_floor_max"], "max")
+            if row["plan_graph_over_copy"] is not None:  # the same bound against torch's copy of those bytes
+                checks[f"scatter_graph_over_contiguous_copy {tag}"] = _check(
+                    row["plan_graph_over_copy"], GDN_TARGETS["scatter_graph_over_floor_max"], "max")
     entries = sum(result["compiler_entries_after_seal"].values())
     checks["compiler_entries_after_seal"] = {"value": entries, "target": 0, "met": entries == 0}
     return {"rows": rows, "checks": checks, "targets": GDN_TARGETS,
@@ -87,11 +93,14 @@ def print_gdn_table(result: dict[str, Any]) -> None:
         speed = row["speedup_vs_native"]
         ratio = row["plan_graph_over_floor"]
         extra = row["impls"].get("plan+torch-cast")
+        copy = row["impls"].get("copy")
         print(f"{row['shape']} {row['dtype']}:{row['final_dtype']} S={row['selected']:<4} {row['op']:<7} | "
               f"{_show(native.get('graph'))}, {_show(native.get('wall'))} | {_show(plan.get('graph'))}, "
               f"{_show(plan.get('wall'))} | {speed.get('graph', 0):.2f}x, {speed.get('wall', 0):.2f}x | "
               + (f"{ratio:.2f}x" if ratio else "-")
-              + (f" | plan+torch-cast graph {_show(extra.get('graph'))}" if extra else ""))
+              + (f" | plan+torch-cast graph {_show(extra.get('graph'))}" if extra else "")
+              + (f" | contiguous copy graph {_show(copy.get('graph'))} ({row['copy_graph_over_floor']:.2f}x floor;"
+                 f" plan {row['plan_graph_over_copy']:.2f}x copy)" if copy and row["plan_graph_over_copy"] else ""))
     for name, check in result["summary"]["checks"].items():
         value = check["value"]
         shown = f"{value:.3f}" if isinstance(value, float) else value

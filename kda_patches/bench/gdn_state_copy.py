@@ -34,6 +34,7 @@ from kda_patches.bench.entries import CompilerEntryCounter
 from kda_patches.bench.state_copy import DTYPES, build_cache, collect_versions, resolve_run_target, source_hash
 
 NATIVE, PLAN, PLAN_TORCH_CAST = "native", "plan", "plan+torch-cast"
+COPY = "copy"  # scatter only: the same bytes moved by torch into a contiguous buffer (no index): a size-matched floor
 
 
 def parse_shapes(text: str) -> list[tuple[str, list[int]]]:
@@ -134,6 +135,10 @@ def measure_case(impls: dict[str, Any], state: torch.Tensor, final: torch.dtype,
     last = torch.randn((selected, *state.shape[1:]), generator=generator).to(device=device, dtype=final)
     check_correctness(impls, state, index_sets[0], flag_sets[0], last)
     calls = make_calls(impls, state, index_sets, flag_sets, last)
+    # what moving these bytes costs at this size without any indexing: read the finals in their dtype, write
+    # the cache dtype into one contiguous buffer (torch's copy_: a memcpy when the dtypes match, else its cast)
+    contiguous = torch.empty((selected, *state.shape[1:]), dtype=state.dtype, device=device)
+    calls[(COPY, "scatter")] = lambda step: contiguous.copy_(last)
     return timing.measure_rounds(calls, args.trials, args.graph_calls, device, shuffler)
 
 

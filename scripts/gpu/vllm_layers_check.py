@@ -59,6 +59,7 @@ BUNDLE_DIR = ROOT / ".bundle"
 SITE_DIR = pathlib.Path(tempfile.gettempdir()) / "kda-vllm-bundle"
 LAYERS = ("kimi_k3", "qwen_gdn")
 PATCH_OF = {"kimi_k3": "kimi_prefill", "qwen_gdn": "gdn_state_copy"}
+FOLDS = ("qwen_gdn",)  # layers whose seam declares its final state's source (Seam.final): the cast is folded
 PREFIX_OF = {"kimi_k3": "model.layers.1.self_attn", "qwen_gdn": "model.layers.0.linear_attn"}
 # Prefix caching (vLLM's default) puts mamba layers in "align" mode. Under the V2 model runner,
 # KimiK3KDAMetadataBuilder.build asserts that the runner precomputed the aligned state indices (its model state
@@ -173,12 +174,16 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
                          f"(no {PATCH_OF[layer]} seam in this tree; KDA_PATCHES=0 process digest "
                          f"{'equal' if ok else 'DIFFERENT'})")
             continue
+        # a seam that declares its final state's source folds every prefill's cast when the cache is not FP32
+        folds_expected = case["calls_routed"] if case.get("final_cast") else 0
         ok = (case["outputs_equal"] and case["cache_equal"] and case["calls_seen"] > 0
-              and case["calls_routed"] == case["calls_seen"] and cross != "DIFFERENT")
+              and case["calls_routed"] == case["calls_seen"] and cross != "DIFFERENT"
+              and case.get("casts_folded", 0) == folds_expected and not case.get("casts_materialized"))
         lines.append(f"VERDICT {layer} {name} ({case['shape']}): {'PASS' if ok else 'FAIL'} outputs "
                      f"{'equal' if case['outputs_equal'] else 'DIFFER'}, cache bytes "
                      f"{'equal' if case['cache_equal'] else 'DIFFER'} ({case['cache_bytes']} B), routed "
-                     f"{case['calls_routed']}/{case['calls_seen']}, KDA_PATCHES=0 process {cross}")
+                     f"{case['calls_routed']}/{case['calls_seen']}, casts folded {case.get('casts_folded', 0)}/"
+                     f"{folds_expected}, KDA_PATCHES=0 process {cross}")
     for row in on.get("timing", []):
         if patched:
             lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched {row['baseline_event_ms']:.3f} ms, "
@@ -628,7 +633,10 @@ def run_case(bench: LayerBench, overlay: Overlay | None, name: str, decodes: lis
         cache_equal=bool(torch.equal(raw_base, bench.raw)), digest_patched=digest(out_patched, bench.raw),
         calls_seen=after.get("calls_seen", 0) - before.get("calls_seen", 0),
         calls_routed=after.get("calls_routed", 0) - before.get("calls_routed", 0),
-        calls_bypassed=after.get("calls_bypassed", 0) - before.get("calls_bypassed", 0))
+        calls_bypassed=after.get("calls_bypassed", 0) - before.get("calls_bypassed", 0),
+        casts_folded=after.get("casts_folded", 0) - before.get("casts_folded", 0),
+        casts_materialized=after.get("casts_materialized", 0) - before.get("casts_materialized", 0),
+        final_cast=bench.kind in FOLDS and bench.layer.kv_cache[1].dtype != torch.float32)
     bench.raw.copy_(snapshot)
     return record
 

@@ -39,8 +39,11 @@ def test_gdn_bench_smoke_run_native_vs_plan_with_cast_cases(tmp_path, device):
                      for cache, final in (("float32", "float32"), ("bfloat16", "float32"))}
     impls = {(r["dtype"], r["final_dtype"], r["impl"]) for r in result["records"]}
     assert ("float32", "float32", "plan+torch-cast") not in impls  # only where the dtypes differ
-    assert {impl for _, _, impl in impls} == {"native", "plan", "plan+torch-cast"}
+    assert {impl for _, _, impl in impls} == {"native", "plan", "plan+torch-cast", "copy"}
     assert {r["op"] for r in result["records"]} == {"gather", "scatter", "pair"}
+    assert {r["op"] for r in result["records"] if r["impl"] == "copy"} == {"scatter"}  # the size-matched floor
+    scatters = [row for row in result["summary"]["rows"] if row["op"] == "scatter"]
+    assert scatters and all(row["impls"]["copy"]["wall"] > 0 for row in scatters)
     assert all(len(r["samples_us"]) == 2 for r in result["records"])
     assert result["compiler_entries_after_seal"] == {"JITFunction.run": 0, "InterpretedFunction.run": 0,
                                                      "triton.compile": 0}
