@@ -38,9 +38,16 @@ neither torch nor vLLM.
 
 from __future__ import annotations
 
-from kda_patches.patches.kimi_prefill import GATHER_PARAMETERS, _release, ascend_runners, era, upstream_runners
 from kda_patches.patches.kimi_prefill import format_status_line as format_section_line
 from kda_patches.registry import Patch, Target
+from kda_patches.routing.eras import (
+    CLEAR_PARAMETERS,
+    GATHER_PARAMETERS,
+    ascend_runners,
+    era,
+    release_tuple,
+    upstream_runners,
+)
 from kda_patches.routing.seams import (
     CLEAR_FUNCTION,
     CLEAR_NATIVE,
@@ -64,7 +71,6 @@ LEDGER_PATH = "gdn_state_copy"
 
 FORWARD_CORE_PARAMETERS = ("self", "mixed_qkv", "b", "a", "core_attn_out")
 KIMI_GDN_FORWARD_PARAMETERS = ("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out")
-CLEAR_PARAMETERS = ("ssm_states", "has_initial_state")
 
 QWEN_SEAM = Seam("vLLM Qwen GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
                  indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
@@ -114,7 +120,7 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
          FORWARD_CORE_PARAMETERS, _OLMO_SHAPES),
         # re-exported FLA function: its keyword signature varies by release; the seam's fold shape is the contract
         (f"{_GDN}.olmo_gdn_linear_attn", "chunk_gated_delta_rule", wrap_final, None, ())]
-    if _release(low) >= (0, 27):  # 0.26's Kimi Linear _forward clears with a boolean-mask index first: not this seam
+    if release_tuple(low) >= (0, 27):  # 0.26's Kimi Linear _forward clears with a boolean-mask index: not this seam
         members += [
             (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_forward,
              KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_SHAPES),
@@ -123,7 +129,7 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
 
 
 def _ascend_era(low: str, high: str) -> tuple[Target, ...]:
-    if _release(low) < (0, 27):  # 0.26 has only the Triton variant (transposed copies around the chunk)
+    if release_tuple(low) < (0, 27):  # 0.26 has only the Triton variant (transposed copies around the chunk)
         seam: tuple[tuple[Any, ...], ...] = (
             ("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core", wrap_ascend_forward_core,
              FORWARD_CORE_PARAMETERS, _ASCEND_SHAPES),)

@@ -26,6 +26,13 @@ Importing this module imports neither torch nor vLLM.
 from __future__ import annotations
 
 from kda_patches.registry import Patch, Target
+from kda_patches.routing.eras import (
+    CLEAR_PARAMETERS,
+    GATHER_PARAMETERS,
+    ascend_runners,
+    era,
+    upstream_runners,
+)
 from kda_patches.routing.seams import (
     CLEAR_FUNCTION,
     CLEAR_NONE,
@@ -47,15 +54,8 @@ LEDGER_PATH = "kimi_prefill"
 
 RUN_PREFILL_PARAMETERS = ("self", "q", "k", "v", "raw_gate", "beta", "recurrent_state", "state_indices",
                           "has_initial_state", "prebuilt_metadata")
-CLEAR_PARAMETERS = ("ssm_states", "has_initial_state")
 FORWARD_PARAMETERS = ("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out")
-GATHER_PARAMETERS = ("state", "indices", "has_initial_state")
 FORK_INITIALIZE_PARAMETERS = ("static_forward_context", "max_selected")
-VLLM_RUNNER_PARAMETERS = ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context")
-VLLM_RUNNER_PARAMETERS_027 = ("self", "kv_cache_config", "is_profiling")
-VLLM_V2_RUNNER_PARAMETERS_027 = ("self", "kv_cache_config")
-ASCEND_RUNNER_PARAMETERS = ("self", "kv_cache_config")
-ASCEND_RUNNER_PARAMETERS_028 = ("self", "kv_cache_config", "kv_cache_allocation_context")
 
 ASCEND_SEAM = Seam("vllm-ascend Kimi _run_prefill", LEDGER_PATH, state=Argument(5, "recurrent_state"),
                    indices=Argument(6, "state_indices"), flags=Argument(7, "has_initial_state"),
@@ -76,42 +76,6 @@ _UPSTREAM_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recurren
                     "scatter:recurrent_state[...]=")
 _KIMI_KDA = "vllm_ascend.ops.kimi_kda"
 _KIMI_K3 = "vllm.models.kimi_k3.nvidia.kda"
-_NPU_RUNNERS = ("vllm_ascend.worker.model_runner_v1", "vllm_ascend.worker.v2.model_runner")
-
-
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("."))
-
-
-def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], ...]) -> tuple[Target, ...]:
-    """Return one coupled group of targets valid for ``distribution`` in ``[low, high)``.
-
-    A release era is one group (named ``<distribution>-<low>``): its members -- a seam, the copy functions
-    its module calls, the startup hooks -- are applied together or not at all. A key that changes between
-    eras (a runner's signature, the Kimi class name) has one sibling per era, each in that era's group.
-
-    Args:
-        distribution: ``vllm`` or ``vllm-ascend`` (also the stack label).
-        low, high: the era's version range.
-        members: ``(module, qualname, wrapper, parameters, shapes)`` per target.
-    """
-    return tuple(Target(module, qualname, wrapper, distribution, distribution, low, high, parameters,
-                        f"{distribution}-{low}", shapes) for module, qualname, wrapper, parameters, shapes in members)
-
-
-def upstream_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:
-    """Return the era members for vLLM's V1/V2 ``GPUModelRunner.initialize_kv_cache`` (signature by era)."""
-    old = _release(low) < (0, 30)
-    return (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
-             VLLM_RUNNER_PARAMETERS_027 if old else VLLM_RUNNER_PARAMETERS, ()),
-            ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
-             VLLM_V2_RUNNER_PARAMETERS_027 if old else VLLM_RUNNER_PARAMETERS, ()))
-
-
-def ascend_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:
-    """Return the era members for vllm-ascend's V1/V2 ``NPUModelRunner.initialize_kv_cache`` (signature by era)."""
-    parameters = ASCEND_RUNNER_PARAMETERS if _release(low) < (0, 28) else ASCEND_RUNNER_PARAMETERS_028
-    return tuple((module, "NPUModelRunner.initialize_kv_cache", wrapper, parameters, ()) for module in _NPU_RUNNERS)
 
 
 def _ascend_era(low: str, high: str, cls: str) -> tuple[Target, ...]:

@@ -51,9 +51,10 @@ class Batch:
 def reference_patch(name: str = "kimi_prefill_reference", variant: bool = False) -> Any:
     """Return the kimi_prefill record built for the reference modules (``variant``: the index_select fork)."""
     from kda_patches.patches import kimi_prefill
+    from kda_patches.routing import eras
 
-    runners = (("kimi_runner", "GPUModelRunner", kimi_prefill.VLLM_RUNNER_PARAMETERS),
-               ("kimi_runner", "NPUModelRunner", kimi_prefill.ASCEND_RUNNER_PARAMETERS))
+    runners = (("kimi_runner", "GPUModelRunner", eras.VLLM_RUNNER_PARAMETERS),
+               ("kimi_runner", "NPUModelRunner", eras.ASCEND_RUNNER_PARAMETERS))
     if variant:
         return kimi_prefill.build_patch(name, ascend=("kimi_variant_layer", "IndexSelectKimiK3DeltaAttention"),
                                         runners=runners)
