@@ -93,6 +93,7 @@ class Mutant:
 ROUTING_ALIAS = "kda_patches/routing/alias.py"
 ROUTING_PROOF = "kda_patches/routing/proof.py"
 ROUTING_TESTS = "tests/routing/test_routing_core.py"
+FOLD_TESTS = "tests/routing/test_routing_folded_cast.py"
 CHECKER = "kda_patches/kv_layout/checker.py"
 KERNELS = "kda_patches/state_copy/kernels.py"
 SEMANTICS = "tests/state_copy/test_state_copy_semantics.py"
@@ -194,6 +195,16 @@ MUTANTS: tuple[Mutant, ...] = (
            "",
            (f"{KIMI_ROUTING_TESTS}::test_a_fork_gathering_with_index_select_is_reported_bypassed",), "E (routing)",
            "a bypassed prefill call is not counted calls_bypassed"),
+    Mutant("fold-cast-never-deferred", ROUTING_ALIAS,
+           "        return (self.open and dtype is self.state.dtype and final.dtype is not dtype\n",
+           "        return False and (self.open and dtype is self.state.dtype and final.dtype is not dtype\n",
+           (f"{FOLD_TESTS}::test_the_cast_is_folded_and_bit_exact",), "E (routing)",
+           "the final-state cast is never folded into the routed scatter (a separate cast kernel runs)"),
+    Mutant("fold-cast-pending-never-computed", ROUTING_ALIAS,
+           "                    materialize_pending(leaf)\n",
+           "                    pass\n",
+           (f"{FOLD_TESTS}::test_a_cast_used_before_the_scatter_is_computed_by_torch",), "E (routing)",
+           "a pending cast used by something other than the scatter is never computed (its reader sees garbage)"),
     Mutant("registry-drift-ignored", "kda_patches/verdicts.py",
            "return target.parameters is None or (parameters is not None and tuple(parameters) == target.parameters)",
            "return target.parameters is None or parameters is not None",

@@ -45,10 +45,11 @@ class PagedCache:
 def build_cache(device: torch.device, dtype: torch.dtype = torch.float32, num_rows: int = 6,
                 inner: tuple[int, int, int] = (2, 3, 8), gap: int = 5, offset: int = 3,
                 seed: int = 0) -> PagedCache:
-    """Build a random :class:`PagedCache` whose gaps, offset prefix and tail hold a NaN-pattern poison.
+    """Build a random :class:`PagedCache` whose gaps, head, offset prefix and tail hold a NaN-pattern poison.
 
-    The backing goes on for one more row stride after row ``N - 1`` (the tail), so a kernel that takes
-    ``index == N`` as valid reads or writes poisoned memory in bounds, which the tests then see.
+    The backing holds one more row stride before row 0 (the head) and after row ``N - 1`` (the tail), so a
+    kernel that takes ``index == -1`` or ``index == N`` as valid reads or writes poisoned memory in bounds,
+    which the tests then see as a changed poison byte (not as a crash).
 
     Args:
         device: where to allocate.
@@ -56,16 +57,17 @@ def build_cache(device: torch.device, dtype: torch.dtype = torch.float32, num_ro
         num_rows: ``N``.
         inner: ``(H, V, K)``.
         gap: items between rows (page gap).
-        offset: items before row 0 (storage offset).
+        offset: items between the head row stride and row 0 (the storage offset is ``stride + offset``).
         seed: RNG seed of the row contents.
     Returns:
         The cache.
     """
     generator = torch.Generator().manual_seed(seed)
     stride0 = inner[0] * inner[1] * inner[2] + gap
-    total = offset + (num_rows + 1) * stride0
+    start = stride0 + offset  # a whole poisoned row stride before row 0: index -1 stays in bounds
+    total = start + (num_rows + 1) * stride0
     backing = torch.full((total,), -7, dtype=BITS[dtype]).view(dtype)
-    state = backing.as_strided((num_rows, *inner), (stride0, inner[1] * inner[2], inner[2], 1), offset)
+    state = backing.as_strided((num_rows, *inner), (stride0, inner[1] * inner[2], inner[2], 1), start)
     state.copy_((torch.randn((num_rows, *inner), generator=generator) * 3).to(dtype))
     backing = backing.to(device)
-    return PagedCache(backing.as_strided(state.shape, state.stride(), offset), backing)
+    return PagedCache(backing.as_strided(state.shape, state.stride(), start), backing)
