@@ -135,6 +135,7 @@ def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Name
     argv = [sys.executable, __file__, "--child", layer, "--child-out", str(out), "--rounds", str(args.rounds),
             "--mode", "on" if enabled else "off"]
     argv += ["--dry-run"] if args.dry_run else []
+    argv += ["--host-profile", *map(str, args.host_profile)] if args.host_profile and enabled else []
     started = time.perf_counter()
     process = subprocess.Popen(argv, env=child_env(site, layer, enabled, args.dry_run), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -686,6 +687,58 @@ def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: in
     return row
 
 
+def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: int) -> dict[str, Any]:
+    """Host side of the layer call, unpatched vs patched: enqueue time (no sync inside) and a cProfile digest.
+
+    For the small batches where the layer is host-bound: ``enqueue_us`` is the median wall time of the call
+    alone (the GPU is synchronized before, not inside); ``profile`` lists the 120 functions with the most cumulative
+    time over ``calls`` profiled calls (calls, own and cumulative µs per layer call), to show where they differ.
+    """
+    import cProfile
+    import pstats
+
+    torch = bench.torch
+    rows = random.Random(seqs).sample(range(1, bench.num_blocks), seqs)
+    common = bench.common_metadata([], [(TIMED_LEN, TIMED_CACHED)] * seqs, rows)
+    inputs = bench.inputs(common.num_actual_tokens, 11 + seqs)
+    snapshot = bench.raw.clone()
+    result: dict[str, Any] = {"seqs": seqs, "calls": calls}
+    for variant in ("baseline", "patched"):
+        if overlay is None or overlay.patch is None:
+            if variant == "patched":
+                break
+        else:
+            overlay.on() if variant == "patched" else overlay.off()
+        enqueue = []
+        profiler = cProfile.Profile()
+        for step in range(2 * calls + 3):
+            bench.raw.copy_(snapshot)
+            metadata = bench.builder().build(0, common)
+            fresh = bench.fresh(inputs)
+            torch.cuda.synchronize()
+            profiled = step >= calls + 3
+            if profiled:
+                profiler.enable()
+            started = time.perf_counter()
+            bench.call(metadata, inputs, fresh)
+            elapsed = time.perf_counter() - started
+            if profiled:
+                profiler.disable()
+            elif step >= 3:
+                enqueue.append(elapsed * 1e6)
+            torch.cuda.synchronize()
+        stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, _)
+        rows = sorted(((f"{path.rsplit('site-packages/', 1)[-1]}:{line}({name})", calls, own, cumulative)
+                       for (path, line, name), (_, calls, own, cumulative, _) in stats.items()),
+                      key=lambda row: -row[3])[:120]
+        result[variant] = {"enqueue_us": statistics.median(enqueue), "enqueue_samples_us": enqueue,
+                           "profile": [{"function": name, "calls_per_layer_call": count / calls,
+                                        "own_us": own / calls * 1e6, "cumulative_us": cumulative / calls * 1e6}
+                                       for name, count, own, cumulative in rows]}
+    bench.raw.copy_(snapshot)
+    return result
+
+
 def run_child_main(args: argparse.Namespace) -> int:
     """Child body: activate the overlay first, then build the layer from vLLM's own code and run everything."""
     result: dict[str, Any] = {"layer": args.child, "mode": args.mode, "facts": {}, "cases": [], "timing": []}
@@ -737,6 +790,13 @@ def run_child_main(args: argparse.Namespace) -> int:
                 save()
                 print(f"[{args.child}] timing {seqs}x{new}: " + json.dumps(
                     {k: v for k, v in row.items() if k != "samples"}), flush=True)
+            for seqs in args.host_profile:
+                profile = profile_host(bench, overlay if result["patched_available"] else None, seqs, 20)
+                result.setdefault("host_profile", []).append(profile)
+                save()
+                print(f"[{args.child}] host enqueue {seqs}x{TIMED_LEN}: " + ", ".join(
+                    f"{variant} {profile[variant]['enqueue_us']:.1f} us" for variant in ("baseline", "patched")
+                    if variant in profile), flush=True)
         result["ledger"] = get_ledger().snapshot()
     except BaseException as error:  # the parent reports it; the traceback goes to the log
         traceback.print_exc()
@@ -755,6 +815,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per shape (after one warm-up round)")
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
     parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
+    parser.add_argument("--host-profile", type=int, nargs="*", default=[], metavar="SEQS",
+                        help="also profile the layer call's host side at these batch sizes (x512 tokens)")
     parser.add_argument("--child-timeout-s", type=float, default=300.0, help="kill a child after this long")
     parser.add_argument("--child", choices=LAYERS, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)

@@ -214,6 +214,25 @@ class FunctionChunkLayer(Layer):
         core_attn_out.copy_(out)
 
 
+class ChunkModule(torch.nn.Module):
+    """The chunk rule as a submodule (vLLM's ``ChunkGatedDeltaRule`` is a CustomOp ``nn.Module``)."""
+
+    def forward(self, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return special_finals(initial)
+
+
+class ModuleChunkLayer(torch.nn.Module):
+    """Qwen's shape on an ``nn.Module``: the chunk rule is a registered submodule, ``kv_cache`` a plain attribute."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.kv_cache: tuple[torch.Tensor, ...] = ()
+        self.chunk_gated_delta_rule = ChunkModule()
+
+    _forward_core = AttributeChunkLayer._forward_core
+
+
 class CastReuseLayer(AttributeChunkLayer):
     """Reads the cast final state (a copy, into ``cast_copies``) before scattering it."""
 

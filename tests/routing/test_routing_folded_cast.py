@@ -21,7 +21,7 @@ from kda_patches.routing.seams import SeamWrapper, wrap_final
 
 GDN = gdn_state_copy.LEDGER_PATH
 SEAMS = {"AttributeChunkLayer": gdn_state_copy.QWEN_SEAM, "FunctionChunkLayer": gdn_state_copy.OLMO_SEAM,
-         "CastReuseLayer": gdn_state_copy.QWEN_SEAM}
+         "CastReuseLayer": gdn_state_copy.QWEN_SEAM, "ModuleChunkLayer": gdn_state_copy.QWEN_SEAM}
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -44,7 +44,7 @@ def run_world(module, cls: str, dtype: torch.dtype, index_dtype: torch.dtype, ca
     return outputs, runner.raw[layer.prefix].view(BITS[dtype]).clone(), layer
 
 
-@pytest.mark.parametrize("cls", ["AttributeChunkLayer", "FunctionChunkLayer"])
+@pytest.mark.parametrize("cls", ["AttributeChunkLayer", "FunctionChunkLayer", "ModuleChunkLayer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_the_cast_is_folded_and_bit_exact(load_dummies, strict, cls, dtype, index_dtype):
@@ -97,6 +97,15 @@ def test_the_layer_attribute_is_shadowed_only_during_the_call(load_dummies, stri
         assert "chunk_gated_delta_rule" not in layer.__dict__
     finally:
         del type(layer).chunk_gated_delta_rule
+
+
+def test_an_nn_module_layer_keeps_its_submodule_and_cache_attribute(load_dummies, strict):
+    module = load_dummies(record("fold_module", "ModuleChunkLayer"))
+    _, _, layer = run_world(module, "ModuleChunkLayer", torch.bfloat16, torch.int64, calls=2)
+    assert "chunk_gated_delta_rule" not in layer.__dict__  # the shadow is gone ...
+    assert isinstance(layer._modules["chunk_gated_delta_rule"], module.ChunkModule)  # ... the submodule is not
+    assert type(layer.kv_cache) is tuple and type(layer.kv_cache[1]) is torch.Tensor  # the plain cache is back
+    assert "kv_cache" in layer.__dict__ and "kv_cache" not in layer._buffers
 
 
 def test_the_module_level_chunk_is_plain_outside_a_routed_call(load_dummies, strict):
