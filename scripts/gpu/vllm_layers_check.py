@@ -690,9 +690,12 @@ def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: in
 def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: int) -> dict[str, Any]:
     """Host side of the layer call, unpatched vs patched: enqueue time (no sync inside) and a cProfile digest.
 
-    For the small batches where the layer is host-bound: ``enqueue_us`` is the median wall time of the call
-    alone (the GPU is synchronized before, not inside); ``profile`` lists the 120 functions with the most cumulative
-    time over ``calls`` profiled calls (calls, own and cumulative µs per layer call), to show where they differ.
+    For the small batches where the layer is host-bound. ``enqueue_us``: median wall time of the call alone
+    (the GPU is synchronized before, not inside) over ``3 * calls`` calls per variant, the variants interleaved
+    call by call in a shuffled order (the host's speed drifts; blocks of one variant would measure the drift).
+    ``profile``: the 120 functions with the most cumulative time over ``calls`` profiled calls per variant
+    (calls, own and cumulative µs per layer call), to show where they differ (cProfile inflates Python-heavy
+    code, so compare it with ``enqueue_us``, not in absolute terms).
     """
     import cProfile
     import pstats
@@ -702,39 +705,47 @@ def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: i
     common = bench.common_metadata([], [(TIMED_LEN, TIMED_CACHED)] * seqs, rows)
     inputs = bench.inputs(common.num_actual_tokens, 11 + seqs)
     snapshot = bench.raw.clone()
-    result: dict[str, Any] = {"seqs": seqs, "calls": calls}
-    for variant in ("baseline", "patched"):
-        if overlay is None or overlay.patch is None:
-            if variant == "patched":
-                break
-        else:
+    variants = ["baseline"] + (["patched"] if overlay is not None and overlay.patch is not None else [])
+    rng = random.Random(7 + seqs)
+
+    def one_call(variant: str, profiler: Any = None) -> float:
+        if len(variants) > 1:
             overlay.on() if variant == "patched" else overlay.off()
-        enqueue = []
+        bench.raw.copy_(snapshot)
+        metadata = bench.builder().build(0, common)
+        fresh = bench.fresh(inputs)
+        torch.cuda.synchronize()
+        if profiler is not None:
+            profiler.enable()
+        started = time.perf_counter()
+        bench.call(metadata, inputs, fresh)
+        elapsed = time.perf_counter() - started
+        if profiler is not None:
+            profiler.disable()
+        torch.cuda.synchronize()
+        return elapsed * 1e6
+
+    samples: dict[str, list[float]] = {variant: [] for variant in variants}
+    for step in range(3 * calls + 2):
+        order = variants[:]
+        rng.shuffle(order)
+        for variant in order:
+            elapsed = one_call(variant)
+            if step >= 2:  # two warm-up pairs
+                samples[variant].append(elapsed)
+    result: dict[str, Any] = {"seqs": seqs, "calls": calls}
+    for variant in variants:
         profiler = cProfile.Profile()
-        for step in range(2 * calls + 3):
-            bench.raw.copy_(snapshot)
-            metadata = bench.builder().build(0, common)
-            fresh = bench.fresh(inputs)
-            torch.cuda.synchronize()
-            profiled = step >= calls + 3
-            if profiled:
-                profiler.enable()
-            started = time.perf_counter()
-            bench.call(metadata, inputs, fresh)
-            elapsed = time.perf_counter() - started
-            if profiled:
-                profiler.disable()
-            elif step >= 3:
-                enqueue.append(elapsed * 1e6)
-            torch.cuda.synchronize()
+        for _ in range(calls):
+            one_call(variant, profiler)
         stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, _)
-        rows = sorted(((f"{path.rsplit('site-packages/', 1)[-1]}:{line}({name})", calls, own, cumulative)
-                       for (path, line, name), (_, calls, own, cumulative, _) in stats.items()),
-                      key=lambda row: -row[3])[:120]
-        result[variant] = {"enqueue_us": statistics.median(enqueue), "enqueue_samples_us": enqueue,
+        ranked = sorted(((f"{path.rsplit('site-packages/', 1)[-1]}:{line}({name})", count, own, cumulative)
+                         for (path, line, name), (_, count, own, cumulative, _) in stats.items()),
+                        key=lambda row: -row[3])[:120]
+        result[variant] = {"enqueue_us": statistics.median(samples[variant]), "enqueue_samples_us": samples[variant],
                            "profile": [{"function": name, "calls_per_layer_call": count / calls,
                                         "own_us": own / calls * 1e6, "cumulative_us": cumulative / calls * 1e6}
-                                       for name, count, own, cumulative in rows]}
+                                       for name, count, own, cumulative in ranked]}
     bench.raw.copy_(snapshot)
     return result
 
