@@ -207,7 +207,7 @@ class RoutedFlags(torch.Tensor):
         route = self.__dict__.get("_kda_route")
         if route is None or not route.open:
             return inverted
-        inverted = inverted.as_subclass(InvertedFlags)
+        inverted.__class__ = InvertedFlags  # our own fresh result: retyped in place (as_subclass costs a new alias)
         inverted._kda_route = route
         return inverted
 
@@ -259,7 +259,8 @@ def make_pending_cast(final: torch.Tensor, route: CallRoute) -> PendingCast:
     """Return an uncomputed ``final.to(route.state.dtype)``: same shape and strides, the cache dtype, no kernel."""
     with torch._C.DisableTorchFunctionSubclass():
         storage = torch.empty_like(final, dtype=route.state.dtype)
-    pending = storage.as_subclass(PendingCast)
+    pending = storage
+    pending.__class__ = PendingCast  # a tensor made here: retyped in place
     pending._kda_route = route
     pending._kda_source = final
     return pending
@@ -304,8 +305,17 @@ def _keep_tag(result: torch.Tensor, source: PackedStates) -> torch.Tensor:
 
 
 def tag_packed(packed: torch.Tensor, route: CallRoute) -> PackedStates:
-    """Return ``packed`` as a :class:`PackedStates` of ``route`` (same storage, no copy)."""
-    tagged = packed.as_subclass(PackedStates)
+    """Return ``packed`` as a :class:`PackedStates` of ``route`` (same storage, no copy).
+
+    ``packed`` is a tensor made for this call -- the plan's gather output, or a ``.transpose`` / ``.contiguous``
+    result of one -- that nothing else references yet, so a plain tensor is retyped in place (``as_subclass``
+    would build a second tensor object: a few µs per call on a GPU host); any other type gets a new alias.
+    """
+    if type(packed) is torch.Tensor:
+        tagged = packed
+        tagged.__class__ = PackedStates
+    else:
+        tagged = packed.as_subclass(PackedStates)
     tagged._kda_route = route
     return tagged
 
