@@ -726,14 +726,41 @@ def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: i
         return elapsed * 1e6
 
     samples: dict[str, list[float]] = {variant: [] for variant in variants}
-    for step in range(3 * calls + 2):
-        order = variants[:]
-        rng.shuffle(order)
-        for variant in order:
-            elapsed = one_call(variant)
-            if step >= 2:  # two warm-up pairs
-                samples[variant].append(elapsed)
-    result: dict[str, Any] = {"seqs": seqs, "calls": calls}
+    split: dict[str, list[float]] = {"route_call_us": [], "fork_body_us": []}
+    from kda_patches.routing import calls as routing_calls
+
+    original_route_call, original_run_routed = routing_calls.route_call, routing_calls.run_routed
+
+    def timed_route_call(*args: Any, **kwargs: Any) -> Any:  # the wrapper's whole call
+        started = time.perf_counter()
+        try:
+            return original_route_call(*args, **kwargs)
+        finally:
+            split["route_call_us"].append((time.perf_counter() - started) * 1e6)
+
+    def timed_run_routed(wrapped: Any, args: tuple, kwargs: dict, route: Any) -> Any:  # the fork's body inside it
+        def body(*inner_args: Any, **inner_kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return wrapped(*inner_args, **inner_kwargs)
+            finally:
+                split["fork_body_us"].append((time.perf_counter() - started) * 1e6)
+        return original_run_routed(body, args, kwargs, route)
+
+    routing_calls.route_call, routing_calls.run_routed = timed_route_call, timed_run_routed
+    try:
+        for step in range(3 * calls + 2):
+            order = variants[:]
+            rng.shuffle(order)
+            for variant in order:
+                elapsed = one_call(variant)
+                if step >= 2:  # two warm-up pairs
+                    samples[variant].append(elapsed)
+    finally:
+        routing_calls.route_call, routing_calls.run_routed = original_route_call, original_run_routed
+    result: dict[str, Any] = {"seqs": seqs, "calls": calls,
+                              "route_call_us": statistics.median(split["route_call_us"] or [0.0]),
+                              "fork_body_us": statistics.median(split["fork_body_us"] or [0.0])}
     for variant in variants:
         profiler = cProfile.Profile()
         for _ in range(calls):
@@ -807,7 +834,8 @@ def run_child_main(args: argparse.Namespace) -> int:
                 save()
                 print(f"[{args.child}] host enqueue {seqs}x{TIMED_LEN}: " + ", ".join(
                     f"{variant} {profile[variant]['enqueue_us']:.1f} us" for variant in ("baseline", "patched")
-                    if variant in profile), flush=True)
+                    if variant in profile) + f"; patched: route_call {profile['route_call_us']:.1f} us, of which the "
+                    f"fork's body {profile['fork_body_us']:.1f} us (medians)", flush=True)
         result["ledger"] = get_ledger().snapshot()
     except BaseException as error:  # the parent reports it; the traceback goes to the log
         traceback.print_exc()
