@@ -244,6 +244,11 @@ class StateCopyPlan:
         if torch.compiler.is_compiling():
             refuse("compile", "an unbound plan cannot be traced; use the LayerStatePlan binding from "
                    "initialize(), which calls the kda_patches::state_gather custom op", layer)
+        return self.gather_eager(state, indices, flags, layer)
+
+    def gather_eager(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None = None,
+                     layer: str | None = None) -> torch.Tensor:
+        """:meth:`gather` for a caller that already knows it is not being traced (the binding checked)."""
         indices = self._check_call(state, indices, layer)
         count = indices.shape[0]
         if flags is None:
@@ -253,7 +258,7 @@ class StateCopyPlan:
                 layout.check_flags(flags, count, self._device, layer)
             if not flags.is_contiguous() or flags.data_ptr() % 16:
                 flags = flags.clone(memory_format=torch.contiguous_format)
-        packed = torch.empty((count, *self._inner), dtype=self._dtype, device=self._device)
+        packed = state.new_empty((count, *self._inner))  # the prepared dtype and device: _check_call checked both
         if count:
             self._gathers[indices.dtype].launch(self._grid(count), state, packed, indices, flags)
         return packed
@@ -274,6 +279,11 @@ class StateCopyPlan:
         if torch.compiler.is_compiling():
             refuse("compile", "an unbound plan cannot be traced; use the LayerStatePlan binding from "
                    "initialize(), which calls the kda_patches::state_scatter custom op", layer)
+        self.scatter_eager(state, packed, indices, layer)
+
+    def scatter_eager(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
+                      layer: str | None = None) -> None:
+        """:meth:`scatter` for a caller that already knows it is not being traced (the binding checked)."""
         indices = self._check_call(state, indices, layer)
         count = indices.shape[0]
         if not isinstance(packed, torch.Tensor) or packed.shape != (count, *self._inner) \

@@ -64,7 +64,7 @@ class LayerStatePlan:
         """
         if torch.compiler.is_compiling():
             return torch.ops.kda_patches.state_gather(state, indices, flags, self.layer_name)
-        return self.plan.gather(state, indices, flags, self.layer_name)
+        return self.plan.gather_eager(state, indices, flags, self.layer_name)
 
     def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor) -> None:
         """Scatter final states into the cache, cast to its dtype in the same kernel; invalid indices are skipped.
@@ -81,7 +81,7 @@ class LayerStatePlan:
         if torch.compiler.is_compiling():
             torch.ops.kda_patches.state_scatter(state, packed, indices, self.layer_name)
             return
-        self.plan.scatter(state, packed, indices, self.layer_name)
+        self.plan.scatter_eager(state, packed, indices, self.layer_name)
 
 
 def _fail(layer: str, exc: BaseException, stage: str) -> RuntimeError:
