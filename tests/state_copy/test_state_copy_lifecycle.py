@@ -45,7 +45,8 @@ def test_signature_change_refused(cache, make_cache, device, plan_class):
     plan = plan_class.prepare(cache.state, 4).seal()
     indices = torch.tensor([0], device=device)
     other_shape = make_cache(num_rows=7).state
-    other_gap = make_cache(gap=6).state
+    other_gap = make_cache(gap=13).state  # other row stride, same 16-byte alignment class: only the stride differs
+    assert other_gap.data_ptr() % 16 == cache.state.data_ptr() % 16 and other_gap.stride() != cache.state.stride()
     other_dtype = make_cache(dtype=torch.bfloat16).state
     misaligned = cache.backing.as_strided(cache.state.shape, cache.state.stride(), cache.state.storage_offset() + 1)
     for state in (other_shape, other_gap, other_dtype, misaligned):
