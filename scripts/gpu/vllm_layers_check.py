@@ -642,15 +642,22 @@ def run_case(bench: LayerBench, overlay: Overlay | None, name: str, decodes: lis
     return record
 
 
+def prefill_batch(bench: LayerBench, overlay: Overlay | None, seqs: int, new: int, cached: int, seed: int
+                  ) -> tuple[Any, dict[str, Any], Any, list[str]]:
+    """``seqs`` prefills of ``new`` tokens after ``cached`` ones on random rows: (common metadata, inputs,
+    a snapshot of the raw cache, the variants to time: baseline, and patched when the overlay has the seam)."""
+    rows = random.Random(seqs).sample(range(1, bench.num_blocks), seqs)
+    common = bench.common_metadata([], [(new, cached)] * seqs, rows)
+    inputs = bench.inputs(common.num_actual_tokens, seed + seqs)
+    variants = ["baseline"] + (["patched"] if overlay is not None and overlay.patch is not None else [])
+    return common, inputs, bench.raw.clone(), variants
+
+
 def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: int, new: int,
                cached: int) -> dict[str, Any]:
     """Median CUDA-event and wall time of the layer call, unpatched vs patched, order shuffled per round."""
     torch = bench.torch
-    rows = random.Random(seqs).sample(range(1, bench.num_blocks), seqs)
-    common = bench.common_metadata([], [(new, cached)] * seqs, rows)
-    inputs = bench.inputs(common.num_actual_tokens, 7 + seqs)
-    snapshot = bench.raw.clone()
-    variants = ["baseline"] + (["patched"] if overlay is not None and overlay.patch is not None else [])
+    common, inputs, snapshot, variants = prefill_batch(bench, overlay, seqs, new, cached, 7)
     samples: dict[str, dict[str, list[float]]] = {v: {"event_ms": [], "wall_ms": []} for v in variants}
     rng = random.Random(1000 + seqs)
     cuda = bench.device.type == "cuda"
@@ -701,11 +708,7 @@ def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: i
     import pstats
 
     torch = bench.torch
-    rows = random.Random(seqs).sample(range(1, bench.num_blocks), seqs)
-    common = bench.common_metadata([], [(TIMED_LEN, TIMED_CACHED)] * seqs, rows)
-    inputs = bench.inputs(common.num_actual_tokens, 11 + seqs)
-    snapshot = bench.raw.clone()
-    variants = ["baseline"] + (["patched"] if overlay is not None and overlay.patch is not None else [])
+    common, inputs, snapshot, variants = prefill_batch(bench, overlay, seqs, TIMED_LEN, TIMED_CACHED, 11)
     rng = random.Random(7 + seqs)
 
     def one_call(variant: str, profiler: Any = None) -> float:

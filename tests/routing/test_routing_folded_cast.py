@@ -44,46 +44,41 @@ def run_world(module, cls: str, dtype: torch.dtype, index_dtype: torch.dtype, ca
     return outputs, runner.raw[layer.prefix].view(BITS[dtype]).clone(), layer
 
 
-@pytest.mark.parametrize("cls", ["AttributeChunkLayer", "FunctionChunkLayer", "ModuleChunkLayer"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
-def test_the_cast_is_folded_and_bit_exact(load_dummies, strict, cls, dtype, index_dtype):
+def run_ab(load_dummies, cls: str, dtype: torch.dtype, index_dtype: torch.dtype):
+    """Baseline world, then the patched one: (baseline, patched, the ``gdn_state_copy`` counter deltas)."""
     baseline = run_world(load_dummies(), cls, dtype, index_dtype)
     module = load_dummies(record(f"fold_{cls}", cls))
     before = counters(GDN)
     patched = run_world(module, cls, dtype, index_dtype)
     after = counters(GDN)
+    return baseline, patched, {key: after.get(key, 0) - before.get(key, 0) for key in after}
+
+
+@pytest.mark.parametrize("cls", ["AttributeChunkLayer", "FunctionChunkLayer", "ModuleChunkLayer"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_the_cast_is_folded_and_bit_exact(load_dummies, strict, cls, dtype, index_dtype):
+    baseline, patched, delta = run_ab(load_dummies, cls, dtype, index_dtype)
     assert all(torch.equal(a, b) for a, b in zip(baseline[0], patched[0], strict=True))
     assert torch.equal(baseline[1], patched[1])  # every cache byte, gaps and edge-value rows included
-    delta = {key: after.get(key, 0) - before.get(key, 0) for key in after}
     assert delta.get("calls_routed") == delta.get("casts_folded") == 3, delta
     assert not delta.get("casts_materialized") and not delta.get("calls_bypassed"), delta
 
 
 def test_an_fp32_cache_has_nothing_to_fold(load_dummies, strict):
-    baseline = run_world(load_dummies(), "AttributeChunkLayer", torch.float32, torch.int32)
-    module = load_dummies(record("fold_fp32", "AttributeChunkLayer"))
-    before = counters(GDN)
-    patched = run_world(module, "AttributeChunkLayer", torch.float32, torch.int32)
-    after = counters(GDN)
+    baseline, patched, delta = run_ab(load_dummies, "AttributeChunkLayer", torch.float32, torch.int32)
     assert torch.equal(baseline[1], patched[1])
-    assert after.get("calls_routed", 0) - before.get("calls_routed", 0) == 3
-    assert after.get("casts_folded", 0) == before.get("casts_folded", 0)
+    assert delta.get("calls_routed") == 3 and not delta.get("casts_folded"), delta
 
 
 def test_a_cast_used_before_the_scatter_is_computed_by_torch(load_dummies, strict):
-    baseline = run_world(load_dummies(), "CastReuseLayer", torch.bfloat16, torch.int64)
-    module = load_dummies(record("fold_reuse", "CastReuseLayer"))
-    before = counters(GDN)
-    patched = run_world(module, "CastReuseLayer", torch.bfloat16, torch.int64)
-    after = counters(GDN)
+    baseline, patched, delta = run_ab(load_dummies, "CastReuseLayer", torch.bfloat16, torch.int64)
     assert torch.equal(baseline[1], patched[1])
     assert len(patched[2].cast_copies) == 3 and all(
         torch.equal(a.view(torch.int16), b.view(torch.int16))
         for a, b in zip(baseline[2].cast_copies, patched[2].cast_copies, strict=True))
-    assert after.get("casts_materialized", 0) - before.get("casts_materialized", 0) == 3
-    assert after.get("casts_folded", 0) == before.get("casts_folded", 0)
-    assert after.get("calls_routed", 0) - before.get("calls_routed", 0) == 3
+    assert delta.get("casts_materialized") == 3 and delta.get("calls_routed") == 3, delta
+    assert not delta.get("casts_folded"), delta
 
 
 def test_the_layer_attribute_is_shadowed_only_during_the_call(load_dummies, strict):
