@@ -29,16 +29,9 @@ Semantics (the same predicates serve the runtime and release conformance, see "P
   object; if a later member then fails, the members already applied are reverted and every member is
   recorded ``skipped`` (the failing one with its own state) with the reason.
 
-Public predicates (pure functions of data, defined in :mod:`kda_patches.verdicts` and re-exported here;
-:mod:`kda_patches.releases` conformance calls the same ones with versions and parameters read from release
-sources):
-
-- :func:`version_in_range` ``(target, found) -> bool``
-- :func:`newer_than_all` ``(patch, distribution, found) -> bool``
-- :func:`fingerprint_matches` ``(target, parameters) -> bool``
-- :func:`select_target` ``(patch, key, found) -> Target | None`` (the in-range sibling)
-- :func:`check_key` ``(patch, key, found, parameters) -> Verdict`` (one key on one stack)
-- :func:`group_verdict` ``(patch, group, version_of, read) -> GroupVerdict`` (all members of a group)
+The decisions are pure functions of data, defined and listed in :mod:`kda_patches.verdicts` and re-exported
+here (``version_in_range``, ``check_key``, ``group_verdict`` ...); :mod:`kda_patches.releases` conformance calls
+the same ones with versions and parameters read from release sources.
 
 ``Verdict.state`` is ``ok`` (would be applied), ``not-applicable`` or ``skipped``; a declared gap
 (``Target.inert``) is ``not-applicable`` with a reason starting ``inert:``.

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kda_patches.bench.plot import load_pyplot
+from kda_patches.bench.report import close_summary, target_check
+
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GDN_TARGETS = {
     "pair_speedup_vs_native_min": 2.0,  # >= 64 rows, FP32 cache + FP32 finals and BF16 cache + FP32 finals
@@ -58,23 +61,15 @@ def summarize_gdn(result: dict[str, Any]) -> dict[str, Any]:
         tag = f"{shape}/{cache}:{final}/{selected}"
         if selected >= 64 and op == "pair" and (cache, final) in SPEEDUP_CASES:
             for mode in ("graph", "wall"):
-                checks[f"pair_speedup_vs_native[{mode}] {tag}"] = _check(
+                checks[f"pair_speedup_vs_native[{mode}] {tag}"] = target_check(
                     row["speedup_vs_native"].get(mode), GDN_TARGETS["pair_speedup_vs_native_min"], "min")
         if selected >= 64 and op == "scatter":
-            checks[f"scatter_graph_over_floor {tag}"] = _check(row["plan_graph_over_floor"],
-                                                              GDN_TARGETS["scatter_graph_over_floor_max"], "max")
+            checks[f"scatter_graph_over_floor {tag}"] = target_check(
+                row["plan_graph_over_floor"], GDN_TARGETS["scatter_graph_over_floor_max"], "max")
             if row["plan_graph_over_copy"] is not None:  # the same bound against torch's copy of those bytes
-                checks[f"scatter_graph_over_contiguous_copy {tag}"] = _check(
+                checks[f"scatter_graph_over_contiguous_copy {tag}"] = target_check(
                     row["plan_graph_over_copy"], GDN_TARGETS["scatter_graph_over_floor_max"], "max")
-    entries = sum(result["compiler_entries_after_seal"].values())
-    checks["compiler_entries_after_seal"] = {"value": entries, "target": 0, "met": entries == 0}
-    return {"rows": rows, "checks": checks, "targets": GDN_TARGETS,
-            "all_met": all(check["met"] for check in checks.values() if check["met"] is not None)}
-
-
-def _check(value: float | None, target: float, kind: str) -> dict[str, Any]:
-    met = None if value is None else (value <= target if kind == "max" else value >= target)
-    return {"value": value, "target": target, "kind": kind, "met": met}
+    return close_summary(result, rows, checks, GDN_TARGETS)
 
 
 def _show(value: float | None) -> str:
@@ -113,13 +108,8 @@ def plot_gdn(result: dict[str, Any], path: Path) -> str | None:
     Returns:
         The path written, or None when matplotlib is missing, there are no graph timings, or ``path`` exists.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("kda-patches bench: matplotlib is not installed; no plot written")
+    plt = load_pyplot()
+    if plt is None:
         return None
     graph = [r for r in result["records"] if r["mode"] == "graph"]
     if not graph or path.exists():

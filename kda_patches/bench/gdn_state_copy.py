@@ -22,16 +22,13 @@ that must not exist. Floors come from the device-to-device copy ceiling measured
 from __future__ import annotations
 
 import argparse
-import json
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kda_patches.bench import timing
-from kda_patches.bench.entries import CompilerEntryCounter
-from kda_patches.bench.state_copy import DTYPES, build_cache, collect_versions, resolve_run_target, source_hash
+from kda_patches.bench.state_copy import DTYPES, BenchRun, ContiguousCopyReference, build_cache
 
 NATIVE, PLAN, PLAN_TORCH_CAST = "native", "plan", "plan+torch-cast"
 COPY = "copy"  # scatter only: the same bytes moved by torch into a contiguous buffer (no index): a size-matched floor
@@ -135,10 +132,11 @@ def measure_case(impls: dict[str, Any], state: torch.Tensor, final: torch.dtype,
     last = torch.randn((selected, *state.shape[1:]), generator=generator).to(device=device, dtype=final)
     check_correctness(impls, state, index_sets[0], flag_sets[0], last)
     calls = make_calls(impls, state, index_sets, flag_sets, last)
-    # what moving these bytes costs at this size without any indexing: read the finals in their dtype, write
-    # the cache dtype into one contiguous buffer (torch's copy_: a memcpy when the dtypes match, else its cast)
-    contiguous = torch.empty((selected, *state.shape[1:]), dtype=state.dtype, device=device)
-    calls[(COPY, "scatter")] = lambda step: contiguous.copy_(last)
+    # what moving these bytes costs at this size without any indexing: the state-copy benchmark's contiguous
+    # reference (read the finals in their dtype, write the cache dtype into a rotating window of a contiguous
+    # slab: torch's copy_, a memcpy when the dtypes match, else its cast)
+    reference = ContiguousCopyReference(state)
+    calls[(COPY, "scatter")] = lambda step: reference.scatter(state, last, index_sets[step % sets])
     return timing.measure_rounds(calls, args.trials, args.graph_calls, device, shuffler)
 
 
@@ -150,39 +148,24 @@ def run_gdn_benchmark(args: argparse.Namespace) -> int:
     """
     from kda_patches.bench.gdn_report import plot_gdn, print_gdn_table, summarize_gdn
 
-    target = resolve_run_target(args)
-    if target is None:
+    run = BenchRun.begin(args)
+    if run is None:
         return 2
-    output, device = target
-    generator = torch.Generator().manual_seed(args.seed)
-    shuffler = random.Random(args.seed)
-    ceiling = timing.measure_copy_ceiling(device) if device.type == "cuda" else None
-    counter = CompilerEntryCounter()
     records: list[dict[str, Any]] = []
     plans: dict[str, Any] = {}
     for shape_name, inner in parse_shapes(args.shapes):
         for cache_name, final_name in parse_cases(args.cases):
-            state = build_cache(device, DTYPES[cache_name], args.rows, inner, args.gap_items)
+            state = build_cache(run.device, DTYPES[cache_name], args.rows, inner, args.gap_items)
             impls, binding = build_impls(state, DTYPES[final_name], max(args.selected))
             plans[f"{shape_name}/{cache_name}:{final_name}"] = binding.plan.describe()
-            with counter:
+            with run.counter:
                 for selected in args.selected:
-                    samples = measure_case(impls, state, DTYPES[final_name], selected, args, generator, shuffler)
+                    samples = measure_case(impls, state, DTYPES[final_name], selected, args, run.generator,
+                                           run.shuffler)
                     records.extend({"shape": shape_name, "inner": inner, "dtype": cache_name, "final_dtype": final_name,
                                     "selected": selected, "impl": impl, "op": op, "mode": mode,
                                     "samples_us": values, "median_us": timing.median(values)}
                                    for (impl, op, mode), values in samples.items())
             del impls, binding, state
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    result = {"benchmark": "gdn-state-copy", "argv": dict(vars(args)), "source_sha256": source_hash(),
-              "versions": collect_versions(device), "copy_ceiling": ceiling,
-              "compiler_entries_after_seal": counter.counts, "plans": plans, "records": records}
-    result["summary"] = summarize_gdn(result)
-    plot_path = Path(args.plot) if args.plot else output.with_suffix(".png")
-    result["summary"]["plot"] = plot_gdn(result, plot_path)
-    with output.open("x") as handle:
-        json.dump(result, handle, indent=1, default=str)
-    print_gdn_table(result)
-    return 0
-
+            run.release()
+    return run.finish("gdn-state-copy", plans, records, summarize_gdn, plot_gdn, print_gdn_table)

@@ -15,13 +15,8 @@ def plot_results(result: dict[str, Any], path: Path) -> str | None:
     Returns:
         The path written, or None when matplotlib is missing or there are no graph timings.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("kda-patches bench: matplotlib is not installed; no plot written")
+    plt = load_pyplot()
+    if plt is None:
         return None
     from kda_patches.bench.report import floor_us
 
@@ -54,3 +49,16 @@ def plot_results(result: dict[str, Any], path: Path) -> str | None:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return str(path)
+
+
+def load_pyplot() -> Any:
+    """Return ``matplotlib.pyplot`` on the file-only Agg backend, or None (said once) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("kda-patches bench: matplotlib is not installed; no plot written")
+        return None
+    return plt

@@ -47,26 +47,33 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         fused, fallback, native = row.get("fused"), row.get("fallback"), row.get("torch-native")
         tag = f"{row['dtype']}/{row['selected']}/{row['op']}"
         if fused and fused["graph"] and row["selected"] >= 64:
-            checks[f"fused_over_floor {tag}"] = _check(fused["graph_over_floor"], TARGETS["fused_over_floor_max"],
+            checks[f"fused_over_floor {tag}"] = target_check(fused["graph_over_floor"], TARGETS["fused_over_floor_max"],
                                                       "max")
             if fallback and fallback["graph"]:
-                checks[f"fallback_over_fused {tag}"] = _check(fallback["graph"] / fused["graph"],
+                checks[f"fallback_over_fused {tag}"] = target_check(fallback["graph"] / fused["graph"],
                                                               TARGETS["fallback_over_fused_max"], "max")
         if fused and native and fused["graph"] and row["selected"] == 64 and row["dtype"] == "float32":
-            checks[f"speedup_vs_native {tag}"] = _check(native["graph"] / fused["graph"],
+            checks[f"speedup_vs_native {tag}"] = target_check(native["graph"] / fused["graph"],
                                                         TARGETS["fused_speedup_vs_native_64_fp32_min"], "min")
         if fused and row["selected"] == 1 and row["op"] == "gather":
-            checks[f"eager_single_row_gather_wall_us {row['dtype']}"] = _check(
+            checks[f"eager_single_row_gather_wall_us {row['dtype']}"] = target_check(
                 fused["wall"], TARGETS["eager_single_row_gather_wall_us_max"], "max")
-    entries = sum(result["compiler_entries_after_seal"].values())
-    checks["compiler_entries_after_seal"] = {"value": entries, "target": 0, "met": entries == 0}
-    return {"rows": rows, "checks": checks, "targets": TARGETS,
-            "all_met": all(check["met"] for check in checks.values() if check["met"] is not None)}
+    return close_summary(result, rows, checks, TARGETS)
 
 
-def _check(value: float | None, target: float, kind: str) -> dict[str, Any]:
+def target_check(value: float | None, target: float, kind: str) -> dict[str, Any]:
+    """Return a check of ``value`` against ``target`` (``kind`` "max" or "min"); ``met`` is None without a value."""
     met = None if value is None else (value <= target if kind == "max" else value >= target)
     return {"value": value, "target": target, "kind": kind, "met": met}
+
+
+def close_summary(result: dict[str, Any], rows: list[dict[str, Any]], checks: dict[str, Any],
+                  targets: dict[str, float]) -> dict[str, Any]:
+    """Add the zero-compiler-entries check and return the benchmark summary (``all_met`` over known checks)."""
+    entries = sum(result["compiler_entries_after_seal"].values())
+    checks["compiler_entries_after_seal"] = {"value": entries, "target": 0, "met": entries == 0}
+    return {"rows": rows, "checks": checks, "targets": targets,
+            "all_met": all(check["met"] for check in checks.values() if check["met"] is not None)}
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -199,43 +199,74 @@ def resolve_run_target(args: argparse.Namespace) -> tuple[Path, torch.device] | 
     return output, device
 
 
+class BenchRun:
+    """What every benchmark run shares: its output file, device, seeded generator and shuffler, the copy
+    ceiling measured first, and the Triton compiler-entry counter (entered around the measured cases)."""
+
+    def __init__(self, args: argparse.Namespace, output: Path, device: torch.device) -> None:
+        self.args = args
+        self.output = output
+        self.device = device
+        self.generator = torch.Generator().manual_seed(args.seed)
+        self.shuffler = random.Random(args.seed)
+        self.ceiling = timing.measure_copy_ceiling(device) if device.type == "cuda" else None
+        self.counter = CompilerEntryCounter()
+
+    @classmethod
+    def begin(cls, args: argparse.Namespace) -> BenchRun | None:
+        """Return the run of ``args``, or None (reason printed) when the output exists or the device refuses."""
+        target = resolve_run_target(args)
+        return None if target is None else cls(args, *target)
+
+    def release(self) -> None:
+        """Give the measured case's memory back before the next one (CUDA)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def finish(self, benchmark: str, plans: dict[str, Any], records: list[dict[str, Any]], summarize: Any,
+               plot: Any, show: Any, **extra: Any) -> int:
+        """Write the result (raw records, argv, source hash, versions, ceiling, compiler entries, summary, plot).
+
+        Args:
+            benchmark: the result's ``benchmark`` name.
+            plans, records: the prepared plans' descriptions and the raw sample records.
+            summarize, plot, show: ``result -> summary``, ``(result, path) -> path | None``, ``result -> None``.
+            extra: more top-level result fields.
+        Returns:
+            0 (the JSON file is created exclusively, the table printed).
+        """
+        result = {"benchmark": benchmark, **extra, "argv": dict(vars(self.args)), "source_sha256": source_hash(),
+                  "versions": collect_versions(self.device), "copy_ceiling": self.ceiling,
+                  "compiler_entries_after_seal": self.counter.counts, "plans": plans, "records": records}
+        result["summary"] = summarize(result)
+        plot_path = Path(self.args.plot) if self.args.plot else self.output.with_suffix(".png")
+        result["summary"]["plot"] = plot(result, plot_path)
+        with self.output.open("x") as handle:
+            json.dump(result, handle, indent=1, default=str)
+        show(result)
+        return 0
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     """Run the state-copy benchmark described by ``args`` (see ``kda_patches.bench.cli``).
 
     Returns:
         0 on success, 2 when the output exists or the device cannot run it.
     """
-    target = resolve_run_target(args)
-    if target is None:
+    from kda_patches.bench.plot import plot_results
+
+    run = BenchRun.begin(args)
+    if run is None:
         return 2
-    output, device = target
-    generator = torch.Generator().manual_seed(args.seed)
-    shuffler = random.Random(args.seed)
-    ceiling = timing.measure_copy_ceiling(device) if device.type == "cuda" else None
-    counter = CompilerEntryCounter()
     records: list[dict[str, Any]] = []
     plans: dict[str, Any] = {}
     for dtype_name in args.dtypes.split(","):
-        state = build_cache(device, DTYPES[dtype_name], args.rows, args.inner, args.gap_items)
+        state = build_cache(run.device, DTYPES[dtype_name], args.rows, args.inner, args.gap_items)
         impls, plans[dtype_name] = prepare_implementations(state, max(args.selected), args)
-        with counter:
+        with run.counter:
             for selected in args.selected:
-                records.extend(measure_case(impls, state, selected, args, generator, shuffler))
+                records.extend(measure_case(impls, state, selected, args, run.generator, run.shuffler))
         del impls, state
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    host = measure_host_breakdown(device, args) if device.type == "cuda" else None
-    result = {
-        "benchmark": "state-copy", "host_breakdown": host, "argv": {key: value for key, value in vars(args).items()},
-        "source_sha256": source_hash(), "versions": collect_versions(device), "copy_ceiling": ceiling,
-        "compiler_entries_after_seal": counter.counts, "plans": plans, "records": records,
-    }
-    result["summary"] = summarize(result)
-    from kda_patches.bench.plot import plot_results
-
-    plot_path = Path(args.plot) if args.plot else output.with_suffix(".png")
-    result["summary"]["plot"] = plot_results(result, plot_path)
-    with output.open("x") as handle:
-        json.dump(result, handle, indent=1, default=str)
-    print_table(result)
-    return 0
+        run.release()
+    host = measure_host_breakdown(run.device, args) if run.device.type == "cuda" else None
+    return run.finish("state-copy", plans, records, summarize, plot_results, print_table, host_breakdown=host)
