@@ -80,14 +80,13 @@ OLMO_SEAM = Seam("vLLM Olmo hybrid GDN _forward_core", LEDGER_PATH, state=KVCach
                  clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, function="chunk_gated_delta_rule"))
 KIMI_GDN_SEAM = Seam("vLLM Kimi Linear GDN _forward", LEDGER_PATH, state=KVCacheSlot(1), clear=CLEAR_NONE,
                      gather_function="gather_initial_states", prefill_gated=True)
-ASCEND_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
-                   indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
-                   clear=CLEAR_FUNCTION, clear_function="clear_ssm_states", prefill_gated=True)
+_ASCEND_GDN = {"state": KVCacheSlot(1), "indices": MetadataField("prefill_state_indices"),
+               "flags": MetadataField("prefill_has_initial_state"), "clear": CLEAR_FUNCTION,
+               "clear_function": "clear_ssm_states", "prefill_gated": True}
+ASCEND_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN)
 ASCEND_FUSED_CHUNK = "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"
-ASCEND_FOLD_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
-                        indices=MetadataField("prefill_state_indices"),
-                        flags=MetadataField("prefill_has_initial_state"), clear=CLEAR_FUNCTION,
-                        clear_function="clear_ssm_states", prefill_gated=True,
+# 0.27-0.29: the same seam, plus the fused variant's chunk as the final state's source (the folded cast)
+ASCEND_FOLD_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN,
                         final=FinalFrom(1, function=ASCEND_FUSED_CHUNK))
 
 wrap_qwen_forward_core = SeamWrapper(QWEN_SEAM)

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
+from kda_patches.ledger import get_ledger
+
 _disabled = torch._C._disabled_torch_function_impl
 
 
@@ -275,8 +277,6 @@ def materialize_pending(pending: PendingCast) -> None:
         torch.Tensor.copy_(pending, source)
     route = pending.__dict__.pop("_kda_route", None)
     if route is not None:
-        from kda_patches.ledger import get_ledger
-
         get_ledger().count(route.seam.section, "casts_materialized")
 
 

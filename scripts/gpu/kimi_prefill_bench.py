@@ -53,26 +53,7 @@ def out_of_time(record: dict[str, Any], what: str) -> bool:
 SOURCES = ("kda_patches/patches/kimi_prefill.py", "kda_patches/routing/alias.py", "kda_patches/routing/calls.py",
            "kda_patches/routing/proof.py", "kda_patches/routing/startup.py",
            "tests/kimi/kimi_ascend_layer.py", "tests/kimi/kimi_upstream_layer.py", "tests/kimi/kimi_kda_ops.py",
-           "scripts/gpu/kimi_prefill_bench.py")
-
-
-def limit_autotune(keep: int = 1) -> None:
-    """Make ``triton.autotune`` keep ``keep`` config(s) per kernel (prefer 4 warps), before fla is imported.
-
-    fla-core autotunes every chunk kernel over up to 48 configs; compiling them all would take minutes of
-    device time on a fresh machine. The kernels stay correct with any of their configs; the chunk math may
-    be somewhat slower than fully tuned, which makes the reported state-copy share a slight underestimate.
-    """
-    import triton
-
-    original = triton.autotune
-
-    def autotune(configs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        preferred = sorted(configs, key=lambda config: (getattr(config, "num_warps", 4) != 4,
-                                                        getattr(config, "num_stages", 2) not in (2, 3)))
-        return original(preferred[:keep], *args, **kwargs)
-
-    triton.autotune = autotune
+           "scripts/gpu/kimi_prefill_bench.py", "kda_patches/bench/autotune.py")
 
 
 def source_hash() -> str:
@@ -340,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(args.out, OUTPUT_NAME)
     if os.path.exists(path):
         parser.error(f"{path} already exists; results are never overwritten")
-    limit_autotune()
+    from kda_patches.bench.autotune import limit_autotune
+
+    limit_autotune()  # fla-core's chunk kernels: the state-copy share is then a slight underestimate
     import torch
 
     try:  # before any plan is prepared: fla may set TRITON_* variables at import

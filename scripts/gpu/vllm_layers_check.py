@@ -243,24 +243,6 @@ def run_parent(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- child: one layer, vLLM's own code
 
-def limit_autotune(keep: int = 1) -> None:
-    """Make ``triton.autotune`` keep ``keep`` config(s) per kernel (4 warps first), before vLLM imports its kernels.
-
-    vLLM's FLA/KDA chunk kernels autotune over many configs; compiling all of them would cost minutes of
-    device time on a fresh machine, and a timing-based pick can differ between the two processes compared
-    here. Any config is correct; baseline and patched always share the one kept.
-    """
-    import triton
-
-    original = triton.autotune
-
-    def autotune(configs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        preferred = sorted(configs, key=lambda config: (getattr(config, "num_warps", 4) != 4,
-                                                        getattr(config, "num_stages", 2) not in (2, 3)))
-        return original(preferred[:keep], *args, **kwargs)
-
-    triton.autotune = autotune
-
 
 STOOD_IN = {
     "vllm._C_stable_libtorch": "vLLM's compiled custom-op library (92 MB .so in the wheel, built for torch 2.14): "
@@ -791,7 +773,9 @@ def run_child_main(args: argparse.Namespace) -> int:
     try:
 
         facts["kda_patches_env"] = {k: v for k, v in os.environ.items() if k.startswith("KDA_PATCHES")}
-        limit_autotune()
+        from kda_patches.bench.autotune import limit_autotune
+
+        limit_autotune()  # before vLLM imports its kernels; baseline and patched keep the same config
         if not args.dry_run:
             facts["stood_in"] = stood_in_record()
             facts["stand_in_finder_installed"] = any(isinstance(f, StandInFinder) or type(f).__name__ ==

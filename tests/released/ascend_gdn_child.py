@@ -17,7 +17,7 @@ import sys
 import types
 
 import torch
-from batch_plan import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS
+from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS, run_forward_core_batches
 
 
 def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
@@ -82,7 +82,6 @@ def main(release: str, variant: str, seed: int, cache_dtype: str, out: str) -> N
                          modules={RUNNER_MODULE: runner}).install()
     runner_module = importlib.import_module(RUNNER_MODULE)  # the worker's runner first
     gdn = importlib.import_module(standins.GDN_MODULE)
-    from vllm.forward_context import ForwardContext, override_forward_context
 
     cls = gdn.AscendGatedDeltaNetAttention
     generator = torch.Generator().manual_seed(seed)
@@ -92,19 +91,9 @@ def main(release: str, variant: str, seed: int, cache_dtype: str, out: str) -> N
     config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout="SD")
               for name in layers}
     runner.initialize_kv_cache(config)
-    outputs, snapshots = [], [{name: raw.clone() for name, raw in runner.raw_caches.items()}]
-    for batch in BATCHES:
-        metadata, tokens = metadata_of(batch, standins.GDNAttentionMetadata)
-        mixed_qkv = torch.randn((tokens, 3 * HEADS * HEAD_DIM), generator=generator).to(torch.bfloat16)
-        b = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
-        a = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
-        for name, layer in layers.items():
-            core = torch.zeros((tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16)
-            context = ForwardContext(no_compile_layers=layers, attn_metadata={name: metadata}, slot_mapping={})
-            with override_forward_context(context):
-                layer._forward_core(mixed_qkv, b, a, core)
-            outputs.append(core)
-        snapshots.append({name: raw.clone() for name, raw in runner.raw_caches.items()})
+    metadata_class = standins.GDNAttentionMetadata
+    outputs, snapshots = run_forward_core_batches(layers, runner.raw_caches,
+                                                  lambda batch: metadata_of(batch, metadata_class), generator)
     torch.save({"outputs": outputs, "snapshots": snapshots, "ledger": kda_patches.get_ledger().snapshot(),
                 "bound": stack.bound, "standins": standins.STANDINS, "class": cls.__qualname__, "init_error": None,
                 "wrapped": type(vars(cls)["_forward_core"]).__name__,

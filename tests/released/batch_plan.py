@@ -18,3 +18,33 @@ BATCHES = (
     ((3, 8, 4), (True, False, True), (10, 3, 2), 0, torch.int64),
 )
 PREFILL_CALLS = sum(1 for batch in BATCHES if batch[3] < len(batch[0])) * LAYERS
+
+
+def run_forward_core_batches(layers: dict, raw_caches: dict, metadata_of_batch: object, generator: torch.Generator
+                             ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Run every batch of :data:`BATCHES` through each GDN layer's ``_forward_core`` in vLLM's forward context.
+
+    Args:
+        layers: layer name -> layer (its ``_forward_core(mixed_qkv, b, a, core_attn_out)`` is the seam).
+        raw_caches: layer name -> its raw cache pages (snapshotted before the first batch and after each).
+        metadata_of_batch: ``batch -> (attention metadata, tokens)``.
+        generator: draws the inputs (BF16 ``mixed_qkv``, ``b``, ``a``).
+    Returns:
+        ``(outputs, snapshots)``: one output per (batch, layer); ``len(BATCHES) + 1`` snapshots.
+    """
+    from vllm.forward_context import ForwardContext, override_forward_context  # after the child's stack install
+
+    outputs, snapshots = [], [{name: raw.clone() for name, raw in raw_caches.items()}]
+    for batch in BATCHES:
+        metadata, tokens = metadata_of_batch(batch)
+        mixed_qkv = torch.randn((tokens, 3 * HEADS * HEAD_DIM), generator=generator).to(torch.bfloat16)
+        b = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
+        a = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
+        for name, layer in layers.items():
+            core = torch.zeros((tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16)
+            context = ForwardContext(no_compile_layers=layers, attn_metadata={name: metadata}, slot_mapping={})
+            with override_forward_context(context):
+                layer._forward_core(mixed_qkv, b, a, core)
+            outputs.append(core)
+        snapshots.append({name: raw.clone() for name, raw in raw_caches.items()})
+    return outputs, snapshots

@@ -19,7 +19,7 @@ import pathlib
 import sys
 
 import torch
-from batch_plan import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS
+from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS, run_forward_core_batches
 
 
 def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
@@ -98,7 +98,6 @@ def main(kind: str, source: str, seed: int, cache_dtype: str, conv_layout: str, 
     layer_module = importlib.import_module(module_name)
     if kind == "olmo":  # its gating is a Triton kernel vLLM's CPU build disables; not an overlay target
         layer_module.fused_olmo_hybrid_gdn_gating = gdn_standins.fused_olmo_hybrid_gdn_gating
-    from vllm.forward_context import ForwardContext, override_forward_context
 
     cls = getattr(layer_module, class_name)
     generator = torch.Generator().manual_seed(seed)
@@ -108,19 +107,8 @@ def main(kind: str, source: str, seed: int, cache_dtype: str, conv_layout: str, 
     config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH,
                              conv_layout=conv_layout) for name in layers}
     runner.initialize_kv_cache(config, False, None)
-    outputs, snapshots = [], [{name: raw.clone() for name, raw in runner.raw_caches.items()}]
-    for batch in BATCHES:
-        metadata, tokens = metadata_of(batch, extra_fields)
-        mixed_qkv = torch.randn((tokens, 3 * HEADS * HEAD_DIM), generator=generator).to(torch.bfloat16)
-        b = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
-        a = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
-        for name, layer in layers.items():
-            core = torch.zeros((tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16)
-            context = ForwardContext(no_compile_layers=layers, attn_metadata={name: metadata}, slot_mapping={})
-            with override_forward_context(context):
-                layer._forward_core(mixed_qkv, b, a, core)
-            outputs.append(core)
-        snapshots.append({name: raw.clone() for name, raw in runner.raw_caches.items()})
+    outputs, snapshots = run_forward_core_batches(layers, runner.raw_caches,
+                                                  lambda batch: metadata_of(batch, extra_fields), generator)
     layer_file = cls._forward_core.__code__.co_filename
     torch.save({"layer_file": layer_file, "outputs": outputs, "snapshots": snapshots,
                 "ledger": kda_patches.get_ledger().snapshot(),
