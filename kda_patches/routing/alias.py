@@ -260,8 +260,7 @@ class PendingCast(torch.Tensor):
 def make_pending_cast(final: torch.Tensor, route: CallRoute) -> PendingCast:
     """Return an uncomputed ``final.to(route.state.dtype)``: same shape and strides, the cache dtype, no kernel."""
     with torch._C.DisableTorchFunctionSubclass():
-        storage = torch.empty_like(final, dtype=route.state.dtype)
-    pending = storage
+        pending = torch.empty_like(final, dtype=route.state.dtype)
     pending.__class__ = PendingCast  # a tensor made here: retyped in place
     pending._kda_route = route
     pending._kda_source = final
