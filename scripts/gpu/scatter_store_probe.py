@@ -1,0 +1,316 @@
+"""Why the plan's scatter trails its byte floor, and what the eager pair's host part is made of (issue 8).
+
+An experiment, not the product: it compiles its own variants of the fused scatter (same addressing and
+masks as :func:`kda_patches.state_copy.kernels.copy_rows_kernel`, same-dtype rows only) that differ in
+one thing each: the cache-store and packed-load cache policies, the grid order, tiles per program, a
+persistent grid-stride loop. Each runs in graph replay next to the real plan and torch's contiguous
+``copy_`` of the same bytes, on the benchmark's caches (page gaps, random INT32 rows), with the finals
+either one tensor reused by every call (as ``bench gdn-state-copy``) or rotated over four (no L2 reuse).
+Every variant's bytes are checked against torch once (selected rows equal, every other cache byte kept).
+
+Then the host side of one eager gather+scatter: ``CompiledVariant.launch`` next to Triton's C entry
+called directly, three ways to allocate the packed rows, and the synchronized eager pair wall of the plan
+with and without the direct entry, interleaved with the native pattern.
+
+Usage: ``python scripts/gpu/scatter_store_probe.py --out DIR [--quick]`` (CUDA only; writes
+``DIR/scatter_store_probe.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import sys
+import time
+from typing import Any
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, NUM_ROWS: tl.constexpr, ROW_STRIDE: tl.constexpr,
+                         PAYLOAD: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                         ROW_FIRST: tl.constexpr, LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr,
+                         STORE_MODIFIER: tl.constexpr):
+    """Scatter ``UNROLL`` tiles of one selected row (``PAYLOAD % (BLOCK * UNROLL) == 0``)."""
+    if ROW_FIRST:
+        row = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1).to(tl.int64)
+    else:
+        group = tl.program_id(0).to(tl.int64)
+        row = tl.program_id(1).to(tl.int64)
+    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
+    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
+    safe_row = tl.where(valid, cache_row, 0)
+    for part in tl.static_range(UNROLL):
+        offsets = (group * UNROLL + part) * BLOCK + tl.arange(0, BLOCK)
+        values = tl.load(packed_ptr + row * PAYLOAD + offsets, mask=valid, eviction_policy=LOAD_POLICY)
+        tl.store(cache_ptr + safe_row * ROW_STRIDE + offsets, values, mask=valid, eviction_policy=STORE_POLICY,
+                 cache_modifier=STORE_MODIFIER)
+
+
+@triton.jit
+def probe_persistent_kernel(cache_ptr, packed_ptr, index_ptr, work, NUM_ROWS: tl.constexpr,
+                            ROW_STRIDE: tl.constexpr, PAYLOAD: tl.constexpr, BLOCK: tl.constexpr,
+                            TILES: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Grid-stride loop over ``work = S * TILES`` (row, tile) items."""
+    for item in range(tl.program_id(0), work, PROGRAMS):
+        wide = tl.full([], 0, tl.int64) + item
+        row = wide // TILES
+        tile = wide % TILES
+        offsets = tile * BLOCK + tl.arange(0, BLOCK)
+        cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
+        valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
+        safe_row = tl.where(valid, cache_row, 0)
+        values = tl.load(packed_ptr + row * PAYLOAD + offsets, mask=valid)
+        tl.store(cache_ptr + safe_row * ROW_STRIDE + offsets, values, mask=valid)
+
+
+# name: (block bytes, warps, unroll, row_first, load policy, store policy, store modifier)
+TILED = {
+    "k-base": (8192, 4, 1, False, "", "", ""),
+    "store-cs": (8192, 4, 1, False, "", "", ".cs"),
+    "store-evict-first": (8192, 4, 1, False, "", "evict_first", ""),
+    "load-evict-last": (8192, 4, 1, False, "evict_last", "", ""),
+    "load-last-store-first": (8192, 4, 1, False, "evict_last", "evict_first", ""),
+    "store-wt": (8192, 4, 1, False, "", "", ".wt"),
+    "row-first": (8192, 4, 1, True, "", "", ""),
+    "unroll2": (8192, 4, 2, False, "", "", ""),
+    "unroll4-w8": (8192, 8, 4, False, "", "", ""),
+    "block16k-w8-cs": (16384, 8, 1, False, "", "", ".cs"),
+    "block4k-w4": (4096, 4, 1, False, "", "", ""),
+}
+
+
+def tiled_call(name: str, state: Any) -> Any:
+    block_bytes, warps, unroll, row_first, load_policy, store_policy, modifier = TILED[name]
+    payload = state[0].numel()
+    block = block_bytes // state.element_size()
+    groups = payload // (block * unroll)
+    constexprs = dict(NUM_ROWS=state.shape[0], ROW_STRIDE=state.stride(0), PAYLOAD=payload, BLOCK=block,
+                      UNROLL=unroll, ROW_FIRST=row_first, LOAD_POLICY=load_policy, STORE_POLICY=store_policy,
+                      STORE_MODIFIER=modifier)
+
+    def call(indices: Any, finals: Any) -> None:
+        grid = (indices.shape[0], groups) if row_first else (groups, indices.shape[0])
+        probe_scatter_kernel[grid](state, finals, indices, num_warps=warps, **constexprs)
+    return call
+
+
+def persistent_call(state: Any, programs: int) -> Any:
+    payload = state[0].numel()
+    block = 8192 // state.element_size()
+    tiles = payload // block
+
+    def call(indices: Any, finals: Any) -> None:
+        work = indices.shape[0] * tiles
+        probe_persistent_kernel[(min(programs, work),)](state, finals, indices, work, NUM_ROWS=state.shape[0],
+                                                         ROW_STRIDE=state.stride(0), PAYLOAD=payload, BLOCK=block,
+                                                         TILES=tiles, PROGRAMS=min(programs, work), num_warps=4)
+    return call
+
+
+def check_bytes(torch: Any, name: str, call: Any, state: Any, indices: Any, finals: Any) -> bool:
+    before = state.clone()
+    call(indices, finals)
+    torch.cuda.synchronize()
+    expected = before.clone()
+    expected[indices.long()] = finals
+    same = torch.equal(state.view(torch.uint8), expected.view(torch.uint8))
+    state.copy_(before)
+    if not same:
+        print(f"probe: {name} wrote wrong bytes", flush=True)
+    return same
+
+
+def graph_medians(torch: Any, timing: Any, calls: dict[str, Any], index_sets: list[Any], finals: list[Any],
+                  captured: int, trials: int, shuffler: random.Random) -> dict[str, float]:
+    device = index_sets[0].device
+    graphs = {}
+    for name, call in calls.items():
+        def step_call(step: int, call: Any = call) -> None:
+            call(index_sets[step % len(index_sets)], finals[step % len(finals)])
+        graphs[name] = timing.capture_graph(step_call, captured, device)
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for _ in range(trials):
+        shuffler.shuffle(order)
+        for name in order:
+            samples[name].append(timing.time_graph(graphs[name], captured, device))
+    del graphs
+    return {name: round(timing.median(values), 3) for name, values in samples.items()}
+
+
+def probe_bandwidth(torch: Any, args: argparse.Namespace, shuffler: random.Random) -> list[dict[str, Any]]:
+    from kda_patches.bench import timing
+    from kda_patches.bench.state_copy import ContiguousCopyReference, build_cache
+    from kda_patches.state_copy.worker import initialize
+
+    device = torch.device("cuda")
+    ceiling = timing.measure_copy_ceiling(device)["bytes_per_s"]
+    rows_out = []
+    shapes = {"27b-tp4": [12, 128, 128], "397b-tp8": [8, 128, 128]}
+    for shape, inner in shapes.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            state = build_cache(device, dtype, 1024, inner, 8192)
+            binding = initialize({"probe": state}, 256, final_dtypes=(dtype,))["probe"]
+            reference = ContiguousCopyReference(state)
+            for selected in args.selected:
+                generator = torch.Generator().manual_seed(selected)
+                index_sets = [torch.randperm(1024, generator=generator)[:selected].to(device=device, dtype=torch.int32)
+                              for _ in range(args.captured)]
+                finals = [torch.randn((selected, *inner), generator=generator).to(device=device, dtype=dtype)
+                          for _ in range(4)]
+                calls: dict[str, Any] = {
+                    "plan": lambda indices, last, cache=state, plan=binding: plan.scatter(cache, last, indices),
+                    "copy": lambda indices, last, cache=state, ref=reference: ref.scatter(cache, last, indices),
+                }
+                for name in TILED:
+                    calls[name] = tiled_call(name, state)
+                calls["persistent-1056"] = persistent_call(state, 132 * 8)
+                calls["persistent-2112"] = persistent_call(state, 132 * 16)
+                checked = {name: check_bytes(torch, name, call, state, index_sets[0], finals[0])
+                           for name, call in calls.items() if name != "copy"}
+                floor = selected * state[0].numel() * 2 * state.element_size() / ceiling * 1e6
+                for reuse, finals_used in (("reused", finals[:1]), ("rotated", finals)):
+                    medians = graph_medians(torch, timing, calls, index_sets, finals_used, args.captured,
+                                            args.trials, shuffler)
+                    record = {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "selected": selected,
+                              "finals": reuse, "floor_us": round(floor, 3), "graph_us": medians,
+                              "over_floor": {k: round(v / floor, 3) for k, v in medians.items()},
+                              "bytes_ok": checked}
+                    rows_out.append(record)
+                    best = min((v, k) for k, v in medians.items() if k != "copy")
+                    print(f"{shape} {record['dtype']} {selected} {reuse}: floor {floor:.1f} plan "
+                          f"{medians['plan']:.1f} copy {medians['copy']:.1f} best {best[1]} {best[0]:.1f}", flush=True)
+            del state, binding, reference
+            torch.cuda.empty_cache()
+    return rows_out
+
+
+def best_us(torch: Any, call: Any, calls: int = 3000) -> float:
+    for _ in range(100):
+        call()
+    torch.cuda.synchronize()
+    loops = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return round(min(loops), 2)
+
+
+def direct_entry(variant: Any) -> Any:
+    """Triton 3.6's C entry of ``variant``'s launcher, called without ``CudaLauncher.__call__``."""
+    launcher = variant._run
+    if launcher.global_scratch_size or launcher.profile_scratch_size:
+        return None
+    entry, coop, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+    function, metadata, constexprs = variant._function, variant._metadata, variant._args
+    get_stream, index = variant._get_stream, variant._device_index
+
+    def launch(grid: tuple[int, int], cache: Any, packed: Any, indices: Any, flags: Any) -> None:
+        entry(grid[0], grid[1], 1, get_stream(index), function, coop, pdl, None, None, metadata, None, None, None,
+              cache.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), *constexprs)
+    return launch
+
+
+def probe_host(torch: Any, args: argparse.Namespace, shuffler: random.Random) -> dict[str, Any]:
+    from kda_patches.bench import timing
+    from kda_patches.bench.state_copy import build_cache, native_gather, native_scatter
+    from kda_patches.state_copy.worker import initialize
+
+    device = torch.device("cuda")
+    state = build_cache(device, torch.float32, 1024, [12, 128, 128], 8192)
+    binding = initialize({"host": state}, 256, final_dtypes=(torch.float32,))["host"]
+    plan = binding.plan
+    one = torch.randperm(1024, device=device)[:1].to(torch.int32)
+    one_flags = torch.ones(1, dtype=torch.bool, device=device)
+    packed_one = torch.randn(1, 12, 128, 128, device=device)
+    gather = plan._gathers[torch.int32]
+    fast = direct_entry(gather)
+    result: dict[str, Any] = {"direct_entry_available": fast is not None}
+    inner = plan._inner
+    result["CompiledVariant.launch"] = best_us(torch, lambda: gather.launch((96, 1), state, packed_one, one, one_flags))
+    if fast is not None:
+        result["direct C entry"] = best_us(torch, lambda: fast((96, 1), state, packed_one, one, one_flags))
+    result["state.new_empty((S, *inner))"] = best_us(torch, lambda: state.new_empty((64, *inner)))
+    result["torch.empty(shape, dtype, device)"] = best_us(
+        torch, lambda: torch.empty((64, *inner), dtype=torch.float32, device=device))
+    result["plan._check_call"] = best_us(torch, lambda: plan._check_call(state, one, None))
+    result["binding.gather"] = best_us(torch, lambda: binding.gather(state, one, one_flags))
+    result["binding.scatter"] = best_us(torch, lambda: binding.scatter(state, packed_one, one))
+    # eager pair wall at 64 rows: plan as shipped, plan with the direct entry, native (interleaved)
+    generator = torch.Generator().manual_seed(5)
+    sets = [torch.randperm(1024, generator=generator)[:64].to(device=device, dtype=torch.int32) for _ in range(8)]
+    flags = [(torch.rand(64, generator=generator) < 0.75).to(device) for _ in range(8)]
+    last = torch.randn((64, 12, 128, 128), generator=generator).to(device)
+
+    def plan_pair(step: int) -> Any:
+        packed = binding.gather(state, sets[step % 8], flags[step % 8])
+        binding.scatter(state, last, sets[step % 8])
+        return packed
+
+    def native_pair(step: int) -> Any:
+        packed = native_gather(state, sets[step % 8], flags[step % 8])
+        native_scatter(state, last, sets[step % 8])
+        return packed
+
+    from kda_patches.state_copy import variants as variants_module
+
+    entries = {id(variant): direct_entry(variant) for variant in plan._variants.values()}
+    shipped = variants_module.CompiledVariant.launch
+
+    def launch_direct(variant: Any, grid: Any, cache: Any, packed: Any, indices: Any, flags: Any) -> None:
+        entries[id(variant)](grid, cache, packed, indices, flags)
+
+    walls: dict[str, list[float]] = {"native": [], "plan": [], "plan-direct": []}
+    order = list(walls)
+    for step in range(args.wall_trials):
+        shuffler.shuffle(order)
+        for name in order:
+            if name == "plan-direct" and fast is not None:
+                variants_module.CompiledVariant.launch = launch_direct
+                try:
+                    walls[name].append(timing.time_wall(plan_pair, step, device))
+                finally:
+                    variants_module.CompiledVariant.launch = shipped
+            elif name != "plan-direct":
+                walls[name].append(timing.time_wall(plan_pair if name == "plan" else native_pair, step, device))
+    result["pair_wall_us"] = {name: round(timing.median(v), 2) for name, v in walls.items() if v}
+    result["pair_wall_samples_us"] = walls
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true", help="64 rows only, fewer trials")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("scatter_store_probe: no CUDA device; nothing measured")
+        return 0
+    args.selected = [64] if args.quick else [64, 256]
+    args.captured, args.trials, args.wall_trials = (10, 5, 10) if args.quick else (20, 12, 40)
+    shuffler = random.Random(11)
+    started = time.time()
+    result = {"argv": sys.argv[1:], "torch": torch.__version__, "triton": triton.__version__,
+              "bandwidth": probe_bandwidth(torch, args, shuffler)}
+    result["host"] = probe_host(torch, args, shuffler)
+    result["seconds"] = round(time.time() - started, 1)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scatter_store_probe.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["host"], indent=1, default=str)[:3000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
