@@ -305,6 +305,7 @@ class StateCopyPlan:
         return {"kind": self.kind, "sealed": self.sealed, "max_selected": self.max_selected,
                 "device_kind": device_kind(self._device), "layout": self.layout.as_dict(),
                 "alignment": self._alignment, "num_warps": self._num_warps, "stream": self._stream,
+                "launch_entry": "+".join(sorted({variant.entry for variant in self._variants.values()})),
                 "final_dtypes": [casts.dtype_name(dtype) for dtype in self.final_dtypes],
                 "casts": [policy.as_dict() for policy in self._casts.values()],
                 "constexprs": {variant.name: [str(v) for v in self._variant_constexprs(key)]

@@ -191,6 +191,67 @@ def probe_bandwidth(torch: Any, args: argparse.Namespace, shuffler: random.Rando
     return rows_out
 
 
+TILE_CONFIGS = ((2048, 2), (2048, 4), (4096, 2), (4096, 4), (4096, 8), (8192, 4), (8192, 8))
+
+
+def time_plans(timing: Any, plans: dict[str, Any], state: Any, index_sets: list[Any], flag_sets: list[Any],
+               last: Any, args: argparse.Namespace, shuffler: random.Random) -> dict[str, float]:
+    """Graph-replay medians of every plan's gather and scatter on the same inputs (order shuffled per round)."""
+    calls: dict[str, Any] = {}
+    for label, plan in plans.items():
+        calls[f"gather {label}"] = lambda step, plan=plan: plan.gather(
+            state, index_sets[step % len(index_sets)], flag_sets[step % len(flag_sets)])
+        calls[f"scatter {label}"] = lambda step, plan=plan: plan.scatter(
+            state, last, index_sets[step % len(index_sets)])
+    graphs = {name: timing.capture_graph(call, args.captured, state.device) for name, call in calls.items()}
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for _ in range(args.trials):
+        shuffler.shuffle(order)
+        for name in order:
+            samples[name].append(timing.time_graph(graphs[name], args.captured, state.device))
+    del graphs
+    return {name: round(timing.median(values), 3) for name, values in samples.items()}
+
+
+def probe_tiles(torch: Any, args: argparse.Namespace, shuffler: random.Random) -> list[dict[str, Any]]:
+    """The real fused plan at each (tile bytes, warps) of TILE_CONFIGS: gather and scatter, graph replay."""
+    from kda_patches.bench import timing
+    from kda_patches.bench.state_copy import build_cache
+    from kda_patches.state_copy.plan import FusedStatePlan
+
+    device = torch.device("cuda")
+    ceiling = timing.measure_copy_ceiling(device)["bytes_per_s"]
+    records = []
+    cases = ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16))
+    for shape, inner in {"27b-tp4": [12, 128, 128], "397b-tp8": [8, 128, 128]}.items():
+        for cache_dtype, final in cases:
+            state = build_cache(device, cache_dtype, 1024, inner, 8192)
+            plans = {f"{block}/{warps}": FusedStatePlan.prepare(state, 256, block_bytes=block, num_warps=warps,
+                                                                 final_dtypes=(final,)).seal()
+                     for block, warps in TILE_CONFIGS}
+            for selected in args.tile_rows:
+                generator = torch.Generator().manual_seed(selected + 1)
+                index_sets = [torch.randperm(1024, generator=generator)[:selected].to(device=device, dtype=torch.int32)
+                              for _ in range(args.captured)]
+                flag_sets = [(torch.rand(selected, generator=generator) < 0.75).to(device)
+                             for _ in range(args.captured)]
+                last = torch.randn((selected, *inner), generator=generator).to(device=device, dtype=final)
+                medians = time_plans(timing, plans, state, index_sets, flag_sets, last, args, shuffler)
+                payload = state[0].numel() * selected
+                floors = {"gather": payload * 2 * state.element_size() / ceiling * 1e6,
+                          "scatter": payload * (state.element_size() + last.element_size()) / ceiling * 1e6}
+                record = {"shape": shape, "cache": str(cache_dtype), "final": str(final), "selected": selected,
+                          "floors_us": floors, "graph_us": medians,
+                          "over_floor": {k: round(v / floors[k.split()[0]], 3) for k, v in medians.items()}}
+                records.append(record)
+                print(shape, cache_dtype, final, selected, " ".join(f"{k}={v:.3f}" for k, v in
+                                                                   record["over_floor"].items()), flush=True)
+            del state, plans
+            torch.cuda.empty_cache()
+    return records
+
+
 def best_us(torch: Any, call: Any, calls: int = 3000) -> float:
     for _ in range(100):
         call()
@@ -291,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="64 rows only, fewer trials")
+    parser.add_argument("--tiles", action="store_true", help="only the real plan's tile sweep (TILE_CONFIGS)")
     args = parser.parse_args(argv)
     import torch
 
@@ -301,12 +363,19 @@ def main(argv: list[str] | None = None) -> int:
     args.captured, args.trials, args.wall_trials = (10, 5, 10) if args.quick else (20, 12, 40)
     shuffler = random.Random(11)
     started = time.time()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.tiles:
+        args.tile_rows = [1, 8, 64, 256]
+        tiles = {"argv": sys.argv[1:], "torch": torch.__version__, "triton": triton.__version__,
+                 "configs": TILE_CONFIGS, "tiles": probe_tiles(torch, args, shuffler)}
+        tiles["seconds"] = round(time.time() - started, 1)
+        (out / "scatter_tile_probe.json").write_text(json.dumps(tiles, indent=1))
+        return 0
     result = {"argv": sys.argv[1:], "torch": torch.__version__, "triton": triton.__version__,
               "bandwidth": probe_bandwidth(torch, args, shuffler)}
     result["host"] = probe_host(torch, args, shuffler)
     result["seconds"] = round(time.time() - started, 1)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "scatter_store_probe.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["host"], indent=1, default=str)[:3000])
     return 0
