@@ -318,7 +318,9 @@ class FusedStatePlan(StateCopyPlan):
 
     kind = PLAN_FUSED
     kernel = kernels.copy_rows_kernel
-    DEFAULT_BLOCK_BYTES = 8192  # H200 sweep: same time as 16-64 KiB tiles at >= 64 rows, fastest at 1-8 rows
+    # 32 bytes per thread at 4 warps. H200 tile sweep (docs/results/h200-gdn-state-copy run 8): 2-3 % faster
+    # than 8 KiB tiles for both copies at >= 64 rows in 20 of 24 cases (16-64 KiB tiles were no faster than 8 KiB)
+    DEFAULT_BLOCK_BYTES = 4096
     DEFAULT_NUM_WARPS = 4
 
     def _configure(self, block_bytes: int | None, num_warps: int | None) -> int:
