@@ -231,6 +231,16 @@ MUTANTS: tuple[Mutant, ...] = (
            "cu_seqlens.append(query_lens[row])",
            (f"{GDN_TESTS}::test_patched_build_equals_original_and_flags_match_device_fields",), "B (gdn_host_flags)",
            "cu_seqlens_host holds the lengths, not their running sum"),
+    Mutant("direct-entry-any-release", "kda_patches/state_copy/variants.py",
+           "if release not in DIRECT_ENTRY_RELEASES or type(launcher).__name__ != \"CudaLauncher\":",
+           "if type(launcher).__name__ != \"CudaLauncher\":",
+           ("tests/state_copy/test_state_copy_entry.py::test_undeclared_release_takes_the_launcher",), "D (state_copy)",
+           "Triton's C launch entry is called with 3.5/3.6's argument order on a release whose order differs"),
+    Mutant("direct-entry-ignores-scratch", "kda_patches/state_copy/variants.py",
+           "    if launcher.global_scratch_size or launcher.profile_scratch_size:\n        return None\n",
+           "",
+           ("tests/state_copy/test_state_copy_entry.py::test_kernel_needing_scratch_takes_the_launcher",),
+           "D (state_copy)", "a kernel that needs global or profile scratch is launched without it"),
 )
 
 

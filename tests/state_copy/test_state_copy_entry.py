@@ -133,3 +133,18 @@ def test_launch_hook_sends_launches_through_the_launcher(make_cache, device, lau
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(launcher_calls) == 2 and len(seen) == 2
     assert cache.gaps_untouched() and no_compiler.entries == []
+
+
+def test_ledger_fact_names_the_launch_entry(make_cache, device):
+    import triton
+
+    from kda_patches.ledger import get_ledger
+    from kda_patches.state_copy.plan import initialize
+    from kda_patches.state_copy.worker import LEDGER_SECTION
+
+    cache = make_cache(dtype=torch.float32, num_rows=6, inner=(2, 8, 32), gap=8, offset=2)
+    initialize({"entry-fact-layer": cache.state}, 4)
+    fact = get_ledger().snapshot()["facts"][LEDGER_SECTION]["entry-fact-layer"]
+    declared = ".".join(triton.__version__.split(".")[:2]) in DIRECT_ENTRY_RELEASES
+    expected = "interpreter" if device.type == "cpu" else ("direct" if declared else "launcher")
+    assert fact["launch_entry"] == expected
