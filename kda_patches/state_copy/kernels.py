@@ -76,8 +76,8 @@ def copy_rows_kernel(
         BLOCK: items per program (power of two).
         EVEN: ``PAYLOAD % BLOCK == 0`` (drops the tail mask).
         SCATTER: False gathers (cache -> packed), True scatters (packed -> cache).
-        STREAM: mark the streamed side (cache reads of a gather; packed reads and cache writes of a
-            scatter) ``evict_first`` so it does not push the packed states out of the L2.
+        STREAM: mark the cache side (reads of a gather, writes of a scatter) ``evict_first``, so cache rows
+            do not push the packed or final states out of the L2.
         SRC, DST: scatter only: kind codes (0 FP32, 1 BF16, 2 FP16) of F and T; equal codes copy bits.
         NAN_RULE, NAN_BITS: scatter only: the NaN rule probed at prepare (:mod:`~kda_patches.state_copy.casts`).
     """
@@ -98,10 +98,7 @@ def copy_rows_kernel(
         in_payload = offsets < PAYLOAD
         copy_mask = valid & in_payload
     if SCATTER:
-        if STREAM:
-            values = tl.load(packed_items, mask=copy_mask, eviction_policy="evict_first")
-        else:
-            values = tl.load(packed_items, mask=copy_mask)
+        values = tl.load(packed_items, mask=copy_mask)
         if SRC != DST:
             values = cast_bits(values, SRC, DST, NAN_RULE, NAN_BITS).to(cache_ptr.dtype.element_ty, bitcast=True)
         if STREAM:

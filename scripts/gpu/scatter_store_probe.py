@@ -191,7 +191,9 @@ def probe_bandwidth(torch: Any, args: argparse.Namespace, shuffler: random.Rando
     return rows_out
 
 
+# (tile bytes, warps[, stream]): stream marks the cache side evict_first (FusedStatePlan's stream option)
 TILE_CONFIGS = ((2048, 2), (2048, 4), (4096, 2), (4096, 4), (4096, 8), (8192, 4), (8192, 8))
+STREAM_CONFIGS = ((4096, 4), (4096, 4, True), (8192, 4), (8192, 4, True))
 
 
 def time_plans(timing: Any, plans: dict[str, Any], state: Any, index_sets: list[Any], flag_sets: list[Any],
@@ -227,9 +229,9 @@ def probe_tiles(torch: Any, args: argparse.Namespace, shuffler: random.Random) -
     for shape, inner in {"27b-tp4": [12, 128, 128], "397b-tp8": [8, 128, 128]}.items():
         for cache_dtype, final in cases:
             state = build_cache(device, cache_dtype, 1024, inner, 8192)
-            plans = {f"{block}/{warps}": FusedStatePlan.prepare(state, 256, block_bytes=block, num_warps=warps,
-                                                                 final_dtypes=(final,)).seal()
-                     for block, warps in TILE_CONFIGS}
+            plans = {"/".join(map(str, config)): FusedStatePlan.prepare(
+                state, 256, block_bytes=config[0], num_warps=config[1], stream=len(config) > 2,
+                final_dtypes=(final,)).seal() for config in args.configs}
             for selected in args.tile_rows:
                 generator = torch.Generator().manual_seed(selected + 1)
                 index_sets = [torch.randperm(1024, generator=generator)[:selected].to(device=device, dtype=torch.int32)
@@ -353,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="64 rows only, fewer trials")
     parser.add_argument("--tiles", action="store_true", help="only the real plan's tile sweep (TILE_CONFIGS)")
+    parser.add_argument("--stream", action="store_true", help="only the real plan with and without stream hints")
     args = parser.parse_args(argv)
     import torch
 
@@ -365,12 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.tiles:
-        args.tile_rows = [1, 8, 64, 256]
+    if args.tiles or args.stream:
+        args.tile_rows = [1, 8, 64, 256] if args.tiles else [64, 256]
+        args.configs = TILE_CONFIGS if args.tiles else STREAM_CONFIGS
         tiles = {"argv": sys.argv[1:], "torch": torch.__version__, "triton": triton.__version__,
-                 "configs": TILE_CONFIGS, "tiles": probe_tiles(torch, args, shuffler)}
+                 "configs": args.configs, "tiles": probe_tiles(torch, args, shuffler)}
         tiles["seconds"] = round(time.time() - started, 1)
-        (out / "scatter_tile_probe.json").write_text(json.dumps(tiles, indent=1))
+        name = "scatter_tile_probe.json" if args.tiles else "scatter_stream_probe.json"
+        (out / name).write_text(json.dumps(tiles, indent=1))
         return 0
     result = {"argv": sys.argv[1:], "torch": torch.__version__, "triton": triton.__version__,
               "bandwidth": probe_bandwidth(torch, args, shuffler)}
