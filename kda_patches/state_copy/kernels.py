@@ -76,8 +76,9 @@ def copy_rows_kernel(
         BLOCK: items per program (power of two).
         EVEN: ``PAYLOAD % BLOCK == 0`` (drops the tail mask).
         SCATTER: False gathers (cache -> packed), True scatters (packed -> cache).
-        STREAM: mark the cache side (reads of a gather, writes of a scatter) ``evict_first``, so cache rows
-            do not push the packed or final states out of the L2.
+        STREAM: mark the cache side ``evict_first`` (the reads of a gather, the writes of a scatter), so
+            cache rows do not push the packed or final states out of the L2. The plan decides it per
+            direction at prepare (:class:`~kda_patches.state_copy.plan.FusedStatePlan`).
         SRC, DST: scatter only: kind codes (0 FP32, 1 BF16, 2 FP16) of F and T; equal codes copy bits.
         NAN_RULE, NAN_BITS: scatter only: the NaN rule probed at prepare (:mod:`~kda_patches.state_copy.casts`).
     """

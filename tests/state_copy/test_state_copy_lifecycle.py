@@ -197,3 +197,19 @@ def test_scatter_packed_alignment_and_layout_normalised(cache, device, plan_clas
     plan.scatter(cache.state, unaligned, indices[:2])
     naive.scatter_states(ref.state, unaligned, indices[:2])
     assert torch.equal(bits(cache.backing), bits(ref.backing))
+
+
+@pytest.mark.parametrize("kind", ["fused", "fallback"])
+def test_scatter_store_hint_is_decided_per_device_at_prepare(make_cache, device, kind):
+    from kda_patches.state_copy.plan import PLAN_CLASSES
+
+    cache = make_cache(dtype=torch.bfloat16, num_rows=6, inner=(2, 8, 32), gap=8, offset=2)
+    described = PLAN_CLASSES[kind].prepare(cache.state, 4).seal().describe()
+    # only the fused kernel has the option, and only CUDA gets it (other backends keep their store policy)
+    assert described["scatter_evict_first"] is (kind == "fused" and device.type == "cuda")
+    assert described["stream"] is False  # the gather's cache reads stay the default policy
+    scatter_constexprs = [value for name, value in described["constexprs"].items() if "/scatter/" in name]
+    gather_constexprs = [value for name, value in described["constexprs"].items() if "/gather/" in name]
+    if kind == "fused":  # STREAM is the seventh constexpr of copy_rows_kernel
+        assert {values[6] for values in scatter_constexprs} == {str(device.type == "cuda")}
+        assert {values[6] for values in gather_constexprs} == {"False"}
