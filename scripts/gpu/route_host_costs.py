@@ -1,0 +1,202 @@
+"""Host cost of the routing core's per-call steps on the GPU host, one by one (issue 8, small-batch overhead).
+
+Two parts, both timed with ``perf_counter`` loops (best of 5 x 2000), no profiler:
+
+1. primitives on CUDA tensors: ``as_subclass``, an attribute on a tensor, retyping in place, ``empty_like``,
+   device and shape comparisons, ``~flags``, a ledger count, a ``CallRoute``;
+2. the routed call of the routing suite's Qwen-shaped dummy layer (``tests/routing``), with a plan stand-in
+   that only allocates (so the step costs are the routing core's), split into its steps by wrapping each.
+
+Usage: ``python scripts/gpu/route_host_costs.py --out DIR`` (writes ``DIR/route_host_costs.json``; runs on
+the CPU too, then part 1 uses CPU tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pathlib
+import sys
+import time
+import types
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def best_us(call: Any, calls: int = 2000) -> float:
+    """Best of 5 loops of ``calls`` calls, microseconds per call."""
+    for _ in range(200):
+        call()
+    loops = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+    return round(min(loops), 3)
+
+
+def primitives(torch: Any, device: Any) -> dict[str, float]:
+    from kda_patches.ledger import get_ledger
+    from kda_patches.routing.alias import CallRoute, RoutedCache, RoutedFlags
+
+    state = torch.empty(64, 12, 128, 128, device=device, dtype=torch.bfloat16)
+    flags = torch.ones(8, dtype=torch.bool, device=device)
+    indices = torch.arange(8, dtype=torch.int32, device=device)
+    final = torch.empty(8, 12, 128, 128, device=device)
+    seam = types.SimpleNamespace(section="probe", clear="native")
+
+    def retype() -> None:
+        fresh = state.new_empty(())
+        fresh.__class__ = RoutedFlags
+        fresh._kda_route = None
+
+    def alias_with_attribute() -> None:
+        proxy = state.as_subclass(RoutedCache)
+        proxy._kda_route = None
+
+    return {
+        "state.as_subclass(RoutedCache)": best_us(lambda: state.as_subclass(RoutedCache)),
+        "as_subclass + tensor attribute": best_us(alias_with_attribute),
+        "flags.as_subclass(RoutedFlags)": best_us(lambda: flags.as_subclass(RoutedFlags)),
+        "new_empty(()) + retype + attribute": best_us(retype),
+        "empty_like(final, dtype=bf16)": best_us(lambda: torch.empty_like(final, dtype=torch.bfloat16)),
+        "~flags": best_us(lambda: ~flags),
+        "flags.device == state.device": best_us(lambda: flags.device == state.device),
+        "flags.shape == indices.shape": best_us(lambda: flags.shape == indices.shape),
+        "ledger.count": best_us(lambda: get_ledger().count("probe", "calls_seen")),
+        "CallRoute(...)": best_us(lambda: CallRoute(seam, "layer", None, state, indices, flags)),
+    }
+
+
+def install_forward_context_stand_in() -> None:
+    """A minimal ``vllm.forward_context`` when vLLM is absent (the GPU machine has none by design)."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    module = types.ModuleType("vllm.forward_context")
+    state: dict[str, Any] = {"context": None}
+
+    class ForwardContext:
+        def __init__(self, no_compile_layers: Any, attn_metadata: Any, slot_mapping: Any) -> None:
+            self.no_compile_layers = no_compile_layers
+            self.attn_metadata = attn_metadata
+            self.slot_mapping = slot_mapping
+
+    class override_forward_context:
+        def __init__(self, context: Any) -> None:
+            self.context = context
+
+        def __enter__(self) -> None:
+            self.saved, state["context"] = state["context"], self.context
+
+        def __exit__(self, *exc: Any) -> None:
+            state["context"] = self.saved
+
+    module.ForwardContext = ForwardContext
+    module.override_forward_context = override_forward_context
+    module.get_forward_context = lambda: state["context"]
+    module.is_forward_context_available = lambda: state["context"] is not None
+    sys.modules.setdefault("vllm", types.ModuleType("vllm"))
+    sys.modules["vllm.forward_context"] = module
+
+
+def routed_steps(torch: Any, calls: int = 20000) -> dict[str, float]:
+    """Per-step microseconds of the dummy Qwen-shaped layer's routed call (the plan only allocates)."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the dummy runner prepares a real plan on CPU tensors
+    sys.path[:0] = [str(ROOT / "tests" / "routing"), str(ROOT / "tests")]
+    install_forward_context_stand_in()
+    from test_routing_core import batch
+    from test_routing_folded_cast import record
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from kda_patches.registry import register_patch, revert_patch
+    from kda_patches.routing import alias
+    from kda_patches.routing import calls as calls_module
+    from kda_patches.routing.proof import PLAN_ATTRIBUTE
+
+    class AllocatingPlan:
+        final_dtypes = (torch.float32, torch.bfloat16)
+
+        def gather(self, state: Any, indices: Any, flags: Any = None) -> Any:
+            return state.new_empty((indices.shape[0], *state.shape[1:]))
+
+        def scatter(self, state: Any, packed: Any, indices: Any) -> None:
+            return None
+
+    spent: dict[str, int] = {}
+
+    def timed(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        label = f"{getattr(owner, '__name__', owner)}.{name}".replace("kda_patches.routing.", "")
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0) + time.perf_counter_ns() - start
+        setattr(owner, name, wrapper)
+
+    patch = record("route_host_costs", "AttributeChunkLayer")
+    register_patch(patch)
+    try:
+        module = importlib.import_module("routing_dummies")
+        layer = module.AttributeChunkLayer("model.layers.0.attn")
+        runner = module.Runner({layer.prefix: layer}, max_num_seqs=8, dtype=torch.bfloat16)
+        runner.initialize_kv_cache(None)
+        setattr(layer, PLAN_ATTRIBUTE, AllocatingPlan())
+        layer.chunk_gated_delta_rule = lambda initial: (initial.new_zeros(initial.shape[0]), initial.float())
+        indices, flags = batch(24, 5, torch.int32, 0)
+        metadata = module.Metadata(num_prefills=1, num_decodes=0, prefill_state_indices=indices,
+                                   prefill_has_initial_state=flags, non_spec_state_indices_tensor=indices,
+                                   has_initial_state=flags)
+        out = torch.zeros(5)
+        context = ForwardContext(no_compile_layers={layer.prefix: layer}, attn_metadata={layer.prefix: metadata},
+                                 slot_mapping={})
+
+        def run(count: int) -> float:
+            with override_forward_context(context):
+                start = time.perf_counter()
+                for _ in range(count):
+                    layer._forward_core(None, None, None, out)
+                return (time.perf_counter() - start) / count * 1e6
+
+        run(500)
+        untimed = min(run(calls) for _ in range(3))
+        for owner, name in ((alias.RoutedCache, "__getitem__"), (alias.RoutedCache, "__setitem__"),
+                            (alias.RoutedFlags, "__invert__"), (alias.PackedStates, "__setitem__"),
+                            (alias.FinalStates, "to"), (calls_module.FinalTagger, "__call__"),
+                            (calls_module, "settle_route"), (calls_module, "make_alias"),
+                            (calls_module, "make_flags_alias"), (calls_module, "shadow_attribute"),
+                            (calls_module, "prefill_metadata"), (calls_module, "breakable_capture_active"),
+                            (calls_module, "CallRoute"), (calls_module, "route_call")):
+            timed(owner, name)
+        run(500)
+        spent.clear()
+        run(calls)
+    finally:
+        revert_patch(patch)
+    steps = {label: round(total / calls / 1000, 3) for label, total in sorted(spent.items(), key=lambda kv: -kv[1])}
+    return {"routed call, untimed (us)": round(untimed, 3), **steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {"device": str(device), "primitives_us": primitives(torch, device), "routed_steps_us": routed_steps(torch)}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "route_host_costs.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
