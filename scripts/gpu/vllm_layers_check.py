@@ -133,7 +133,7 @@ def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Name
     """Run one child (``--child LAYER``) and return its JSON result (or the failure)."""
     out = pathlib.Path(args.out) / f".child-{layer}-{'on' if enabled else 'off'}.json"
     argv = [sys.executable, __file__, "--child", layer, "--child-out", str(out), "--rounds", str(args.rounds),
-            "--mode", "on" if enabled else "off"]
+            "--settle", str(args.settle), "--mode", "on" if enabled else "off"]
     argv += ["--dry-run"] if args.dry_run else []
     argv += ["--host-profile", *map(str, args.host_profile)] if args.host_profile and enabled else []
     started = time.perf_counter()
@@ -635,9 +635,21 @@ def prefill_batch(bench: LayerBench, overlay: Overlay | None, seqs: int, new: in
     return common, inputs, bench.raw.clone(), variants
 
 
+def switch_variant(bench: LayerBench, overlay: Overlay | None, variant: str, settle: int, common: Any,
+                   inputs: dict[str, Any], snapshot: Any) -> None:
+    """Switch the overlay to ``variant``, then run ``settle`` untimed calls of it (the first calls after a
+    switch pay for re-wrapped methods and cold lookups, which a serving process never does per call)."""
+    if overlay is not None and overlay.patch is not None:
+        overlay.on() if variant == "patched" else overlay.off()
+    for _ in range(settle):
+        bench.raw.copy_(snapshot)
+        bench.call(bench.builder().build(0, common), inputs, bench.fresh(inputs))
+
+
 def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: int, new: int,
-               cached: int) -> dict[str, Any]:
-    """Median CUDA-event and wall time of the layer call, unpatched vs patched, order shuffled per round."""
+               cached: int, settle: int = 0) -> dict[str, Any]:
+    """Median CUDA-event and wall time of the layer call, unpatched vs patched, order shuffled per round;
+    ``settle`` untimed calls of the variant after each switch."""
     torch = bench.torch
     common, inputs, snapshot, variants = prefill_batch(bench, overlay, seqs, new, cached, 7)
     samples: dict[str, dict[str, list[float]]] = {v: {"event_ms": [], "wall_ms": []} for v in variants}
@@ -647,8 +659,7 @@ def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: in
         order = variants[:]
         rng.shuffle(order)
         for variant in order:
-            if overlay is not None and overlay.patch is not None:
-                overlay.on() if variant == "patched" else overlay.off()
+            switch_variant(bench, overlay, variant, settle, common, inputs, snapshot)
             bench.raw.copy_(snapshot)
             metadata = bench.builder().build(0, common)
             fresh = bench.fresh(inputs)
@@ -669,7 +680,7 @@ def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: in
                 samples[variant]["event_ms"].append(start.elapsed_time(end) if cuda else wall_ms)
     bench.raw.copy_(snapshot)
     row: dict[str, Any] = {"seqs": seqs, "new_tokens": new, "cached_tokens": cached, "rounds": rounds,
-                           "samples": samples}
+                           "settle_calls": settle, "samples": samples}
     for variant in variants:
         row[f"{variant}_event_ms"] = statistics.median(samples[variant]["event_ms"])
         row[f"{variant}_wall_ms"] = statistics.median(samples[variant]["wall_ms"])
@@ -810,7 +821,7 @@ def run_child_main(args: argparse.Namespace) -> int:
                                                                           for s in TIMED_SEQS)
             for seqs, new, cached in shapes:
                 row = time_shape(bench, overlay if result["patched_available"] else None, seqs,
-                                 1 if args.dry_run else args.rounds, new, cached)
+                                 1 if args.dry_run else args.rounds, new, cached, args.settle)
                 result["timing"].append(row)
                 save()
                 print(f"[{args.child}] timing {seqs}x{new}: " + json.dumps(
@@ -839,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", default=str(SITE_DIR), help="where the bundle is unpacked and installed")
     parser.add_argument("--dry-run", action="store_true", help="CPU machine: CPU platform, Triton interpreter")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per shape (after one warm-up round)")
+    parser.add_argument("--settle", type=int, default=0, metavar="N",
+                        help="untimed calls of a variant after each overlay switch, before its timed call")
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
     parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
     parser.add_argument("--host-profile", type=int, nargs="*", default=[], metavar="SEQS",
