@@ -687,7 +687,7 @@ def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: in
     return row
 
 
-def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: int) -> dict[str, Any]:
+def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: int, settle: int = 1) -> dict[str, Any]:
     """Host side of the layer call, unpatched vs patched: enqueue time (no sync inside) and a cProfile digest.
 
     For the small batches where the layer is host-bound. ``enqueue_us``: median wall time of the call alone
@@ -706,7 +706,7 @@ def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: i
 
     def one_call(variant: str, profiler: Any = None) -> float:
         if len(variants) > 1:
-            overlay.on() if variant == "patched" else overlay.off()
+            switch_variant(bench, overlay, variant, settle, common, inputs, snapshot)
         bench.raw.copy_(snapshot)
         metadata = bench.builder().build(0, common)
         fresh = bench.fresh(inputs)
@@ -827,7 +827,7 @@ def run_child_main(args: argparse.Namespace) -> int:
                 print(f"[{args.child}] timing {seqs}x{new}: " + json.dumps(
                     {k: v for k, v in row.items() if k != "samples"}), flush=True)
             for seqs in args.host_profile:
-                profile = profile_host(bench, overlay if result["patched_available"] else None, seqs, 20)
+                profile = profile_host(bench, overlay if result["patched_available"] else None, seqs, 20, args.settle)
                 result.setdefault("host_profile", []).append(profile)
                 save()
                 print(f"[{args.child}] host enqueue {seqs}x{TIMED_LEN}: " + ", ".join(
@@ -850,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", default=str(SITE_DIR), help="where the bundle is unpacked and installed")
     parser.add_argument("--dry-run", action="store_true", help="CPU machine: CPU platform, Triton interpreter")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per shape (after one warm-up round)")
-    parser.add_argument("--settle", type=int, default=0, metavar="N",
+    parser.add_argument("--settle", type=int, default=1, metavar="N",
                         help="untimed calls of a variant after each overlay switch, before its timed call")
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
     parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
