@@ -60,8 +60,9 @@ def describe_drift(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 # Triton releases whose CUDA launcher's C entry takes (gridX, gridY, gridZ, stream, function, cooperative,
 # pdl, global_scratch, profile_scratch, kernel_metadata, launch_metadata, enter_hook, exit_hook, *args):
-# 3.6 executed on the H200; 3.5 by reading its driver.py (same entry). 3.4 has no profile_scratch and
-# 3.9 another order: they take the launcher.
+# 3.6 executed on the H200; 3.5.0/3.5.1 by reading their driver.py (the same entry). 3.4 has no
+# profile_scratch, and 3.7-3.9 take another order (metadata and hooks first, then the arguments as one tuple):
+# those take the launcher.
 DIRECT_ENTRY_RELEASES = ("3.5", "3.6")
 ENTRY_DIRECT = "direct"
 ENTRY_LAUNCHER = "launcher"
