@@ -104,20 +104,13 @@ GDN_TESTS = "tests/patches/test_gdn_host_flags.py"
 GATHER_FIXED = f"{SEMANTICS}::test_gather_gaps_offsets_invalid_flags_duplicates"
 SCATTER_FIXED = f"{SEMANTICS}::test_scatter_skips_invalid_casts_and_keeps_gaps"
 
-# Kernel snippets: each kernel's index-mask line with enough context to occur once in kernels.py.
-LOAD_ROW = "    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)\n"
+# Kernel snippets: the row-validity line of selected_row_mask, which all three kernels call.
 VALID = "    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)\n"
 NEGATIVE_VALID = "    valid = (cache_row >= -1) & (cache_row < NUM_ROWS)\n"
-INDEX_N_VALID = "    valid = (cache_row >= 0) & (cache_row <= NUM_ROWS)\n"
-FUSED_HEAD = "    offsets = tile * BLOCK + tl.arange(0, BLOCK)\n" + LOAD_ROW  # copy_rows_kernel
-BYTES_TAIL = "    if not SCATTER:\n"  # copy_row_bytes_kernel (the cast kernel has no gather branch)
-BYTES_HEAD = "    in_payload = offsets < PAYLOAD\n" + LOAD_ROW
-CAST_TAIL = "    safe_row = tl.where(valid, cache_row, 0)\n    copy_mask = valid & in_payload\n    values = tl.load("
-
-
-def kernel_mask(name: str, head: str, tail: str, replacement: str, tests: tuple[str, ...], why: str) -> Mutant:
-    """A mutant of one kernel's invalid-index mask (``head + VALID + tail`` -> ``head + replacement + tail``)."""
-    return Mutant(name, KERNELS, head + VALID + tail, head + replacement + tail, tests, "D (state_copy)", why)
+INDEX_N_VALID = "    valid = (cache_row <= NUM_ROWS) & (cache_row >= 0)\n"
+FLAG_LINE = "        valid = valid & (flag != 0)\n    return valid, tl.where(valid, cache_row, 0)\n"
+FLAG_LINE_INDEX_N = ("        valid = (valid | (cache_row == NUM_ROWS)) & (flag != 0)\n"
+                     "    return valid, tl.where(valid, cache_row, 0)\n")
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -152,31 +145,15 @@ MUTANTS: tuple[Mutant, ...] = (
            "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 2",
            (f"{KV_CHECKER_TESTS}::test_checker_matches_brute_force",), "B (kv_layout)",
            "the same mutant against the brute-force property test (its fixed @examples run first)"),
-    Mutant("fused-gather-index-n-valid", KERNELS,
-           "        valid = valid & (flag != 0)\n    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
-           "        valid = (valid | (cache_row == NUM_ROWS)) & (flag != 0)\n"
-           "    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
-           (GATHER_FIXED,), "D (state_copy)",
-           "the fused gather reads row N (one past the cache) for a flagged index == N"),
-    Mutant("fused-gather-index-n-valid/property", KERNELS,
-           "        valid = valid & (flag != 0)\n    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
-           "        valid = (valid | (cache_row == NUM_ROWS)) & (flag != 0)\n"
-           "    safe_row = tl.where(valid, cache_row, 0)\n    cache_items",
-           (PROPERTY,), "D (state_copy)",
+    Mutant("gather-index-n-valid", KERNELS, FLAG_LINE, FLAG_LINE_INDEX_N, (GATHER_FIXED,), "D (state_copy)",
+           "the gathers read row N (one past the cache) for a flagged index == N"),
+    Mutant("gather-index-n-valid/property", KERNELS, FLAG_LINE, FLAG_LINE_INDEX_N, (PROPERTY,), "D (state_copy)",
            "the same mutant against the derandomized property test (its fixed @examples)"),
     # -- killed before the issue (kept so that they stay killed) -----------------------------------------
-    kernel_mask("fused-mask-negative-valid", FUSED_HEAD, "", NEGATIVE_VALID, (GATHER_FIXED, SCATTER_FIXED),
-                "fused kernel (gather and scatter) treats index -1 as a valid row"),
-    kernel_mask("fused-mask-index-n-valid", FUSED_HEAD, "", INDEX_N_VALID, (GATHER_FIXED, SCATTER_FIXED),
-                "fused kernel (gather and scatter) treats index == N as a valid row"),
-    kernel_mask("bytes-mask-negative-valid", BYTES_HEAD, BYTES_TAIL, NEGATIVE_VALID, (GATHER_FIXED, SCATTER_FIXED),
-                "fallback byte kernel treats index -1 as a valid row"),
-    kernel_mask("bytes-mask-index-n-valid", BYTES_HEAD, BYTES_TAIL, INDEX_N_VALID, (GATHER_FIXED, SCATTER_FIXED),
-                "fallback byte kernel treats index == N as a valid row"),
-    kernel_mask("cast-scatter-mask-negative-valid", BYTES_HEAD, CAST_TAIL, NEGATIVE_VALID, (SCATTER_FIXED, PROPERTY),
-                "fallback casting scatter writes index -1"),
-    kernel_mask("cast-scatter-mask-index-n-valid", BYTES_HEAD, CAST_TAIL, INDEX_N_VALID, (SCATTER_FIXED,),
-                "fallback casting scatter writes index == N"),
+    Mutant("row-mask-negative-valid", KERNELS, VALID, NEGATIVE_VALID, (GATHER_FIXED, SCATTER_FIXED, PROPERTY),
+           "D (state_copy)", "every kernel (gathers, scatters, the casting scatter) treats index -1 as a valid row"),
+    Mutant("row-mask-index-n-valid", KERNELS, VALID, INDEX_N_VALID, (GATHER_FIXED, SCATTER_FIXED),
+           "D (state_copy)", "every kernel treats index == N as a valid row"),
     Mutant("plan-signature-check", "kda_patches/state_copy/plan.py",
            "if (state.dtype != self._dtype or state.shape != self._shape or state.stride() != self._strides\n"
            "                or state.device != self._device or state.data_ptr() % 16 != self._alignment):",

@@ -12,6 +12,9 @@ Two kernels, each serving both directions through the ``SCATTER`` constexpr:
 - :func:`scatter_cast_items_kernel` (the fallback plan's scatter when the final-state dtype differs
   from the cache dtype): the byte kernel's flat grid and masks, on typed items, with the folded cast.
 
+The three share :func:`selected_row_mask` (which rows are valid, and a safe row for the masked-off ones)
+and the two fallback kernels :func:`flat_tile` (their flat grid).
+
 Shared contract (checked on the host by :mod:`kda_patches.state_copy.layout` before launch):
 
 - A cache row ``r`` is ``PAYLOAD`` contiguous items starting at ``cache_ptr + r * ROW_STRIDE``,
@@ -35,6 +38,38 @@ import triton
 import triton.language as tl
 
 from kda_patches.state_copy.casts import cast_bits
+
+
+@triton.jit
+def selected_row_mask(index_ptr, flag_ptr, row, NUM_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                      SKIP_FLAGS: tl.constexpr):
+    """Return ``(valid, safe_row)`` of selected row ``row``, each broadcast to ``[BLOCK]``.
+
+    Args:
+        index_ptr: ``*int32`` or ``*int64``, the selected rows' cache indices.
+        flag_ptr: ``*int1``, the selected rows' flags; read only when ``SKIP_FLAGS`` is false.
+        row: the selected row (int64 scalar).
+        NUM_ROWS: number of cache rows ``N``.
+        BLOCK: the tile length.
+        SKIP_FLAGS: true for scatters (flags never suppress a write).
+    Returns:
+        ``valid``: int1, ``0 <= index < NUM_ROWS`` (and the flag set, unless skipped); ``safe_row``: int64,
+        the index where valid, else 0 (an in-bounds row, so masked-off addresses stay inside the cache).
+    """
+    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
+    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
+    if not SKIP_FLAGS:
+        flag = tl.full([BLOCK], 0, tl.int32) + tl.load(flag_ptr + row).to(tl.int32)
+        valid = valid & (flag != 0)
+    return valid, tl.where(valid, cache_row, 0)
+
+
+@triton.jit
+def flat_tile(TILES: tl.constexpr, BLOCK: tl.constexpr):
+    """Return ``(row, offsets)`` of this program in a flat ``(S * TILES,)`` grid: byte or item tile
+    ``program % TILES`` of selected row ``program // TILES`` (int64 scalar, ``[BLOCK]`` int64 offsets)."""
+    program = tl.program_id(0).to(tl.int64)
+    return program // TILES, (program % TILES) * BLOCK + tl.arange(0, BLOCK)
 
 
 @triton.jit
@@ -85,12 +120,7 @@ def copy_rows_kernel(
     tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
     offsets = tile * BLOCK + tl.arange(0, BLOCK)
-    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
-    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
-    if not SCATTER:
-        flag = tl.full([BLOCK], 0, tl.int32) + tl.load(flag_ptr + row).to(tl.int32)
-        valid = valid & (flag != 0)
-    safe_row = tl.where(valid, cache_row, 0)
+    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, NUM_ROWS, BLOCK, SCATTER)
     cache_items = cache_ptr + safe_row * ROW_STRIDE + offsets
     packed_items = packed_ptr + row * PAYLOAD + offsets
     if EVEN:
@@ -150,17 +180,9 @@ def copy_row_bytes_kernel(
         BLOCK: bytes per program (power of two).
         SCATTER: False gathers (cache -> packed), True scatters (packed -> cache).
     """
-    program = tl.program_id(0).to(tl.int64)
-    row = program // TILES
-    tile = program % TILES
-    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    row, offsets = flat_tile(TILES, BLOCK)
     in_payload = offsets < PAYLOAD
-    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
-    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
-    if not SCATTER:
-        flag = tl.full([BLOCK], 0, tl.int32) + tl.load(flag_ptr + row).to(tl.int32)
-        valid = valid & (flag != 0)
-    safe_row = tl.where(valid, cache_row, 0)
+    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, NUM_ROWS, BLOCK, SCATTER)
     copy_mask = valid & in_payload
     cache_bytes = cache_ptr + safe_row * ROW_STRIDE + offsets
     packed_bytes = packed_ptr + row * PAYLOAD + offsets
@@ -205,14 +227,9 @@ def scatter_cast_items_kernel(
         BLOCK: items per program (power of two).
         SRC, DST, NAN_RULE, NAN_BITS: the folded cast (:func:`~kda_patches.state_copy.casts.cast_bits`).
     """
-    program = tl.program_id(0).to(tl.int64)
-    row = program // TILES
-    tile = program % TILES
-    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    row, offsets = flat_tile(TILES, BLOCK)
     in_payload = offsets < PAYLOAD
-    cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
-    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
-    safe_row = tl.where(valid, cache_row, 0)
+    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, NUM_ROWS, BLOCK, True)
     copy_mask = valid & in_payload
     values = tl.load(packed_ptr + row * PAYLOAD + offsets, mask=copy_mask)
     values = cast_bits(values, SRC, DST, NAN_RULE, NAN_BITS).to(cache_ptr.dtype.element_ty, bitcast=True)
