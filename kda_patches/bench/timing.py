@@ -138,21 +138,64 @@ def measure_rounds(calls: dict[tuple[str, ...], Call], trials: int, graph_calls:
             for mode, measure in modes.items():
                 samples.setdefault((*key, mode), []).append(measure(calls[key], step, device))
     if device.type == "cuda":
-        graphs = {}
-        for key, call in calls.items():
-            try:
-                graphs[key] = capture_graph(call, graph_calls, device)
-            except RuntimeError as exc:  # e.g. a pattern that synchronizes the host: reported, not timed
-                print(f"kda-patches bench: {'/'.join(key)} cannot be captured in a CUDA graph: {exc}", flush=True)
-                synchronize(device)
-        for _ in range(trials):
-            shuffler.shuffle(order)
-            for key in order:
-                if key in graphs:
-                    samples.setdefault((*key, "graph"), []).append(time_graph(graphs[key], graph_calls, device))
-        del graphs
-        torch.cuda.empty_cache()
+        for key, values in replay_graphs(calls, graph_calls, trials, device, shuffler).items():
+            samples[(*key, "graph")] = values
     return samples
+
+
+def replay_graphs(calls: dict[Any, Call], graph_calls: int, trials: int, device: torch.device,
+                  shuffler: Any) -> dict[Any, list[float]]:
+    """Capture each call into a CUDA graph of ``graph_calls`` calls, then replay them in shuffled rounds.
+
+    Args:
+        calls: ``{key: call}`` (CUDA).
+        graph_calls: calls captured per graph.
+        trials: replay rounds; each round replays every graph once, in an order drawn from ``shuffler``.
+        device: the CUDA device.
+        shuffler: a ``random.Random``.
+    Returns:
+        ``{key: microseconds per captured call, one sample per round}``. A key whose capture fails (e.g. a
+        pattern that synchronizes the host) is reported on stdout and left out.
+    """
+    graphs = {}
+    for key, call in calls.items():
+        try:
+            graphs[key] = capture_graph(call, graph_calls, device)
+        except RuntimeError as exc:
+            name = "/".join(key) if isinstance(key, tuple) else str(key)
+            print(f"kda-patches bench: {name} cannot be captured in a CUDA graph: {exc}", flush=True)
+            synchronize(device)
+    samples: dict[Any, list[float]] = {key: [] for key in graphs}
+    order = list(graphs)
+    for _ in range(trials):
+        shuffler.shuffle(order)
+        for key in order:
+            samples[key].append(time_graph(graphs[key], graph_calls, device))
+    del graphs
+    torch.cuda.empty_cache()
+    return samples
+
+
+def best_loop_us(call: Callable[[], Any], calls: int = 3000, loops: int = 5, warmup: int = 100,
+                 synchronize_device: torch.device | None = None) -> float:
+    """Return the best of ``loops`` tight loops of ``calls`` calls, in microseconds per call (host time).
+
+    For host costs only (the device may run behind): with ``synchronize_device`` the device is synchronized
+    after the warm-up and after each loop, outside the timed part.
+    """
+    for _ in range(warmup):
+        call()
+    if synchronize_device is not None:
+        synchronize(synchronize_device)
+    best = float("inf")
+    for _ in range(loops):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        if synchronize_device is not None:
+            synchronize(synchronize_device)
+    return round(best, 3)
 
 
 def median(samples: Sequence[float]) -> float:

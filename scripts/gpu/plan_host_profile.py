@@ -14,23 +14,14 @@ import argparse
 import json
 import pathlib
 import sys
-import time
 from typing import Any
 
 
 def best_us(call: Any, torch: Any, calls: int = 3000) -> float:
     """Best of 5 loops of ``calls`` calls, in microseconds per call (synchronized between loops)."""
-    for _ in range(100):
-        call()
-    torch.cuda.synchronize()
-    loops = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        loops.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return round(min(loops), 2)
+    from kda_patches.bench.timing import best_loop_us
+
+    return round(best_loop_us(call, calls, synchronize_device=torch.device("cuda")), 2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,16 +27,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def best_us(call: Any, calls: int = 2000) -> float:
-    """Best of 5 loops of ``calls`` calls, microseconds per call."""
-    for _ in range(200):
-        call()
-    loops = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        loops.append((time.perf_counter() - start) / calls * 1e6)
-    return round(min(loops), 3)
+    """Best of 5 loops of ``calls`` calls, microseconds per call (the shared timing primitive)."""
+    from kda_patches.bench.timing import best_loop_us
+
+    return best_loop_us(call, calls, warmup=200)
 
 
 def primitives(torch: Any, device: Any) -> dict[str, float]:

@@ -128,19 +128,10 @@ def check_bytes(torch: Any, name: str, call: Any, state: Any, indices: Any, fina
 
 def graph_medians(torch: Any, timing: Any, calls: dict[str, Any], index_sets: list[Any], finals: list[Any],
                   captured: int, trials: int, shuffler: random.Random) -> dict[str, float]:
-    device = index_sets[0].device
-    graphs = {}
-    for name, call in calls.items():
-        def step_call(step: int, call: Any = call) -> None:
-            call(index_sets[step % len(index_sets)], finals[step % len(finals)])
-        graphs[name] = timing.capture_graph(step_call, captured, device)
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for _ in range(trials):
-        shuffler.shuffle(order)
-        for name in order:
-            samples[name].append(timing.time_graph(graphs[name], captured, device))
-    del graphs
+    """Graph-replay medians of ``call(indices, finals)`` per name, index sets and finals rotating per step."""
+    steps = {name: (lambda step, call=call: call(index_sets[step % len(index_sets)], finals[step % len(finals)]))
+             for name, call in calls.items()}
+    samples = timing.replay_graphs(steps, captured, trials, index_sets[0].device, shuffler)
     return {name: round(timing.median(values), 3) for name, values in samples.items()}
 
 
@@ -205,14 +196,7 @@ def time_plans(timing: Any, plans: dict[str, Any], state: Any, index_sets: list[
             state, index_sets[step % len(index_sets)], flag_sets[step % len(flag_sets)])
         calls[f"scatter {label}"] = lambda step, plan=plan: plan.scatter(
             state, last, index_sets[step % len(index_sets)])
-    graphs = {name: timing.capture_graph(call, args.captured, state.device) for name, call in calls.items()}
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for _ in range(args.trials):
-        shuffler.shuffle(order)
-        for name in order:
-            samples[name].append(timing.time_graph(graphs[name], args.captured, state.device))
-    del graphs
+    samples = timing.replay_graphs(calls, args.captured, args.trials, state.device, shuffler)
     return {name: round(timing.median(values), 3) for name, values in samples.items()}
 
 
@@ -255,17 +239,10 @@ def probe_tiles(torch: Any, args: argparse.Namespace, shuffler: random.Random) -
 
 
 def best_us(torch: Any, call: Any, calls: int = 3000) -> float:
-    for _ in range(100):
-        call()
-    torch.cuda.synchronize()
-    loops = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        loops.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return round(min(loops), 2)
+    """Best of 5 loops of ``calls`` calls, microseconds per call (synchronized between loops)."""
+    from kda_patches.bench.timing import best_loop_us
+
+    return round(best_loop_us(call, calls, synchronize_device=torch.device("cuda")), 2)
 
 
 def direct_entry(variant: Any) -> Any:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from kda_patches.bench import main
 
 
@@ -50,3 +53,26 @@ def test_gdn_bench_smoke_run_native_vs_plan_with_cast_cases(tmp_path, device):
     plan = result["plans"]["tiny/bfloat16:float32"]
     assert plan["final_dtypes"] == ["float32"] and len(plan["variants"]) == 4
     assert main(argv) == 2 and json.loads(output.read_text()) == result
+
+
+def test_best_loop_runs_warmup_then_the_loops_and_reports_the_fastest() -> None:
+    from kda_patches.bench.timing import best_loop_us
+
+    ticks: list[int] = []
+    best = best_loop_us(lambda: ticks.append(1), calls=50, loops=4, warmup=7)
+    assert len(ticks) == 7 + 4 * 50
+    assert 0 < best < 1e6
+
+
+@pytest.mark.gpu
+def test_replay_graphs_times_each_capturable_call_and_leaves_out_a_syncing_one(device) -> None:
+    import random
+
+    from kda_patches.bench.timing import replay_graphs
+
+    source = torch.randn(1024, device=device)
+    target = torch.empty_like(source)
+    calls = {"copy": lambda step: target.copy_(source), "syncs": lambda step: float(source.sum().item())}
+    samples = replay_graphs(calls, graph_calls=5, trials=3, device=device, shuffler=random.Random(3))
+    assert set(samples) == {"copy"} and len(samples["copy"]) == 3 and all(value > 0 for value in samples["copy"])
+    assert torch.equal(target, source)
