@@ -65,14 +65,15 @@ def test_best_loop_runs_warmup_then_the_loops_and_reports_the_fastest() -> None:
 
 
 @pytest.mark.gpu
-def test_replay_graphs_times_each_capturable_call_and_leaves_out_a_syncing_one(device) -> None:
+def test_replay_graphs_times_every_call_in_each_round(device) -> None:
     import random
 
     from kda_patches.bench.timing import replay_graphs
 
     source = torch.randn(1024, device=device)
-    target = torch.empty_like(source)
-    calls = {"copy": lambda step: target.copy_(source), "syncs": lambda step: float(source.sum().item())}
+    targets = {name: torch.zeros_like(source) for name in ("copy", "scaled")}
+    calls = {"copy": lambda step: targets["copy"].copy_(source),
+             "scaled": lambda step: torch.mul(source, 2.0, out=targets["scaled"])}
     samples = replay_graphs(calls, graph_calls=5, trials=3, device=device, shuffler=random.Random(3))
-    assert set(samples) == {"copy"} and len(samples["copy"]) == 3 and all(value > 0 for value in samples["copy"])
-    assert torch.equal(target, source)
+    assert set(samples) == set(calls) and all(len(values) == 3 and min(values) > 0 for values in samples.values())
+    assert torch.equal(targets["copy"], source) and torch.equal(targets["scaled"], source * 2.0)
