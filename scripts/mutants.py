@@ -113,6 +113,28 @@ FLAG_LINE_INDEX_N = ("        valid = (valid | (cache_row == NUM_ROWS)) & (flag 
                      "    return valid, tl.where(valid, cache_row, 0)\n")
 
 
+def against(mutant: Mutant, suffix: str, tests: tuple[str, ...], why: str) -> Mutant:
+    """The same code change as ``mutant``, named ``<name>/<suffix>``, that ``tests`` alone must kill."""
+    return dataclasses.replace(mutant, name=f"{mutant.name}/{suffix}", tests=tests, why=why)
+
+
+BRUTE_FORCE_WHY = "the same mutant against the brute-force property test (its fixed @examples run first)"
+CANDIDATE_FILTER = Mutant(
+    "checker-candidate-filter", CHECKER,
+    "touching = (lo[pi] < hi[pj]) & (lo[pj] < hi[pi])",
+    "touching = (lo[pi] < hi[pj] - 1) & (lo[pj] < hi[pi])",
+    (f"{KV_CHECKER_TESTS}::test_checker_boundary_cases",), "B (kv_layout)",
+    "run pairs whose spans overlap by one byte are never examined (real overlaps accepted)")
+EQUAL_STRIDE_K_HI = Mutant(
+    "checker-equal-stride-k-hi", CHECKER,
+    "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 1",
+    "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 2",
+    (f"{KV_CHECKER_TESTS}::test_checker_boundary_cases",), "B (kv_layout)",
+    "equal-stride pairs: the last overlapping block offset k is missed (real overlaps accepted)")
+GATHER_INDEX_N = Mutant("gather-index-n-valid", KERNELS, FLAG_LINE, FLAG_LINE_INDEX_N, (GATHER_FIXED,),
+                        "D (state_copy)", "the gathers read row N (one past the cache) for a flagged index == N")
+
+
 MUTANTS: tuple[Mutant, ...] = (
     # -- issue #12's table: survived or flaky before the issue --------------------------------------------
     Mutant("routing-fold-foreign-index", ROUTING_ALIAS,
@@ -125,30 +147,15 @@ MUTANTS: tuple[Mutant, ...] = (
            "if route.gathers == 1 and route.scatters == 1:",
            (f"{ROUTING_TESTS}::test_a_fork_that_stopped_clearing_after_a_folded_gather_is_bypassed",), "E (routing)",
            "a fork that no longer calls clear_ssm_states after a folded gather is counted routed"),
-    Mutant("checker-candidate-filter", CHECKER,
-           "touching = (lo[pi] < hi[pj]) & (lo[pj] < hi[pi])",
-           "touching = (lo[pi] < hi[pj] - 1) & (lo[pj] < hi[pi])",
-           (f"{KV_CHECKER_TESTS}::test_checker_boundary_cases",), "B (kv_layout)",
-           "run pairs whose spans overlap by one byte are never examined (real overlaps accepted)"),
-    Mutant("checker-candidate-filter/brute-force", CHECKER,
-           "touching = (lo[pi] < hi[pj]) & (lo[pj] < hi[pi])",
-           "touching = (lo[pi] < hi[pj] - 1) & (lo[pj] < hi[pi])",
-           (f"{KV_CHECKER_TESTS}::test_checker_matches_brute_force",), "B (kv_layout)",
-           "the same mutant against the brute-force property test (its fixed @examples run first)"),
-    Mutant("checker-equal-stride-k-hi", CHECKER,
-           "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 1",
-           "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 2",
-           (f"{KV_CHECKER_TESTS}::test_checker_boundary_cases",), "B (kv_layout)",
-           "equal-stride pairs: the last overlapping block offset k is missed (real overlaps accepted)"),
-    Mutant("checker-equal-stride-k-hi/brute-force", CHECKER,
-           "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 1",
-           "k_hi = -np.floor_divide(-(a_i + l_i - a_j), safe_stride) - 2",
-           (f"{KV_CHECKER_TESTS}::test_checker_matches_brute_force",), "B (kv_layout)",
-           "the same mutant against the brute-force property test (its fixed @examples run first)"),
-    Mutant("gather-index-n-valid", KERNELS, FLAG_LINE, FLAG_LINE_INDEX_N, (GATHER_FIXED,), "D (state_copy)",
-           "the gathers read row N (one past the cache) for a flagged index == N"),
-    Mutant("gather-index-n-valid/property", KERNELS, FLAG_LINE, FLAG_LINE_INDEX_N, (PROPERTY,), "D (state_copy)",
-           "the same mutant against the derandomized property test (its fixed @examples)"),
+    CANDIDATE_FILTER,
+    against(CANDIDATE_FILTER, "brute-force", (f"{KV_CHECKER_TESTS}::test_checker_matches_brute_force",),
+            BRUTE_FORCE_WHY),
+    EQUAL_STRIDE_K_HI,
+    against(EQUAL_STRIDE_K_HI, "brute-force", (f"{KV_CHECKER_TESTS}::test_checker_matches_brute_force",),
+            BRUTE_FORCE_WHY),
+    GATHER_INDEX_N,
+    against(GATHER_INDEX_N, "property", (PROPERTY,),
+            "the same mutant against the derandomized property test (its fixed @examples)"),
     # -- killed before the issue (kept so that they stay killed) -----------------------------------------
     Mutant("row-mask-negative-valid", KERNELS, VALID, NEGATIVE_VALID, (GATHER_FIXED, SCATTER_FIXED, PROPERTY),
            "D (state_copy)", "every kernel (gathers, scatters, the casting scatter) treats index -1 as a valid row"),

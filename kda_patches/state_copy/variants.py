@@ -66,6 +66,7 @@ def describe_drift(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 DIRECT_ENTRY_RELEASES = ("3.5", "3.6")
 ENTRY_DIRECT = "direct"
 ENTRY_LAUNCHER = "launcher"
+ENTRY_INTERPRETER = "interpreter"
 
 
 def direct_entry(launcher: Any, version: str | None = None) -> Any:
@@ -103,8 +104,8 @@ class CompiledVariant:
         entry: ``"direct"`` (Triton's C entry, see the module docstring) or ``"launcher"``.
     """
 
-    __slots__ = ("_args", "_compiled", "_cooperative", "_device_index", "_entry", "_function", "_get_stream",
-                 "_metadata", "_pdl", "_run", "_runtime", "entry", "kernel", "name", "takes_bytes")
+    __slots__ = ("_args", "_compiled", "_device_index", "_entry", "_entry_head", "_function", "_get_stream",
+                 "_metadata", "_run", "_runtime", "entry", "kernel", "name", "takes_bytes")
 
     def __init__(self, name: str, kernel: Any, compiled: Any, constexprs: tuple[Any, ...], device: torch.device,
                  takes_bytes: bool) -> None:
@@ -124,8 +125,11 @@ class CompiledVariant:
         self._runtime = knobs.runtime
         self._entry = direct_entry(self._run)
         self.entry = ENTRY_LAUNCHER if self._entry is None else ENTRY_DIRECT
-        self._cooperative = getattr(self._run, "launch_cooperative_grid", False)
-        self._pdl = getattr(self._run, "launch_pdl", False)
+        # the C entry's arguments after the stream that never change: function, cooperative, pdl, no scratch,
+        # metadata, no launch metadata or hooks (only used when the entry is direct, so the attributes exist)
+        self._entry_head = () if self._entry is None else (
+            self._function, self._run.launch_cooperative_grid, self._run.launch_pdl, None, None, self._metadata,
+            None, None, None)
 
     def launch(self, grid: tuple[int, int], cache: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
                flags: torch.Tensor) -> None:
@@ -139,8 +143,7 @@ class CompiledVariant:
         enter = self._runtime.launch_enter_hook
         if enter is None or not getattr(enter, "calls", True):
             if self._entry is not None:
-                self._entry(grid[0], grid[1], 1, stream, self._function, self._cooperative, self._pdl, None, None,
-                            self._metadata, None, None, None,
+                self._entry(grid[0], grid[1], 1, stream, *self._entry_head,
                             cache.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), *self._args)
                 return
             enter = exit_hook = metadata = None
@@ -163,7 +166,7 @@ class InterpretedVariant:
     """
 
     __slots__ = ("_arg_names", "_args", "_executor", "_function", "kernel", "name", "takes_bytes")
-    entry = "interpreter"
+    entry = ENTRY_INTERPRETER
 
     def __init__(self, name: str, kernel: Any, constexprs: tuple[Any, ...], takes_bytes: bool) -> None:
         from triton.runtime.interpreter import GridExecutor

@@ -1,4 +1,4 @@
-"""Why the plan's scatter trails its byte floor, and what the eager pair's host part is made of (issue 8).
+"""Why the plan's scatter trails its byte floor (issue 8).
 
 An experiment, not the product: it compiles its own variants of the fused scatter (same addressing and
 masks as :func:`kda_patches.state_copy.kernels.copy_rows_kernel`, same-dtype rows only) that differ in
@@ -8,12 +8,12 @@ persistent grid-stride loop. Each runs in graph replay next to the real plan and
 either one tensor reused by every call (as ``bench gdn-state-copy``) or rotated over four (no L2 reuse).
 Every variant's bytes are checked against torch once (selected rows equal, every other cache byte kept).
 
-Then the host side of one eager gather+scatter: ``CompiledVariant.launch`` next to Triton's C entry
-called directly, three ways to allocate the packed rows, and the synchronized eager pair wall of the plan
-with and without the direct entry, interleaved with the native pattern.
+``--tiles`` sweeps the real plan's tile bytes and warps; ``--stream`` compares the real plan with and
+without ``evict_first`` on the cache side. (Run 7's host part -- Triton's C entry called directly vs the
+launcher -- became the plan's own launch path; ``plan_host_profile.py`` measures it now.)
 
-Usage: ``python scripts/gpu/scatter_store_probe.py --out DIR [--quick]`` (CUDA only; writes
-``DIR/scatter_store_probe.json``).
+Usage: ``python scripts/gpu/scatter_store_probe.py --out DIR [--quick | --tiles | --stream]`` (CUDA only;
+writes ``DIR/scatter_store_probe.json``, ``scatter_tile_probe.json`` or ``scatter_stream_probe.json``).
 """
 
 from __future__ import annotations
@@ -238,95 +238,6 @@ def probe_tiles(torch: Any, args: argparse.Namespace, shuffler: random.Random) -
     return records
 
 
-def best_us(torch: Any, call: Any, calls: int = 3000) -> float:
-    """Best of 5 loops of ``calls`` calls, microseconds per call (synchronized between loops)."""
-    from kda_patches.bench.timing import best_loop_us
-
-    return round(best_loop_us(call, calls, synchronize_device=torch.device("cuda")), 2)
-
-
-def direct_entry(variant: Any) -> Any:
-    """Triton 3.6's C entry of ``variant``'s launcher, called without ``CudaLauncher.__call__``."""
-    launcher = variant._run
-    if launcher.global_scratch_size or launcher.profile_scratch_size:
-        return None
-    entry, coop, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
-    function, metadata, constexprs = variant._function, variant._metadata, variant._args
-    get_stream, index = variant._get_stream, variant._device_index
-
-    def launch(grid: tuple[int, int], cache: Any, packed: Any, indices: Any, flags: Any) -> None:
-        entry(grid[0], grid[1], 1, get_stream(index), function, coop, pdl, None, None, metadata, None, None, None,
-              cache.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), *constexprs)
-    return launch
-
-
-def probe_host(torch: Any, args: argparse.Namespace, shuffler: random.Random) -> dict[str, Any]:
-    from kda_patches.bench import timing
-    from kda_patches.bench.state_copy import build_cache, native_gather, native_scatter
-    from kda_patches.state_copy.worker import initialize
-
-    device = torch.device("cuda")
-    state = build_cache(device, torch.float32, 1024, [12, 128, 128], 8192)
-    binding = initialize({"host": state}, 256, final_dtypes=(torch.float32,))["host"]
-    plan = binding.plan
-    one = torch.randperm(1024, device=device)[:1].to(torch.int32)
-    one_flags = torch.ones(1, dtype=torch.bool, device=device)
-    packed_one = torch.randn(1, 12, 128, 128, device=device)
-    gather = plan._gathers[torch.int32]
-    fast = direct_entry(gather)
-    result: dict[str, Any] = {"direct_entry_available": fast is not None}
-    inner = plan._inner
-    result["CompiledVariant.launch"] = best_us(torch, lambda: gather.launch((96, 1), state, packed_one, one, one_flags))
-    if fast is not None:
-        result["direct C entry"] = best_us(torch, lambda: fast((96, 1), state, packed_one, one, one_flags))
-    result["state.new_empty((S, *inner))"] = best_us(torch, lambda: state.new_empty((64, *inner)))
-    result["torch.empty(shape, dtype, device)"] = best_us(
-        torch, lambda: torch.empty((64, *inner), dtype=torch.float32, device=device))
-    result["plan._check_call"] = best_us(torch, lambda: plan._check_call(state, one, None))
-    result["binding.gather"] = best_us(torch, lambda: binding.gather(state, one, one_flags))
-    result["binding.scatter"] = best_us(torch, lambda: binding.scatter(state, packed_one, one))
-    # eager pair wall at 64 rows: plan as shipped, plan with the direct entry, native (interleaved)
-    generator = torch.Generator().manual_seed(5)
-    sets = [torch.randperm(1024, generator=generator)[:64].to(device=device, dtype=torch.int32) for _ in range(8)]
-    flags = [(torch.rand(64, generator=generator) < 0.75).to(device) for _ in range(8)]
-    last = torch.randn((64, 12, 128, 128), generator=generator).to(device)
-
-    def plan_pair(step: int) -> Any:
-        packed = binding.gather(state, sets[step % 8], flags[step % 8])
-        binding.scatter(state, last, sets[step % 8])
-        return packed
-
-    def native_pair(step: int) -> Any:
-        packed = native_gather(state, sets[step % 8], flags[step % 8])
-        native_scatter(state, last, sets[step % 8])
-        return packed
-
-    from kda_patches.state_copy import variants as variants_module
-
-    entries = {id(variant): direct_entry(variant) for variant in plan._variants.values()}
-    shipped = variants_module.CompiledVariant.launch
-
-    def launch_direct(variant: Any, grid: Any, cache: Any, packed: Any, indices: Any, flags: Any) -> None:
-        entries[id(variant)](grid, cache, packed, indices, flags)
-
-    walls: dict[str, list[float]] = {"native": [], "plan": [], "plan-direct": []}
-    order = list(walls)
-    for step in range(args.wall_trials):
-        shuffler.shuffle(order)
-        for name in order:
-            if name == "plan-direct" and fast is not None:
-                variants_module.CompiledVariant.launch = launch_direct
-                try:
-                    walls[name].append(timing.time_wall(plan_pair, step, device))
-                finally:
-                    variants_module.CompiledVariant.launch = shipped
-            elif name != "plan-direct":
-                walls[name].append(timing.time_wall(plan_pair if name == "plan" else native_pair, step, device))
-    result["pair_wall_us"] = {name: round(timing.median(v), 2) for name, v in walls.items() if v}
-    result["pair_wall_samples_us"] = walls
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -340,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print("scatter_store_probe: no CUDA device; nothing measured")
         return 0
     args.selected = [64] if args.quick else [64, 256]
-    args.captured, args.trials, args.wall_trials = (10, 5, 10) if args.quick else (20, 12, 40)
+    args.captured, args.trials = (10, 5) if args.quick else (20, 12)
     shuffler = random.Random(11)
     started = time.time()
     out = pathlib.Path(args.out)
@@ -356,10 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = {"argv": sys.argv[1:], "torch": torch.__version__, "triton": triton.__version__,
               "bandwidth": probe_bandwidth(torch, args, shuffler)}
-    result["host"] = probe_host(torch, args, shuffler)
     result["seconds"] = round(time.time() - started, 1)
     (out / "scatter_store_probe.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["host"], indent=1, default=str)[:3000])
+    print(f"scatter_store_probe: {len(result['bandwidth'])} cases in {result['seconds']} s")
     return 0
 
 

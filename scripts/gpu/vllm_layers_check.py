@@ -635,6 +635,12 @@ def prefill_batch(bench: LayerBench, overlay: Overlay | None, seqs: int, new: in
     return common, inputs, bench.raw.clone(), variants
 
 
+def restart_call(bench: LayerBench, common: Any, inputs: dict[str, Any], snapshot: Any) -> tuple[Any, Any]:
+    """Put the cache bytes back to ``snapshot``; return fresh ``(metadata, outputs)`` for one layer call."""
+    bench.raw.copy_(snapshot)
+    return bench.builder().build(0, common), bench.fresh(inputs)
+
+
 def switch_variant(bench: LayerBench, overlay: Overlay | None, variant: str, settle: int, common: Any,
                    inputs: dict[str, Any], snapshot: Any) -> None:
     """Switch the overlay to ``variant``, then run ``settle`` untimed calls of it (the first calls after a
@@ -642,8 +648,8 @@ def switch_variant(bench: LayerBench, overlay: Overlay | None, variant: str, set
     if overlay is not None and overlay.patch is not None:
         overlay.on() if variant == "patched" else overlay.off()
     for _ in range(settle):
-        bench.raw.copy_(snapshot)
-        bench.call(bench.builder().build(0, common), inputs, bench.fresh(inputs))
+        metadata, fresh = restart_call(bench, common, inputs, snapshot)
+        bench.call(metadata, inputs, fresh)
 
 
 def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: int, new: int,
@@ -660,9 +666,7 @@ def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: in
         rng.shuffle(order)
         for variant in order:
             switch_variant(bench, overlay, variant, settle, common, inputs, snapshot)
-            bench.raw.copy_(snapshot)
-            metadata = bench.builder().build(0, common)
-            fresh = bench.fresh(inputs)
+            metadata, fresh = restart_call(bench, common, inputs, snapshot)
             if cuda:
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -707,9 +711,7 @@ def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: i
     def one_call(variant: str, profiler: Any = None) -> float:
         if len(variants) > 1:
             switch_variant(bench, overlay, variant, settle, common, inputs, snapshot)
-        bench.raw.copy_(snapshot)
-        metadata = bench.builder().build(0, common)
-        fresh = bench.fresh(inputs)
+        metadata, fresh = restart_call(bench, common, inputs, snapshot)
         torch.cuda.synchronize()
         if profiler is not None:
             profiler.enable()
