@@ -13,8 +13,9 @@ scratch tensors, and the plan checks each call's tensors against it before launc
 
 Where the Triton release's C launch entry has a known argument order (:data:`DIRECT_ENTRY_RELEASES`)
 and the kernel needs no global or profile scratch, a launch without launch hooks calls that entry
-itself and skips ``CudaLauncher.__call__`` (its two scratch allocations are no-ops then): 1.6 µs less
-host time per launch on the H200 host (``docs/results/h200-gdn-state-copy`` run 7). Launch hooks, any
+itself and skips ``CudaLauncher.__call__`` (its two scratch allocations are no-ops then). On the H200 host
+that measured 0.5-1.6 µs less per launch in runs 7 and 9 (``docs/results/h200-gdn-state-copy``) and was
+within the host's spread in run 16: a small gain, not a reliable one. Launch hooks, any
 other release, and scratch-using kernels take the launcher. Either way the entry is proven on scratch
 at prepare, and :attr:`CompiledVariant.entry` names the one in use (plan description, ledger).
 """
