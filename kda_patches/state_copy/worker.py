@@ -181,6 +181,7 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
                 "signature": [str(part) for part in key[1]], "max_selected": int(max_selected),
                 "final_dtypes": [dtype_name(dtype) for dtype in finals[name]], "casts": described["casts"],
                 "variants": len(described["variants"]), "launch_entry": described["launch_entry"],
+                "scatter_evict_first": described["scatter_evict_first"],
                 "native_op": "never (KDA_PATCHES_FORCE_TRITON=1)" if force_triton else "none available"})
     ledger.count(LEDGER_SECTION, "tables_prepared", len(plans))
     ledger.set_fact(LEDGER_SECTION, "initialization", {"ok": True, "layers": len(bindings), "tables": len(plans)})

@@ -148,3 +148,4 @@ def test_ledger_fact_names_the_launch_entry(make_cache, device):
     declared = ".".join(triton.__version__.split(".")[:2]) in DIRECT_ENTRY_RELEASES
     expected = "interpreter" if device.type == "cpu" else ("direct" if declared else "launcher")
     assert fact["launch_entry"] == expected
+    assert fact["scatter_evict_first"] is (device.type == "cuda")  # the fused plan's startup decision
