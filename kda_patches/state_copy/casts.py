@@ -44,19 +44,24 @@ PROBE_NANS = {
 
 @triton.jit
 def decode_f32_bits(x, SRC: tl.constexpr):
-    """Return ``(bits, nan)``: ``x`` (FP32/BF16/FP16 by ``SRC`` 0/1/2) as FP32 bit patterns (uint32),
-    exact, NaN payloads moved to the top of the FP32 mantissa unquieted, and its NaN mask."""
+    """Return ``(bits, nan)``: ``x`` (FP32/BF16/FP16 by ``SRC`` 0/1/2) as FP32 bit patterns (int32),
+    exact, NaN payloads moved to the top of the FP32 mantissa unquieted, and its NaN mask.
+
+    Signed 32-bit throughout: every comparison is on a value already masked to 31 bits (the sign
+    is tested apart), so signed and unsigned order agree; triton-ascend rejects unsigned 32-bit
+    vector comparisons on A2/A3 (``patches/ASCEND_COMPILE.md``).
+    """
     if SRC == 0:
-        bits = x.to(tl.uint32, bitcast=True)
+        bits = x.to(tl.int32, bitcast=True)
         nan = (bits & 0x7FFFFFFF) > 0x7F800000
     elif SRC == 1:
-        half = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+        half = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         bits = half << 16  # BF16 is the top half of FP32: exact for every value
         nan = (half & 0x7FFF) > 0x7F80
     else:
-        half = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+        half = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         nan = (half & 0x7FFF) > 0x7C00
-        widened = x.to(tl.float32).to(tl.uint32, bitcast=True)  # exact for every non-NaN FP16
+        widened = x.to(tl.float32).to(tl.int32, bitcast=True)  # exact for every non-NaN FP16
         nan_bits = ((half & 0x8000) << 16) | 0x7F800000 | ((half & 0x3FF) << 13)
         bits = tl.where(nan, nan_bits, widened)
     return bits, nan
@@ -64,52 +69,55 @@ def decode_f32_bits(x, SRC: tl.constexpr):
 
 @triton.jit
 def encode_f32_bits(bits, nan, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BITS: tl.constexpr):
-    """Round FP32 bit patterns (uint32) to ``DST`` (0/1/2) to nearest even; NaN by the probed rule.
+    """Round FP32 bit patterns (int32) to ``DST`` (0/1/2) to nearest even; NaN by the probed rule.
 
-    Returns uint32 for FP32, uint16 for BF16/FP16 (bit patterns; the caller bitcasts them). One
-    return statement: the compiler types every return of a function, taken branch or not.
+    Returns int32 for FP32, int16 for BF16/FP16 (bit patterns; the caller bitcasts them). The
+    16-bit results are formed in int32 and truncated, so an arithmetic shift's sign fill never
+    reaches them. One return statement: the compiler types every return of a function, taken
+    branch or not. ``NAN_BITS`` is the canonical pattern as a signed value of the target width.
     """
-    sign = bits & 0x80000000
-    magnitude = bits ^ sign
+    magnitude = bits & 0x7FFFFFFF
+    sign16 = (bits >> 16) & 0x8000  # the sign bit in 16-bit position
     if DST == 0:
         if NAN_RULE == 0:
-            nan_out = tl.full(bits.shape, NAN_BITS, tl.uint32)
+            nan_out = tl.full(bits.shape, NAN_BITS, tl.int32)
         elif NAN_RULE == 1:
             nan_out = bits | 0x00400000
         else:
             nan_out = bits
         out = tl.where(nan, nan_out, bits)
     elif DST == 1:
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # carries into the exponent, inf on overflow
+        # carries into the exponent, inf on overflow; only NaN lanes (replaced below) can wrap
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         payload = (magnitude & 0x7FFFFF) >> 16
         if NAN_RULE == 0:
-            nan_out = tl.full(bits.shape, NAN_BITS, tl.uint32)
+            nan_out = tl.full(bits.shape, NAN_BITS, tl.int32)
         elif NAN_RULE == 1:
-            nan_out = (sign >> 16) | 0x7FC0 | payload
+            nan_out = sign16 | 0x7FC0 | payload
         else:
-            nan_out = (sign >> 16) | 0x7F80 | payload
-        out = tl.where(nan, nan_out, rounded).to(tl.uint16)
+            nan_out = sign16 | 0x7F80 | payload
+        out = tl.where(nan, nan_out, rounded).to(tl.int16)
     else:
         # FP16: overflow to inf, normal rebias + round, subnormal by one exact FP32 add of 0.5
         normal = (magnitude - 0x38000000 + 0xFFF + ((magnitude >> 13) & 1)) >> 13
         small = magnitude < 0x38800000
         tiny = tl.where(small, magnitude, 0).to(tl.float32, bitcast=True)  # only subnormal-range values are added
-        shifted = (tiny + 0.5).to(tl.uint32, bitcast=True) - 0x3F000000
+        shifted = (tiny + 0.5).to(tl.int32, bitcast=True) - 0x3F000000
         finite = tl.where(magnitude >= 0x47800000, 0x7C00, tl.where(small, shifted, normal))
         payload = (magnitude & 0x7FFFFF) >> 13
         if NAN_RULE == 0:
-            nan_out = tl.full(bits.shape, NAN_BITS, tl.uint32)
+            nan_out = tl.full(bits.shape, NAN_BITS, tl.int32)
         elif NAN_RULE == 1:
-            nan_out = (sign >> 16) | 0x7E00 | payload
+            nan_out = sign16 | 0x7E00 | payload
         else:
-            nan_out = (sign >> 16) | 0x7C00 | payload
-        out = tl.where(nan, nan_out, finite | (sign >> 16)).to(tl.uint16)
+            nan_out = sign16 | 0x7C00 | payload
+        out = tl.where(nan, nan_out, finite | sign16).to(tl.int16)
     return out
 
 
 @triton.jit
 def cast_bits(x, SRC: tl.constexpr, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BITS: tl.constexpr):
-    """Return ``x.to(DST)`` as ``DST`` bit patterns (uint32 or uint16), exactly as torch casts."""
+    """Return ``x.to(DST)`` as ``DST`` bit patterns (int32 or int16), exactly as torch casts."""
     bits, nan = decode_f32_bits(x, SRC)
     return encode_f32_bits(bits, nan, DST, NAN_RULE, NAN_BITS)
 
@@ -154,8 +162,10 @@ class CastPolicy:
         self.nan_bits = nan_bits
 
     def constexprs(self) -> tuple[int, int, int, int]:
-        """Return the kernel constexprs ``(SRC, DST, NAN_RULE, NAN_BITS)``."""
-        return KIND_CODES[self.source], KIND_CODES[self.target], self.nan_rule, self.nan_bits
+        """Return the kernel constexprs ``(SRC, DST, NAN_RULE, NAN_BITS)``; ``NAN_BITS`` signed (the kernels
+        compute in int32: an FP32 pattern with the sign bit set is negative there)."""
+        nan_bits = _signed(self.nan_bits, 32) if self.target == torch.float32 else self.nan_bits
+        return KIND_CODES[self.source], KIND_CODES[self.target], self.nan_rule, nan_bits
 
     def as_dict(self) -> dict[str, Any]:
         """Return the policy as a JSON-serialisable dict (for the ledger)."""

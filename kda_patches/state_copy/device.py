@@ -7,6 +7,11 @@ The one module that knows about device kinds:
   byte-copy fallback elsewhere (A2/A3/310P), as seed 000 prescribes.
 - ``cpu-interpreter``: CPU tensors under ``TRITON_INTERPRET=1`` (tests); routes like CUDA.
 
+Each route carries the :class:`TargetFacts` of its compiler target (``cuda``, ``cpu-interpreter``,
+``ascend-a2a3``, ``ascend-a5``): which memory hints that compiler keeps, and on Ascend the largest block
+each kernel family fits into the chip's unified buffer, so a plan never picks a block its compiler
+rejects. The Ascend facts are measured by ``make ascend-check`` (``patches/ASCEND_COMPILE.md``).
+
 Other dtypes (e.g. FP16) take the fallback plan everywhere. Layouts that neither plan takes (non-dense
 inner ``[H, V, K]``, overlapping pages) are refused by :mod:`~kda_patches.state_copy.layout`.
 Neither plan is a native custom op, so ``KDA_PATCHES_FORCE_TRITON=1`` changes no choice here; the
@@ -16,6 +21,8 @@ route records that no native op was considered.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +35,60 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 ASCEND_A5_RUNTIME_SOC = 260  # torch_npu.npu.get_soc_version() of the 950 class (vllm-ascend's rule)
 
 
+EVICT_FIRST = "evict_first"
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the compiler of one target does with the state-copy kernels.
+
+    Attributes:
+        name: ``"cuda"``, ``"cpu-interpreter"``, ``"ascend-a2a3"`` or ``"ascend-a5"``.
+        honoured_hints: the memory hints the compiler keeps (others are dropped, so a plan never
+            claims them there).
+        ub_bytes: the unified buffer one program may use (Ascend; None where there is none).
+        block_limits: kernel family -> the largest block, in items, that fits the unified buffer
+            with the backend's own buffer options (no overflow retry); families not listed have no
+            limit below the plan defaults. Families: ``bytes`` (the byte copy, items are bytes),
+            ``fused/SRC->DST`` and ``cast_items/SRC->DST`` (typed kernels; ``SRC == DST`` for the
+            fused copies without a cast).
+    """
+
+    name: str
+    honoured_hints: tuple[str, ...] = ()
+    ub_bytes: int | None = None
+    block_limits: Mapping[str, int] = field(default_factory=dict)
+
+    def honours(self, hint: str) -> bool:
+        """Return whether the compiler keeps ``hint`` (e.g. :data:`EVICT_FIRST`)."""
+        return hint in self.honoured_hints
+
+    def block_limit(self, family: str) -> int | None:
+        """Return the largest block (items) of kernel ``family`` that fits, or None (no limit)."""
+        return self.block_limits.get(family)
+
+
+CUDA_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST,))
+INTERPRETER_TARGET = TargetFacts("cpu-interpreter")  # the interpreter has no caches: hints are no-ops
+# Measured with triton-ascend 3.2.0 + bishengir 1.2.0 (`make ascend-check`, probe in patches/ASCEND_COMPILE.md):
+# the largest power-of-two block, in items, up to 65536, that reaches the final HIVM IR with the backend's
+# own buffer options (the next size up overflows the unified buffer); families that fit 65536 items are not
+# listed. The check compiles each limit and twice it, so a table that drifts from the compiler fails the suite.
+# ub_bytes is the buffer bishengir reports available. Neither class keeps evict_first (see the check).
+ASCEND_A2A3_TARGET = TargetFacts("ascend-a2a3", ub_bytes=196608, block_limits={
+    "cast_items/float32->bfloat16": 8192, "cast_items/float32->float16": 4096,
+    "cast_items/bfloat16->float32": 8192, "cast_items/bfloat16->float16": 4096,
+    "cast_items/float16->float32": 8192, "cast_items/float16->bfloat16": 8192,
+    "fused/float32->float32": 32768, "fused/bfloat16->float32": 8192, "fused/float16->float32": 8192,
+    "fused/float32->bfloat16": 8192, "fused/float16->bfloat16": 4096})
+ASCEND_A5_TARGET = TargetFacts("ascend-a5", ub_bytes=253952, block_limits={
+    "cast_items/float32->bfloat16": 32768, "cast_items/float32->float16": 32768,
+    "cast_items/bfloat16->float32": 32768, "cast_items/float16->float32": 32768,
+    "fused/float32->float32": 32768, "fused/bfloat16->float32": 32768, "fused/float16->float32": 32768,
+    "fused/float32->bfloat16": 32768})
+TARGETS = {facts.name: facts for facts in (CUDA_TARGET, INTERPRETER_TARGET, ASCEND_A2A3_TARGET, ASCEND_A5_TARGET)}
+
+
 class Route:
     """A routing decision.
 
@@ -35,20 +96,23 @@ class Route:
         kind: ``"fused"`` or ``"fallback"``.
         device_kind: ``"cuda"``, ``"npu"`` or ``"cpu-interpreter"``.
         reason: why this plan kind was chosen (recorded in the ledger).
+        target: the compiler target's :class:`TargetFacts` (the plan takes its block limits and hints).
         native: always False: no native custom op is ever selected by this overlay.
     """
 
-    __slots__ = ("device_kind", "kind", "native", "reason")
+    __slots__ = ("device_kind", "kind", "native", "reason", "target")
 
-    def __init__(self, kind: str, device_kind: str, reason: str) -> None:
+    def __init__(self, kind: str, device_kind: str, reason: str, target: TargetFacts = CUDA_TARGET) -> None:
         self.kind = kind
         self.device_kind = device_kind
         self.reason = reason
+        self.target = target
         self.native = False
 
     def as_dict(self) -> dict[str, Any]:
         """Return the decision as a JSON-serialisable dict."""
-        return {"kind": self.kind, "device_kind": self.device_kind, "reason": self.reason, "native": self.native}
+        return {"kind": self.kind, "device_kind": self.device_kind, "reason": self.reason,
+                "target": self.target.name, "native": self.native}
 
 
 def interpreter_active() -> bool:
@@ -95,6 +159,23 @@ def probe_ascend_soc() -> int | str | None:
     return torch_npu.npu.get_soc_version()
 
 
+def target_facts(device: torch.device, soc: int | str | None = None) -> TargetFacts:
+    """Return the compiler target of a cache on ``device``.
+
+    Args:
+        device: the cache's device.
+        soc: Ascend SoC version for NPU caches (probed from torch_npu when None); ignored elsewhere.
+    Returns:
+        :data:`ASCEND_A5_TARGET` or :data:`ASCEND_A2A3_TARGET` on an NPU (every non-950 class compiles
+        for the A2/A3 buffer), :data:`INTERPRETER_TARGET` on the CPU, :data:`CUDA_TARGET` otherwise.
+    """
+    if device.type == "npu":
+        return ASCEND_A5_TARGET if is_ascend_a5(probe_ascend_soc() if soc is None else soc) else ASCEND_A2A3_TARGET
+    if device.type == "cpu":
+        return INTERPRETER_TARGET
+    return CUDA_TARGET
+
+
 def route_plan(device: torch.device, dtype: torch.dtype, soc: int | str | None = None,
                layer: str | None = None) -> Route:
     """Choose the plan kind for a cache on ``device`` with ``dtype``.
@@ -113,14 +194,17 @@ def route_plan(device: torch.device, dtype: torch.dtype, soc: int | str | None =
     if kind not in ("cuda", "npu", "cpu-interpreter"):
         hint = " (set TRITON_INTERPRET=1 before kda_patches.state_copy is imported)" if kind == "cpu" else ""
         refuse("device", f"no Triton backend for a cache on {device}{hint}", layer, LayoutError)
+    if kind == "npu" and soc is None:
+        soc = probe_ascend_soc()
+    target = target_facts(device, soc)
     if dtype not in FUSED_DTYPES:
-        return Route(PLAN_FALLBACK, kind, f"dtype {dtype} is not fused (FP32/BF16 only): masked byte copy")
+        return Route(PLAN_FALLBACK, kind, f"dtype {dtype} is not fused (FP32/BF16 only): masked byte copy", target)
     if kind == "npu":
-        soc = probe_ascend_soc() if soc is None else soc
         if not is_ascend_a5(soc):
-            return Route(PLAN_FALLBACK, kind, f"Ascend SoC {soc!r} is not of the 950/A5 class: masked byte copy")
-        return Route(PLAN_FUSED, kind, f"Ascend 950/A5 SoC {soc!r}, {dtype}, dense inner layout")
-    return Route(PLAN_FUSED, kind, f"{kind}, {dtype}, dense inner layout")
+            return Route(PLAN_FALLBACK, kind, f"Ascend SoC {soc!r} is not of the 950/A5 class: masked byte copy",
+                         target)
+        return Route(PLAN_FUSED, kind, f"Ascend 950/A5 SoC {soc!r}, {dtype}, dense inner layout", target)
+    return Route(PLAN_FUSED, kind, f"{kind}, {dtype}, dense inner layout", target)
 
 
 def synchronize(device: torch.device) -> None:

@@ -27,7 +27,16 @@ import torch
 import triton
 
 from kda_patches.state_copy import casts, kernels, layout
-from kda_patches.state_copy.device import PLAN_FALLBACK, PLAN_FUSED, device_kind, interpreter_active, synchronize
+from kda_patches.state_copy.device import (
+    EVICT_FIRST,
+    PLAN_FALLBACK,
+    PLAN_FUSED,
+    TargetFacts,
+    device_kind,
+    interpreter_active,
+    synchronize,
+    target_facts,
+)
 from kda_patches.state_copy.errors import refuse
 from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
 
@@ -58,30 +67,17 @@ class StateCopyPlan:
 
     def __init__(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
                  layer: str | None, stream: bool = False,
-                 final_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
-        self.layout = layout.describe_layout(state, layer)
-        self.final_dtypes = casts.normalize_final_dtypes(final_dtypes, state.dtype, layer)
-        self._casts = {dtype: casts.probe_nan_policy(dtype, state.dtype, state.device, layer)
-                       for dtype in self.final_dtypes}
-        if not 0 <= max_selected <= MAX_GRID_ROWS:
-            refuse("max_selected", f"max_selected must be in [0, {MAX_GRID_ROWS}], got {max_selected}", layer)
+                 final_dtypes: tuple[torch.dtype, ...] | None = None, target: TargetFacts | None = None) -> None:
+        wanted = casts.normalize_final_dtypes(final_dtypes, state.dtype, layer)
+        policies = {dtype: casts.probe_nan_policy(dtype, state.dtype, state.device, layer) for dtype in wanted}
+        self._set_up(state, max_selected, block_bytes, num_warps, layer, stream, policies,
+                     target or target_facts(state.device))
         self.signature = layout.cache_signature(state)
-        self.max_selected = int(max_selected)
-        self.sealed = False
-        self._device = state.device
-        self._dtype = state.dtype
-        self._shape = tuple(state.shape)
-        self._strides = tuple(state.stride())
         self._alignment = self.signature[-1]
-        self._inner = self.layout.inner_shape
         self._check_device = state.device.type == "cuda"
         self._device_index = state.device.index if state.device.index is not None else (
             torch.cuda.current_device() if self._check_device else None)
         self._configuration = snapshot_configuration()
-        self._stream = bool(stream)
-        self._scatter_evict_first = self._scatter_hint(state.device)
-        self._num_warps = self._configure(block_bytes, num_warps)
-        self._kernels = tuple(dict.fromkeys(self._variant_kernel(key) for key in self._variant_keys()))
         for kernel in self._kernels:
             if pre_run_hook_count(kernel):
                 refuse("jit_hook", f"{kernel.__name__} carries JIT pre-run hooks before prepare; remove them "
@@ -94,10 +90,72 @@ class StateCopyPlan:
         self._scatters = {final: {dtype: self._variants[("scatter", dtype, final)] for dtype in layout.INDEX_DTYPES}
                           for final in self.final_dtypes}
 
+    def _set_up(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
+                layer: str | None, stream: bool, policies: dict[torch.dtype, casts.CastPolicy],
+                target: TargetFacts) -> None:
+        """Decide everything but the compiled code, from tensor metadata only (a ``meta`` tensor will do)."""
+        self.layout = layout.describe_layout(state, layer)
+        self.final_dtypes = tuple(policies)
+        self._casts = dict(policies)
+        if not 0 <= max_selected <= MAX_GRID_ROWS:
+            refuse("max_selected", f"max_selected must be in [0, {MAX_GRID_ROWS}], got {max_selected}", layer)
+        self.max_selected = int(max_selected)
+        self.sealed = False
+        self._device = state.device
+        self._dtype = state.dtype
+        self._shape = tuple(state.shape)
+        self._strides = tuple(state.stride())
+        self._inner = self.layout.inner_shape
+        self.target = target
+        self._hints_dropped: list[str] = []
+        if stream and not target.honours(EVICT_FIRST):
+            self._hints_dropped.append(f"gather evict_first (stream=True): {target.name}'s compiler drops it")
+        self._stream = bool(stream) and target.honours(EVICT_FIRST)
+        self._scatter_evict_first = self._scatter_hint(target)
+        self._num_warps = self._configure(block_bytes, num_warps, layer)
+        self._kernels = tuple(dict.fromkeys(self._variant_kernel(key) for key in self._variant_keys()))
+
+    @classmethod
+    def variant_specs(cls, state: torch.Tensor, max_selected: int, target: TargetFacts,
+                      policies: dict[torch.dtype, casts.CastPolicy], block_bytes: int | None = None,
+                      num_warps: int | None = None, stream: bool = False) -> list[dict[str, Any]]:
+        """Return the variants :meth:`prepare` would compile for ``state`` on ``target``, compiling nothing.
+
+        For checking a compiler that cannot run here (``make ascend-check``): the block, constexprs and
+        pointer types are decided by the same code as :meth:`prepare`.
+
+        Args:
+            state: a cache with the live layout; only its metadata is read (a ``meta`` tensor will do).
+            max_selected: as for :meth:`prepare`.
+            target: the compiler target (:mod:`~kda_patches.state_copy.device`).
+            policies: final dtype -> its :class:`~kda_patches.state_copy.casts.CastPolicy` (on a device
+                that cannot run torch here, every NaN rule is a separate policy to check).
+            block_bytes, num_warps, stream: as for :meth:`prepare`.
+        Returns:
+            One dict per variant: ``name``, ``kernel`` (the JIT function), ``pointers`` (the four pointer
+            dtypes: cache, packed, indices, flags), ``constexprs`` (parameter name -> value),
+            ``num_warps`` and ``family`` (the :attr:`TargetFacts.block_limits` key).
+        """
+        plan = cls.__new__(cls)
+        plan._set_up(state, max_selected, block_bytes, num_warps, None, stream, policies, target)
+        specs = []
+        for key in plan._variant_keys():
+            kernel = plan._variant_kernel(key)
+            takes_bytes = kernel is kernels.copy_row_bytes_kernel
+            source = plan._dtype if key[0] == "gather" else key[2]
+            pointers = (torch.uint8, torch.uint8) if takes_bytes else (plan._dtype, source)
+            names = kernel.arg_names[4:]
+            specs.append({"name": plan._variant_name(key), "kernel": kernel,
+                          "pointers": (*pointers, key[1], torch.bool),
+                          "constexprs": dict(zip(names, plan._variant_constexprs(key), strict=True)),
+                          "num_warps": plan._num_warps, "family": plan._variant_family(key)})
+        return specs
+
     @classmethod
     def prepare(cls, state: torch.Tensor, max_selected: int, block_bytes: int | None = None,
                 num_warps: int | None = None, layer: str | None = None, stream: bool = False,
-                final_dtypes: tuple[torch.dtype, ...] | None = None) -> StateCopyPlan:
+                final_dtypes: tuple[torch.dtype, ...] | None = None,
+                target: TargetFacts | None = None) -> StateCopyPlan:
         """Compile and test-run the ``2 + 2 * len(final_dtypes)`` variants for ``state``'s layout on scratch.
 
         Args:
@@ -107,25 +165,64 @@ class StateCopyPlan:
             num_warps: warps per program (default: the kind's default).
             layer: layer name for error messages.
             stream: fused plan only: also mark the gather's cache reads ``evict_first`` (an experiment;
-                off). The scatter's cache writes are marked on CUDA regardless (``FusedStatePlan``).
+                off). The scatter's cache writes are marked wherever the target keeps the hint
+                (``FusedStatePlan``); where it does not, the request is recorded as dropped.
             final_dtypes: the dtypes the scatter's final states may have (FP32, BF16, FP16); default
                 ``(cache dtype, torch.float32)`` deduplicated.
+            target: the compiler target (default: the device's, :func:`~kda_patches.state_copy.device.target_facts`);
+                its unified-buffer limits cap the block.
         Returns:
             An unsealed plan.
         Raises:
-            StateCopyError: layout refused, a final dtype without an exact cast, hooks present, or a
-                variant failed on scratch.
+            StateCopyError: layout refused, a final dtype without an exact cast, a block over the
+                target's unified-buffer limit, hooks present, or a variant failed on scratch.
         """
-        return cls(state, max_selected, block_bytes, num_warps, layer, stream, final_dtypes)
+        return cls(state, max_selected, block_bytes, num_warps, layer, stream, final_dtypes, target)
 
     # -- preparation ------------------------------------------------------------------------
-    def _scatter_hint(self, device: torch.device) -> bool:
+    def _scatter_hint(self, target: TargetFacts) -> bool:
         """Return whether the scatter's cache writes carry ``evict_first`` (only the fused kernel has the option)."""
         return False
 
-    def _configure(self, block_bytes: int | None, num_warps: int | None) -> int:
+    def _configure(self, block_bytes: int | None, num_warps: int | None, layer: str | None) -> int:
         """Fix the tile configuration (the grid is the same for every variant); return the warps."""
         raise NotImplementedError
+
+    def _variant_family(self, key: tuple[Any, ...]) -> str:
+        """Return the :attr:`TargetFacts.block_limits` family of the variant ``key``."""
+        raise NotImplementedError
+
+    def _variant_name(self, key: tuple[Any, ...]) -> str:
+        return f"{self.kind}/{key[0]}/{casts.dtype_name(key[1])}" + (
+            f"/{casts.dtype_name(key[2])}" if key[0] == "scatter" else "")
+
+    def _limit_block(self, block: int, item_bytes: int, families: list[tuple[str, int]], explicit: bool,
+                     layer: str | None) -> int:
+        """Return ``block`` (items of ``item_bytes``) capped by the target's unified-buffer limits.
+
+        Args:
+            block: the block the plan would take (a power of two).
+            item_bytes: bytes per item of ``block``.
+            families: ``(family, bytes per family item)`` of every variant the plan compiles.
+            explicit: the caller asked for this block (then a block over a limit is refused, not capped).
+            layer: layer name for error messages.
+        Returns:
+            The block; :attr:`block_limited_by` names the family that capped it (None when none did).
+        """
+        self.block_limited_by = None
+        for family, family_item_bytes in dict.fromkeys(families):
+            limit = self.target.block_limit(family)
+            if limit is None:
+                continue
+            limit_items = max(limit * family_item_bytes // item_bytes, 1)
+            if block > limit_items:
+                if explicit:
+                    refuse("block", f"a block of {block * item_bytes} bytes exceeds what {family} fits into "
+                           f"{self.target.name}'s unified buffer ({limit_items * item_bytes} bytes, "
+                           "patches/ASCEND_COMPILE.md); leave block_bytes unset or lower it", layer)
+                block = triton.next_power_of_2(limit_items + 1) // 2  # the largest power of two within the limit
+                self.block_limited_by = family
+        return block
 
     def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
         """Return the ``@triton.jit`` kernel of the variant ``key`` (``(op, index dtype[, final dtype])``)."""
@@ -163,8 +260,7 @@ class StateCopyPlan:
         finals = {dtype: (pattern * 0.3183099).to(dtype).view(1, *self._inner) for dtype in self.final_dtypes}
         for key in self._variant_keys():
             op, index_dtype = key[0], key[1]
-            name = f"{self.kind}/{op}/{casts.dtype_name(index_dtype)}" + (
-                f"/{casts.dtype_name(key[2])}" if op == "scatter" else "")
+            name = self._variant_name(key)
             indices = torch.zeros(1, dtype=index_dtype, device=self._device)
             source = packed if op == "gather" else finals[key[2]]
             cache.view(-1).copy_(stored)
@@ -311,13 +407,24 @@ class StateCopyPlan:
         return {"kind": self.kind, "sealed": self.sealed, "max_selected": self.max_selected,
                 "device_kind": device_kind(self._device), "layout": self.layout.as_dict(),
                 "alignment": self._alignment, "num_warps": self._num_warps, "stream": self._stream,
-                "scatter_evict_first": self._scatter_evict_first,
+                "scatter_evict_first": self._scatter_evict_first, "target": self.target.name,
+                "block": self._block_facts(), "block_limited_by": self.block_limited_by,
+                "memory_hints": self.memory_hints(),
                 "launch_entry": "+".join(sorted({variant.entry for variant in self._variants.values()})),
                 "final_dtypes": [casts.dtype_name(dtype) for dtype in self.final_dtypes],
                 "casts": [policy.as_dict() for policy in self._casts.values()],
                 "constexprs": {variant.name: [str(v) for v in self._variant_constexprs(key)]
                                for key, variant in self._variants.items()},
                 "variants": self.variant_names()}
+
+
+    def memory_hints(self) -> dict[str, Any]:
+        """Return which memory hints the plan's kernels carry and which the target keeps (plan facts, ledger)."""
+        return {"target_honours": list(self.target.honoured_hints), "gather_evict_first": self._stream,
+                "scatter_evict_first": self._scatter_evict_first, "dropped": list(self._hints_dropped)}
+
+    def _block_facts(self) -> dict[str, int]:
+        raise NotImplementedError
 
 
 class FusedStatePlan(StateCopyPlan):
@@ -330,16 +437,24 @@ class FusedStatePlan(StateCopyPlan):
     DEFAULT_BLOCK_BYTES = 4096
     DEFAULT_NUM_WARPS = 4
 
-    def _scatter_hint(self, device: torch.device) -> bool:
+    def _scatter_hint(self, target: TargetFacts) -> bool:
         # H200 (docs/results/h200-gdn-state-copy run 11): evict_first on the scatter's cache writes keeps the
         # final states in the L2: -7 to -11 % for the L2-sized BF16 64-row scatters, within 0.5 % elsewhere.
-        # On the gather's cache reads it cost 2 % at 256 rows, so that stays the stream experiment. CUDA only:
-        # other backends (triton-ascend) keep their default store policy.
-        return device.type == "cuda"
+        # On the gather's cache reads it cost 2 % at 256 rows, so that stays the stream experiment. Only where
+        # the compiler keeps the hint (CUDA; triton-ascend's adapter drops it: patches/ASCEND_COMPILE.md).
+        return target.honours(EVICT_FIRST)
 
-    def _configure(self, block_bytes: int | None, num_warps: int | None) -> int:
+    def _variant_family(self, key: tuple[Any, ...]) -> str:
+        source = self._dtype if key[0] == "gather" else key[2]
+        return f"fused/{casts.dtype_name(source)}->{casts.dtype_name(self._dtype)}"
+
+    def _configure(self, block_bytes: int | None, num_warps: int | None, layer: str | None) -> int:
         items = max((block_bytes or self.DEFAULT_BLOCK_BYTES) // self.layout.element_size, 16)
         block = min(triton.next_power_of_2(items), triton.next_power_of_2(self.layout.payload))
+        size = self.layout.element_size
+        block = self._limit_block(block, size, [(self._variant_family(key), size) for key in self._variant_keys()],
+                                  block_bytes is not None, layer)
+        self._block = block
         self._tiles = triton.cdiv(self.layout.payload, block)
         self._base = (self.layout.num_rows, self.layout.row_stride, self.layout.payload, block,
                       self.layout.payload % block == 0)
@@ -347,6 +462,9 @@ class FusedStatePlan(StateCopyPlan):
 
     def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
         return kernels.copy_rows_kernel
+
+    def _block_facts(self) -> dict[str, int]:
+        return {"items": self._block, "bytes": self._block * self.layout.element_size}
 
     def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
         if key[0] == "gather":
@@ -371,11 +489,22 @@ class FallbackStatePlan(StateCopyPlan):
     DEFAULT_BLOCK_BYTES = 16384
     DEFAULT_NUM_WARPS = 8
 
-    def _configure(self, block_bytes: int | None, num_warps: int | None) -> int:
+    def _variant_family(self, key: tuple[Any, ...]) -> str:
+        if key[0] == "scatter" and not self._casts[key[2]].identity:
+            return f"cast_items/{casts.dtype_name(key[2])}->{casts.dtype_name(self._dtype)}"
+        return "bytes"
+
+    def _configure(self, block_bytes: int | None, num_warps: int | None, layer: str | None) -> int:
         size = self.layout.element_size
         payload_bytes = self.layout.payload * size
         block = min(triton.next_power_of_2(max(block_bytes or self.DEFAULT_BLOCK_BYTES, 16)),
                     triton.next_power_of_2(payload_bytes))
+        # one block for every variant (they share the grid): the byte copy's items are bytes, the cast
+        # scatter's are cache items
+        families = [(family, 1 if family == "bytes" else size)
+                    for family in (self._variant_family(key) for key in self._variant_keys())]
+        block = self._limit_block(block, 1, families, block_bytes is not None, layer)
+        self._block = block
         self._tiles = triton.cdiv(payload_bytes, block)
         self._bytes_base = (self.layout.num_rows, self.layout.row_stride * size, payload_bytes, self._tiles, block)
         # the typed cast scatter covers the same bytes per program, so its grid is the byte kernel's
@@ -387,6 +516,9 @@ class FallbackStatePlan(StateCopyPlan):
         if key[0] == "scatter" and not self._casts[key[2]].identity:
             return kernels.scatter_cast_items_kernel
         return kernels.copy_row_bytes_kernel
+
+    def _block_facts(self) -> dict[str, int]:
+        return {"bytes": self._block, "cast_items": max(self._block // self.layout.element_size, 1)}
 
     def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
         if key[0] == "gather":

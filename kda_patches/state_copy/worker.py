@@ -155,13 +155,15 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
         except Exception as exc:
             raise _fail(name, exc, "routing") from exc
         final_set = tuple(sorted(finals[name], key=str))  # a set: the order given does not split tables
-        groups.setdefault((routes[name].kind, cache_signature(state), final_set), []).append(name)
+        groups.setdefault((routes[name].kind, cache_signature(state), final_set, routes[name].target.name),
+                          []).append(name)
 
     plans: dict[tuple[Any, ...], StateCopyPlan] = {}
     for key, names in groups.items():
         try:
             plans[key] = PLAN_CLASSES[key[0]].prepare(states[names[0]], max_selected, layer=names[0],
-                                                      final_dtypes=finals[names[0]])
+                                                      final_dtypes=finals[names[0]],
+                                                      target=routes[names[0]].target)
         except Exception as exc:
             raise _fail(names[0], exc, "prepare") from exc
     for key, plan in plans.items():
@@ -181,7 +183,8 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
                 "signature": [str(part) for part in key[1]], "max_selected": int(max_selected),
                 "final_dtypes": [dtype_name(dtype) for dtype in finals[name]], "casts": described["casts"],
                 "variants": len(described["variants"]), "launch_entry": described["launch_entry"],
-                "scatter_evict_first": described["scatter_evict_first"],
+                "scatter_evict_first": described["scatter_evict_first"], "block": described["block"],
+                "block_limited_by": described["block_limited_by"], "memory_hints": described["memory_hints"],
                 "native_op": "never (KDA_PATCHES_FORCE_TRITON=1)" if force_triton else "none available"})
     ledger.count(LEDGER_SECTION, "tables_prepared", len(plans))
     ledger.set_fact(LEDGER_SECTION, "initialization", {"ok": True, "layers": len(bindings), "tables": len(plans)})

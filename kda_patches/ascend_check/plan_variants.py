@@ -1,0 +1,138 @@
+"""Every kernel variant the state-copy plans can prepare on an Ascend chip class, enumerated from the plans.
+
+Nothing here is a hand list of kernels: for each supported model's per-rank state shape, each cache
+dtype and each chip class, :func:`~kda_patches.state_copy.device.route_plan` picks the plan class
+exactly as a worker would, and :meth:`~kda_patches.state_copy.plan.StateCopyPlan.variant_specs` returns
+the variants that plan's ``prepare`` would compile (block capped by the chip class's unified-buffer
+limits, constexprs, pointer types). The NaN rule of a cast is probed with torch on the device at
+prepare, which cannot run here, so every rule of :data:`~kda_patches.state_copy.casts.NAN_RULES` is
+enumerated. Variants that compile to the same code (same kernel, pointer types and constexprs) are
+checked once and carry every model they serve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kda_patches.state_copy import casts
+from kda_patches.state_copy.device import TARGETS, route_plan
+from kda_patches.state_copy.plan import PLAN_CLASSES
+
+# Per-rank recurrent-state shapes [H, V, K] of the supported models' state-copy layers at their usual
+# tensor-parallel splits (value heads / TP; 128x128 heads). The compiled code depends on the shape only
+# through PAYLOAD, TILES and ROW_STRIDE, so these cover the payload classes from 4 to 48 heads.
+MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
+    "kimi-k3-kda": (12, 128, 128),  # the seed-000 benchmark cache
+    "qwen3.6-27b-gdn-tp1": (48, 128, 128),
+    "qwen3.6-27b-gdn-tp4": (12, 128, 128),
+    "qwen3.5-397b-gdn-tp8": (8, 128, 128),
+    "qwen3-next-80b-gdn-tp2": (16, 128, 128),
+    "qwen3-next-80b-gdn-tp8": (4, 128, 128),
+    "olmo-hybrid-gdn-tp1": (32, 128, 128),
+    "kimi-linear-kda-tp4": (8, 128, 128),
+    "qwen3.6-27b-gdn-tp8": (6, 128, 128),
+    "kimi-linear-kda-tp1": (32, 128, 128),
+}
+CACHE_ROWS = 1024  # NUM_ROWS is a constexpr of the live cache; any count compiles to the same code shape
+PAGE_GAP_ITEMS = 4096  # rows of a vLLM hybrid cache are pages: the conv state sits in the gap
+MAX_SELECTED = 256
+CHIP_SOCS = {"a2a3": "Ascend910B3", "a5": "Ascend950PR_9599"}  # build-time SOC names (device.is_ascend_a5)
+CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
+                torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+
+
+@dataclass
+class VariantCase:
+    """One distinct compiled variant for one chip class.
+
+    Attributes:
+        chip: ``"a2a3"`` or ``"a5"``.
+        plan: the plan kind (``fused``/``fallback``) the chip routes that cache dtype to.
+        name: the plan's variant name (``fallback/scatter/int32/float32``).
+        cache_dtype, final_dtype: cache and packed dtype names (the final dtype of a gather is the cache's).
+        nan_rule: the cast's NaN rule name, ``"bit copy"`` when no cast is folded.
+        family: the block-limit family, ``block`` the block in the family's items.
+        kernel: the JIT function; ``signature`` and ``constexprs`` as ``triton.compile`` takes them.
+        models: the model shapes that prepare this variant.
+    """
+
+    chip: str
+    plan: str
+    name: str
+    cache_dtype: str
+    final_dtype: str
+    nan_rule: str
+    family: str
+    block: int
+    kernel: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    models: list[str] = field(default_factory=list)
+
+    def key(self) -> tuple[Any, ...]:
+        """The identity of the compiled code (kernel, signature, constexprs) on this chip."""
+        return (self.chip, self.kernel.__name__, tuple(self.signature.items()), tuple(self.constexprs.items()))
+
+    def row(self) -> tuple[str, ...]:
+        """The matrix row this variant belongs to (shape-independent facts)."""
+        return (self.plan, self.name, self.cache_dtype, self.nan_rule, self.family, str(self.block))
+
+
+def cast_policies(cache: torch.dtype, rule: int) -> dict[torch.dtype, casts.CastPolicy]:
+    """Return one policy per final dtype (FP32, BF16, FP16) into ``cache``, casts under NaN ``rule``."""
+    return {final: casts.CastPolicy(final, cache, rule, CANONICAL_NAN[cache] if rule == casts.NAN_CANONICAL else 0)
+            for final in casts.FINAL_DTYPES}
+
+
+def meta_cache(inner: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Return a ``meta`` cache ``[CACHE_ROWS, H, V, K]`` with a page gap between rows (no storage)."""
+    payload = inner[0] * inner[1] * inner[2]
+    stride = (payload + PAGE_GAP_ITEMS, inner[1] * inner[2], inner[2], 1)
+    return torch.empty_strided((CACHE_ROWS, *inner), stride, dtype=dtype, device="meta")
+
+
+def enumerate_variants(chips: tuple[str, ...] = ("a2a3", "a5"),
+                       shapes: dict[str, tuple[int, int, int]] | None = None) -> list[VariantCase]:
+    """Return the distinct variants the plans prepare on each chip class, for every model shape.
+
+    Args:
+        chips: chip classes (keys of :data:`CHIP_SOCS`).
+        shapes: model name -> per-rank ``(H, V, K)`` (default :data:`MODEL_SHAPES`).
+    Returns:
+        Distinct :class:`VariantCase` s, each listing the models that prepare it, in a stable order.
+    """
+    found: dict[tuple[Any, ...], VariantCase] = {}
+    npu = SimpleNamespace(type="npu")
+    for chip in chips:
+        for model, inner in (shapes or MODEL_SHAPES).items():
+            for cache in casts.FINAL_DTYPES:
+                route = route_plan(npu, cache, CHIP_SOCS[chip])
+                plan_class = PLAN_CLASSES[route.kind]
+                assert route.target is TARGETS[f"ascend-{chip}"], (chip, route.target.name)
+                state = meta_cache(inner, cache)
+                for rule in casts.NAN_RULES:
+                    for spec in plan_class.variant_specs(state, MAX_SELECTED, route.target, cast_policies(cache, rule)):
+                        case = _case(chip, route.kind, cache, rule, spec)
+                        found.setdefault(case.key(), case).models.append(model)
+    for case in found.values():
+        case.models = sorted(set(case.models))
+    return sorted(found.values(), key=lambda case: (case.chip, case.row(), case.key()))
+
+
+def _case(chip: str, plan: str, cache: torch.dtype, rule: int, spec: dict[str, Any]) -> VariantCase:
+    pointers = spec["pointers"]
+    is_scatter = "/scatter/" in spec["name"]
+    final = spec["name"].rsplit("/", 1)[-1] if is_scatter else casts.dtype_name(cache)
+    folds_cast = is_scatter and final != casts.dtype_name(cache)
+    names = ("cache_ptr", "packed_ptr", "index_ptr", "flag_ptr")
+    signature = {name: "*" + TRITON_TYPES[dtype] for name, dtype in zip(names, pointers, strict=True)}
+    signature.update({name: "constexpr" for name in spec["constexprs"]})
+    block = spec["constexprs"]["BLOCK"]
+    return VariantCase(chip, plan, spec["name"], casts.dtype_name(cache), final,
+                       casts.NAN_RULES[rule] if folds_cast else "bit copy", spec["family"], block, spec["kernel"],
+                       signature, dict(spec["constexprs"]))
