@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kda-patches-installed
 PIP := $(VPY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup setup-vllm013 demo test lint bench gpu-check mutants clean conformance
+.PHONY: setup setup-vllm013 setup-ascend ascend-check demo test lint bench gpu-check mutants clean conformance
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -36,10 +36,33 @@ $(STAMP013): $(STAMP)
 
 setup-vllm013: $(STAMP013)
 
+# Third environment for the Ascend compile check (patches/ASCEND_COMPILE.md): triton-ascend installs as the
+# package `triton`, so it cannot share .venv. It imports pybind11 without declaring it; ascendnpu-ir ships
+# bishengir-compile (A2/A3) and bishengir-compile-a5; torch is the CPU build on this machine's disk.
+# kda_patches comes from the working tree through one .pth line. ~1.6 GB, ~1 min.
+VENVASC ?= .venv-ascend
+STAMPASC := $(VENVASC)/.kda-ascend-installed
+
+$(STAMPASC):
+	test -x $(VENVASC)/bin/python || $(PYTHON) -m venv $(VENVASC)
+	$(VENVASC)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 triton-ascend==3.2.0 \
+		ascendnpu-ir==1.2.0 pybind11 numpy
+	printf '%s\n' "$(CURDIR)" > "$(call purelib,$(VENVASC)/bin/python)/zz_kda_repo.pth"
+	touch $(STAMPASC)
+
+setup-ascend: $(STAMPASC)
+
+# Every plan variant compiled for A2/A3 and A5 up to bishengir's final HIVM IR, the block-limit table, the
+# hints and the calibration on vllm-ascend's kernels (fetched into the release cache with the main venv's pip).
+# ASCEND_CHECK_ARGS: e.g. --write-matrix, --json FILE, --chips a2a3.
+ascend-check: setup setup-ascend
+	$(VPY) -c 'from kda_patches.ascend_check.calibration import release_root; release_root()'
+	$(VENVASC)/bin/python -m kda_patches.ascend_check $(ASCEND_CHECK_ARGS)
+
 demo: setup
 	$(VPY) -m kda_patches regress
 
-test: setup setup-vllm013
+test: setup setup-vllm013 setup-ascend
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
 
 # Hand-picked mutants against their killing tests, on a temporary copy (slow; not part of `test`).

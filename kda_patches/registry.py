@@ -253,14 +253,19 @@ def read_static_parameters(target: Target) -> tuple[str, ...] | None:
 # -- installation ------------------------------------------------------------------------------
 
 class _Applied:
-    __slots__ = ("target", "parent", "attribute", "original", "wrapper_object")
+    __slots__ = ("target", "parent", "attribute", "original", "wrapper_object", "aliases")
 
-    def __init__(self, target: Target, parent: Any, attribute: str, original: Any, wrapper_object: Any) -> None:
+    def __init__(self, target: Target, parent: Any, attribute: str, original: Any, wrapper_object: Any,
+                 aliases: list[Any] | None = None) -> None:
         self.target = target
         self.parent = parent
         self.attribute = attribute
         self.original = original
         self.wrapper_object = wrapper_object
+        self.aliases = aliases or []
+
+
+ALIASES_SECTION = "aliases"  # ledger facts: "<patch> <key>" -> the module-level aliases rebound to the wrapper
 
 
 _applied: dict[tuple[str, str], _Applied] = {}
@@ -289,6 +294,7 @@ def _restore(applied: _Applied) -> str:
         ``"restored"`` (ours was outermost), ``"spliced"`` (ours was removed from under another wrapper)
         or ``"lost"`` (the attribute no longer leads to our wrapper: someone replaced it; left alone).
     """
+    _restore_aliases(applied)
     current = _current_attribute(applied.parent, applied.attribute)
     outcome = "lost"
     if current is applied.wrapper_object:
@@ -422,6 +428,11 @@ def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
         import wrapt  # deferred: see kda_patches.hooks for why
 
         wrapper_object = wrapt.wrap_function_wrapper(parent, attribute, target.wrapper)
+        try:
+            aliases = _rebind_aliases(parent, raw, wrapper_object)
+        except Exception:
+            setattr(parent, attribute, raw)  # nothing half-done: the target goes back with its aliases untouched
+            raise
     except Exception as error:  # a broken patch must never break the target's import
         _logger().exception("kda_patches: patch %r failed on %s", patch.name, key)
         reason = f"{type(error).__name__}: {error}"
@@ -432,11 +443,40 @@ def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
             return "failed"
         _report(patch, key, target.stack, "failed", reason, strict)
         return "failed"
-    _applied[(patch.name, key)] = _Applied(target, parent, attribute, raw, wrapper_object)
+    _applied[(patch.name, key)] = _Applied(target, parent, attribute, raw, wrapper_object, aliases)
+    if aliases:
+        get_ledger().set_fact(ALIASES_SECTION, f"{patch.name} {key}", [repr(alias) for alias in aliases])
     get_ledger().record_target(patch.name, key, "applied",
                                f"wrapped {target.qualname} ({verdict.reason}"
-                               f"{f', group {group!r}' if group else ''})")
+                               f"{f', group {group!r}' if group else ''}"
+                               f"{f', {len(aliases)} module-level aliases rebound' if aliases else ''})")
     return "applied"
+
+
+def _restore_aliases(applied: _Applied) -> None:
+    """Point the wrapper's module-level aliases back at the original: those rebound at apply and those that
+    modules imported since then took by ``from M import f`` (found again now)."""
+    import types
+
+    if not isinstance(applied.parent, types.ModuleType):
+        return
+    from kda_patches.aliases import defines, find_aliases, restore_aliases
+
+    if not defines(applied.parent, applied.original):
+        return
+    later = find_aliases(applied.wrapper_object, applied.parent)
+    restore_aliases([*applied.aliases, *later], applied.original, applied.wrapper_object)
+
+
+def _rebind_aliases(parent: Any, original: Any, wrapper_object: Any) -> list[Any]:
+    """Rebind the module-level aliases of a function its module defines (:mod:`kda_patches.aliases`)."""
+    import types
+
+    if not isinstance(parent, types.ModuleType):
+        return []  # a method: every user reaches it through its class
+    from kda_patches.aliases import rebind_aliases
+
+    return rebind_aliases(original, wrapper_object, parent)
 
 
 def apply_target(patch: Patch, target: Target, module: Any, strict: bool = False) -> str:

@@ -6,12 +6,15 @@ exactly as a worker would, and :meth:`~kda_patches.state_copy.plan.StateCopyPlan
 the variants that plan's ``prepare`` would compile (block capped by the chip class's unified-buffer
 limits, constexprs, pointer types). The NaN rule of a cast is probed with torch on the device at
 prepare, which cannot run here, so every rule of :data:`~kda_patches.state_copy.casts.NAN_RULES` is
-enumerated. Variants that compile to the same code (same kernel, pointer types and constexprs) are
-checked once and carry every model they serve.
+enumerated; and since a plan's block is the one every variant it compiles fits, every set of final
+dtypes a plan can be prepared for (each non-empty subset of FP32, BF16, FP16) is enumerated too.
+Variants that compile to the same code (same kernel, pointer types and constexprs) for the same cache
+dtype are checked once and carry every model they serve.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -75,18 +78,27 @@ class VariantCase:
     models: list[str] = field(default_factory=list)
 
     def key(self) -> tuple[Any, ...]:
-        """The identity of the compiled code (kernel, signature, constexprs) on this chip."""
-        return (self.chip, self.kernel.__name__, tuple(self.signature.items()), tuple(self.constexprs.items()))
+        """The identity of the compiled code (kernel, signature, constexprs) on this chip, per cache dtype (the
+        byte copy of a BF16 and of an FP16 cache is the same code, listed under both)."""
+        return (self.chip, self.cache_dtype, self.kernel.__name__, tuple(self.signature.items()),
+                tuple(self.constexprs.items()))
 
     def row(self) -> tuple[str, ...]:
         """The matrix row this variant belongs to (shape-independent facts)."""
         return (self.plan, self.name, self.cache_dtype, self.nan_rule, self.family, str(self.block))
 
 
-def cast_policies(cache: torch.dtype, rule: int) -> dict[torch.dtype, casts.CastPolicy]:
-    """Return one policy per final dtype (FP32, BF16, FP16) into ``cache``, casts under NaN ``rule``."""
+def cast_policies(cache: torch.dtype, rule: int,
+                  finals: tuple[torch.dtype, ...] = casts.FINAL_DTYPES) -> dict[torch.dtype, casts.CastPolicy]:
+    """Return one policy per final dtype of ``finals`` into ``cache``, casts under NaN ``rule``."""
     return {final: casts.CastPolicy(final, cache, rule, CANONICAL_NAN[cache] if rule == casts.NAN_CANONICAL else 0)
-            for final in casts.FINAL_DTYPES}
+            for final in finals}
+
+
+def final_dtype_sets() -> list[tuple[torch.dtype, ...]]:
+    """Return every non-empty set of final dtypes a plan can be prepared for."""
+    return [subset for size in range(1, len(casts.FINAL_DTYPES) + 1)
+            for subset in itertools.combinations(casts.FINAL_DTYPES, size)]
 
 
 def meta_cache(inner: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -115,8 +127,9 @@ def enumerate_variants(chips: tuple[str, ...] = ("a2a3", "a5"),
                 plan_class = PLAN_CLASSES[route.kind]
                 assert route.target is TARGETS[f"ascend-{chip}"], (chip, route.target.name)
                 state = meta_cache(inner, cache)
-                for rule in casts.NAN_RULES:
-                    for spec in plan_class.variant_specs(state, MAX_SELECTED, route.target, cast_policies(cache, rule)):
+                for rule, finals in itertools.product(casts.NAN_RULES, final_dtype_sets()):
+                    for spec in plan_class.variant_specs(state, MAX_SELECTED, route.target,
+                                                         cast_policies(cache, rule, finals)):
                         case = _case(chip, route.kind, cache, rule, spec)
                         found.setdefault(case.key(), case).models.append(model)
     for case in found.values():
@@ -136,3 +149,29 @@ def _case(chip: str, plan: str, cache: torch.dtype, rule: int, spec: dict[str, A
     return VariantCase(chip, plan, spec["name"], casts.dtype_name(cache), final,
                        casts.NAN_RULES[rule] if folds_cast else "bit copy", spec["family"], block, spec["kernel"],
                        signature, dict(spec["constexprs"]))
+
+
+def probe_case(chip: str, family: str) -> VariantCase:
+    """Return the first variant of ``family`` the plans prepare on ``chip``; for a family the chip's plans
+    never use (a fused copy on A2/A3, a cast into an FP32 cache on A5), the variant of that family's plan
+    class for a Kimi-K3 cache, built the same way.
+
+    Raises:
+        KeyError: no plan kernel belongs to ``family``.
+    """
+    for case in enumerate_variants((chip,)):
+        if case.family == family:
+            return case
+    target = TARGETS[f"ascend-{chip}"]
+    names = {casts.dtype_name(dtype): dtype for dtype in casts.FINAL_DTYPES}
+    kind, _, pair = family.partition("/")
+    source, _, cache = pair.partition("->")
+    plan = {"fused": "fused", "cast_items": "fallback"}.get(kind)
+    if plan and source in names and cache in names:
+        state = meta_cache(MODEL_SHAPES["kimi-k3-kda"], names[cache])
+        policies = {names[source]: cast_policies(names[cache], casts.NAN_QUIET)[names[source]]}
+        for spec in PLAN_CLASSES[plan].variant_specs(state, MAX_SELECTED, target, policies):
+            if spec["family"] == family and spec["pointers"][2] == torch.int64 and \
+                    ("/scatter/" in spec["name"]) == (source != cache):
+                return _case(chip, plan, names[cache], casts.NAN_QUIET, spec)
+    raise KeyError(f"no state-copy kernel variant belongs to block-limit family {family!r} on {chip}")

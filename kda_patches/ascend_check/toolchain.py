@@ -105,10 +105,18 @@ def compiler_dir() -> pathlib.Path:
     return pathlib.Path(ascendnpuir.__file__).resolve().parent / "bin"
 
 
+_LOCATION = re.compile(r'loc\("[^"]*?([^/"]+)":(\d+):(\d+)\)')
+_GENERIC = ("Failed to run BiShengHIR pipeline", "Failed to run BiShengIR pipeline")
+
+
 def _error_lines(text: str) -> str:
-    keep = [line.strip() for line in text.splitlines()
+    """Return the compiler's error lines, most specific first, without temporary paths (stable across runs)."""
+    keep = [_LOCATION.sub(r"loc(\1:\2:\3)", line.strip()) for line in text.splitlines()
             if ("error" in line.lower() or "overflow" in line.lower()) and _MISSING_HIVMC not in line]
-    return "\n".join(dict.fromkeys(keep))[:2000]
+    generic = [line for line in keep if any(phrase in line for phrase in _GENERIC)]
+    errors = [line for line in keep if "error" in line.lower() and line not in generic]
+    notes = [line for line in keep if line not in errors and line not in generic]
+    return "\n".join(dict.fromkeys(errors + notes + generic))[:2000]
 
 
 class Toolchain:
@@ -123,12 +131,11 @@ class Toolchain:
         self.chip = chip
         self.workdir = workdir
         # bishengir must be found as "bishengir-compile" (triton-ascend checks the name) on PATH
-        self._bin = workdir / "bin"
+        self._bin = workdir / f"bin-{chip.name}"
         self._bin.mkdir(parents=True, exist_ok=True)
         link = self._bin / "bishengir-compile"
         if not link.exists():
             link.symlink_to(compiler_dir() / chip.compiler)
-        os.environ["PATH"] = f"{self._bin}{os.pathsep}{os.environ.get('PATH', '')}"
         # the backend reads ASCEND_HOME_PATH before its stages (never a file under it for these stages)
         os.environ.setdefault("ASCEND_HOME_PATH", str(workdir / "no-cann"))
         os.environ["TRITON_CACHE_DIR"] = str(workdir / "triton-cache")
@@ -143,6 +150,14 @@ class Toolchain:
         Returns:
             The :class:`CompileResult`.
         """
+        path = os.environ.get("PATH", "")
+        os.environ["PATH"] = f"{self._bin}{os.pathsep}{path}"  # this class's bishengir, for this compile only
+        try:
+            return self._compile(kernel, signature, constexprs)
+        finally:
+            os.environ["PATH"] = path
+
+    def _compile(self, kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> CompileResult:
         import hashlib
 
         from triton._C.libtriton import ir
@@ -182,8 +197,8 @@ class Toolchain:
                              "ub_required_bits": int(overflow.group(1)) if overflow else None,
                              "ub_available_bits": int(overflow.group(2)) if overflow else None}
                     if ext == "npubin" and hivm.is_file():
-                        return CompileResult(STAGE_HIVM, "", hivm_sha=hashlib.sha256(hivm.read_bytes()).hexdigest()[:16],
-                                             **facts)
+                        digest = hashlib.sha256(hivm.read_bytes()).hexdigest()[:16]
+                        return CompileResult(STAGE_HIVM, "", hivm_sha=digest, **facts)
                     return CompileResult(reached, _error_lines(text) or text[-2000:], **facts)
                 reached = {"ttir": STAGE_TTIR, "ttadapter": STAGE_TTADAPTER}.get(ext, reached)
             # a binary: only possible with CANN's hivmc on PATH

@@ -40,6 +40,9 @@ def format_target(target: dict) -> list[str]:
         lines.append(f"{'':17}hint: {target['hint']}")
     for name, shape in target["shapes"].items():
         lines.append(f"{'':17}shape {name}: {'ok' if shape['ok'] else 'MISSING'} - {shape['evidence']}")
+    for entry in (target.get("aliases") or {}).get("importers", []):
+        lines.append(f"{'':17}imported by name: {entry['module']}:{entry['line']} as {entry['bound']} "
+                     f"({entry['scope']} scope): {'covered' if entry['covered'] else 'NOT COVERED'} - {entry['why']}")
     return lines
 
 

@@ -21,7 +21,9 @@ Then one verdict per patch per stack (first rule that matches):
   silently unpatched, and an ImportError under ``KDA_PATCHES_STRICT=1``, so the STRICT A/B cannot start.
   (2) A target would be wrapped while a shape its wrapper relies on is missing (the wrapper would route
   nothing, or raise). (3) A target of a group would be wrapped while another member of that group would not
-  (a seam without its startup hook).
+  (a seam without its startup hook). (4) A wrapped module-level function is imported by name somewhere the
+  overlay's alias rebinding cannot reach (a class body: :mod:`kda_patches.releases.aliases`); every
+  ``from M import name`` of a wrapped definition is listed in the target's ``aliases`` report.
 
 The remaining rules look only at the targets of the stack's *platform* (``Target.stack``: ``vllm-ascend`` when
 the fork is in the stack, else ``vllm``): on Ascend the fork's layers override the upstream methods that the
@@ -45,6 +47,7 @@ import dataclasses
 import pathlib
 
 from kda_patches import registry
+from kda_patches.releases.aliases import alias_report
 from kda_patches.releases.shapes import SHAPES, check_shape
 from kda_patches.releases.source import ReleaseSource
 
@@ -91,6 +94,11 @@ class Stack:
     def platform(self) -> str:
         """The ``Target.stack`` label of the serving code: ``vllm-ascend`` when the fork is in it, else ``vllm``."""
         return "vllm-ascend" if any(release.dist == "vllm-ascend" for release in self.releases) else "vllm"
+
+    @property
+    def sources(self) -> list[ReleaseSource]:
+        """Every release's source, in stack order."""
+        return list(self._sources.values())
 
     def source_for(self, module: str) -> ReleaseSource | None:
         """Return the release source that ships ``module``'s top-level package, or None."""
@@ -166,6 +174,8 @@ def check_target(patch: registry.Patch, key: str, stack: Stack, decision: regist
         "runtime_reason": f"{target.module} is not shipped by {stack.name}" if decision is None else decision.reason,
         "hint": None if definition is not None or not present else _resolution_hint(stack, target),
         "shapes": {},
+        "aliases": alias_report(source, stack.sources, target.module, target.qualname)
+        if present and decision is not None and decision.state == "ok" else None,
     }
     for name in target.shapes:
         if name not in SHAPES:
@@ -229,6 +239,11 @@ def judge_patch(patch: registry.Patch, targets: list[dict], platform: str = "vll
             if not shape["ok"]:
                 problems.append(f"{t['key']} would be wrapped but its wrapper relies on `{name}`, missing: "
                                 f"{shape['evidence']}")
+    for t in wrapped:
+        for entry in (t.get("aliases") or {}).get("uncovered", []):
+            problems.append(f"{t['key']} is imported by name in {entry['module']} (line {entry['line']}, "
+                            f"{entry['scope']} scope, as {entry['bound']}): the wrapper would not reach it "
+                            f"({entry['why']})")
     for group in {t["group"] for t in targets if t["group"]}:
         members = [t for t in targets if t["group"] == group]
         applied = [t["key"] for t in members if t["runtime"] == "ok"]

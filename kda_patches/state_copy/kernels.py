@@ -29,7 +29,10 @@ Shared contract (checked on the host by :mod:`kda_patches.state_copy.layout` bef
   argument, so changing it never changes the compiled signature.
 
 Masks are built from vectors only (a ``vector & scalar`` mask fails under ``TRITON_INTERPRET=1``).
-The kernels use no CUDA-only features, so they also compile with triton-ascend.
+What compiles for Ascend is measured, not assumed: every variant the plans prepare is compiled for
+A2/A3 and A5 with triton-ascend and bishengir in the test suite (``make ascend-check``), and the result
+is ``patches/ASCEND_COMPILE.md``; the block each variant gets there is capped by the chip's unified
+buffer (:class:`~kda_patches.state_copy.device.TargetFacts`).
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ def copy_rows_kernel(
         SCATTER: False gathers (cache -> packed), True scatters (packed -> cache).
         STREAM: mark the cache side ``evict_first`` (the reads of a gather, the writes of a scatter), so
             cache rows do not push the packed or final states out of the L2. The plan decides it per
-            direction at prepare (:class:`~kda_patches.state_copy.plan.FusedStatePlan`).
+            direction at prepare (:class:`~kda_patches.state_copy.plan.FusedStatePlan`), and only where
+            the target's compiler keeps the hint (triton-ascend drops it).
         SRC, DST: scatter only: kind codes (0 FP32, 1 BF16, 2 FP16) of F and T; equal codes copy bits.
         NAN_RULE, NAN_BITS: scatter only: the NaN rule probed at prepare (:mod:`~kda_patches.state_copy.casts`).
     """

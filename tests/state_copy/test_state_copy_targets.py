@@ -1,0 +1,144 @@
+"""Compiler targets: unified-buffer block limits cap the plan's block, hints only where the compiler keeps them.
+
+The Ascend limits themselves are checked against bishengir by ``tests/ascend_check``; here each rule of the
+plans' use of :class:`~kda_patches.state_copy.device.TargetFacts` is decided by a synthetic target.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from state_copy_helpers import bits, build_cache
+
+from kda_patches.ledger import get_ledger
+from kda_patches.state_copy import casts, device, naive
+from kda_patches.state_copy.device import ASCEND_A2A3_TARGET, ASCEND_A5_TARGET, CUDA_TARGET, TargetFacts
+from kda_patches.state_copy.errors import StateCopyError
+from kda_patches.state_copy.plan import FallbackStatePlan, FusedStatePlan, initialize
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def meta(dtype: torch.dtype, inner: tuple[int, int, int] = (12, 128, 128)) -> torch.Tensor:
+    payload = inner[0] * inner[1] * inner[2]
+    return torch.empty_strided((64, *inner), (payload + 256, inner[1] * inner[2], inner[2], 1), dtype=dtype,
+                               device="meta")
+
+
+def policies(cache: torch.dtype, finals: tuple[torch.dtype, ...]) -> dict[torch.dtype, casts.CastPolicy]:
+    return {final: casts.CastPolicy(final, cache, casts.NAN_QUIET) for final in finals}
+
+
+def blocks(specs: list[dict]) -> dict[str, int]:
+    return {spec["name"]: spec["constexprs"]["BLOCK"] for spec in specs}
+
+
+def test_fallback_block_is_capped_by_the_cast_family_it_compiles():
+    unlimited = FallbackStatePlan.variant_specs(meta(BF16), 8, TargetFacts("none"), policies(BF16, (BF16, F32)))
+    assert set(blocks(unlimited).values()) == {16384, 8192}  # 16 KiB of bytes, 8192 BF16 items for the cast
+    limited = TargetFacts("small", block_limits={"cast_items/float32->bfloat16": 1024})
+    specs = FallbackStatePlan.variant_specs(meta(BF16), 8, limited, policies(BF16, (BF16, F32)))
+    by_name = blocks(specs)
+    assert by_name["fallback/scatter/int32/float32"] == 1024  # the cast kernel: items
+    assert by_name["fallback/gather/int32"] == 2048  # the shared grid: the same bytes per program
+    assert {spec["family"] for spec in specs} == {"bytes", "cast_items/float32->bfloat16"}
+
+
+def test_a_limit_on_a_family_the_plan_does_not_compile_changes_nothing():
+    other = TargetFacts("other", block_limits={"cast_items/float16->bfloat16": 1024})
+    specs = FallbackStatePlan.variant_specs(meta(BF16), 8, other, policies(BF16, (BF16, F32)))
+    assert blocks(specs)["fallback/gather/int32"] == 16384
+
+
+def test_fused_block_is_capped_in_items():
+    target = TargetFacts("small", block_limits={"fused/bfloat16->float32": 256})
+    specs = FusedStatePlan.variant_specs(meta(F32), 8, target, policies(F32, (F32, BF16)))
+    assert set(blocks(specs).values()) == {256}
+    assert set(blocks(FusedStatePlan.variant_specs(meta(F32), 8, TargetFacts("none"),
+                                                   policies(F32, (F32, BF16)))).values()) == {1024}
+
+
+def test_the_a2a3_table_caps_fp16_caches_with_fp32_finals():
+    specs = FallbackStatePlan.variant_specs(meta(F16), 8, ASCEND_A2A3_TARGET, policies(F16, (F16, F32)))
+    assert blocks(specs)["fallback/scatter/int64/float32"] == ASCEND_A2A3_TARGET.block_limit(
+        "cast_items/float32->float16") == 4096
+    assert blocks(specs)["fallback/gather/int64"] == 8192  # bytes: 4096 FP16 items
+    a5 = FallbackStatePlan.variant_specs(meta(F16), 8, ASCEND_A5_TARGET, policies(F16, (F16, F32)))
+    assert blocks(a5)["fallback/gather/int64"] == 16384  # the A5 buffer fits the default
+
+
+def test_an_explicit_block_over_a_limit_is_refused(device):
+    cache = build_cache(device, dtype=BF16, num_rows=4, inner=(2, 16, 64))
+    target = TargetFacts("small", block_limits={"cast_items/float32->bfloat16": 256})
+    with pytest.raises(StateCopyError, match="unified buffer"):
+        FallbackStatePlan.prepare(cache.state, 4, block_bytes=4096, target=target)
+
+
+def test_a_capped_plan_copies_exactly(device):
+    cache = build_cache(device, dtype=BF16, num_rows=6, inner=(2, 16, 64), seed=7)
+    target = TargetFacts("small", block_limits={"cast_items/float32->bfloat16": 256})
+    plan = FallbackStatePlan.prepare(cache.state, 4, target=target).seal()
+    assert plan.describe()["block"] == {"bytes": 512, "cast_items": 256}
+    assert plan.describe()["block_limited_by"] == "cast_items/float32->bfloat16"
+    indices = torch.tensor([4, 0, 9, 2], dtype=torch.int32, device=device)
+    flags = torch.tensor([True, False, True, True], device=device)
+    assert torch.equal(bits(plan.gather(cache.state, indices, flags)), bits(naive.gather_states(cache.state, indices,
+                                                                                                  flags)))
+    final = torch.randn((4, 2, 16, 64), generator=torch.Generator().manual_seed(3)).to(device)
+    expected = cache.clone()
+    naive.scatter_states(expected.state, final, indices)
+    plan.scatter(cache.state, final, indices)
+    assert torch.equal(bits(cache.backing), bits(expected.backing)) and cache.gaps_untouched()
+
+
+def test_hints_are_set_only_where_the_target_keeps_them():
+    cuda = FusedStatePlan.variant_specs(meta(BF16), 8, CUDA_TARGET, policies(BF16, (BF16,)), stream=True)
+    ascend = FusedStatePlan.variant_specs(meta(BF16), 8, ASCEND_A5_TARGET, policies(BF16, (BF16,)), stream=True)
+    assert {spec["constexprs"]["STREAM"] for spec in cuda} == {True}
+    assert {spec["constexprs"]["STREAM"] for spec in ascend} == {False}
+
+
+def test_a_dropped_hint_is_said_in_the_plan_facts(device):
+    cache = build_cache(device, dtype=F32, num_rows=4, inner=(2, 16, 64))
+    hints = FusedStatePlan.prepare(cache.state, 2, stream=True, target=ASCEND_A5_TARGET).describe()["memory_hints"]
+    assert hints["gather_evict_first"] is False and hints["scatter_evict_first"] is False
+    assert hints["target_honours"] == [] and "ascend-a5" in hints["dropped"][0]
+    kept = FusedStatePlan.prepare(cache.state, 2, target=TargetFacts("kept", honoured_hints=("evict_first",)))
+    assert kept.describe()["memory_hints"] == {"target_honours": ["evict_first"], "gather_evict_first": False,
+                                               "scatter_evict_first": True, "dropped": []}
+
+
+def test_routes_carry_the_target_of_their_device():
+    npu = SimpleNamespace(type="npu")
+    assert device.route_plan(npu, BF16, soc=260).target is ASCEND_A5_TARGET
+    assert device.route_plan(npu, BF16, soc="Ascend910B3").target is ASCEND_A2A3_TARGET
+    assert device.route_plan(npu, F16, soc=260).target is ASCEND_A5_TARGET  # fallback plan, A5 buffer
+    assert device.route_plan(SimpleNamespace(type="cuda"), F32).target is CUDA_TARGET
+    assert device.route_plan(npu, F32, soc=253).as_dict()["target"] == "ascend-a2a3"
+
+
+def test_the_ledger_fact_names_block_target_and_hints(device):
+    cache = build_cache(device, dtype=BF16, num_rows=4, inner=(2, 16, 64))
+    initialize({"layers.0.attn": cache.state}, 4)
+    fact = get_ledger().snapshot()["facts"]["state_copy"]["layers.0.attn"]
+    assert fact["target"] == ("cpu-interpreter" if device.type == "cpu" else "cuda")
+    assert fact["block"]["items"] == 2048 and fact["block_limited_by"] is None
+    assert fact["memory_hints"]["scatter_evict_first"] is (device.type == "cuda")
+
+
+def test_a_canonical_fp32_nan_with_the_sign_bit_is_written_exactly(device, monkeypatch):
+    # the kernels compute in int32: the plan hands them 0xFFC00000 as a negative constant
+    policy = casts.CastPolicy(BF16, F32, casts.NAN_CANONICAL, 0xFFC00000)
+    assert policy.constexprs()[3] == 0xFFC00000 - (1 << 32)
+    monkeypatch.setattr(casts, "probe_nan_policy", lambda source, target, *rest: casts.CastPolicy(
+        source, target, casts.NAN_CANONICAL, 0xFFC00000) if source != target else casts.CastPolicy(source, target))
+    cache = build_cache(device, dtype=F32, num_rows=3, inner=(1, 4, 16))
+    plan = FusedStatePlan.prepare(cache.state, 2, final_dtypes=(BF16,)).seal()
+    final = torch.full((1, 1, 4, 16), 0x7FC1, dtype=torch.int16, device=device).view(BF16)
+    final.view(torch.int16).view(-1)[5] = 0x3F80  # one finite value among the NaNs: 1.0
+    plan.scatter(cache.state, final, torch.tensor([1], device=device))
+    written = bits(cache.state[1]).reshape(-1)
+    assert int(written[5]) == 0x3F800000
+    assert set(written[torch.arange(64, device=device) != 5].tolist()) == {0xFFC00000 - (1 << 32)}
