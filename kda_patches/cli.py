@@ -21,8 +21,14 @@ def format_ledger(snapshot: dict) -> str:
     switches = snapshot.get("switches", {})
     active = {k: v for k, v in switches.items() if v not in (None, False, [], "", "auto", "WARNING")}
     lines.append(f"  switches: {json.dumps(active, sort_keys=True)}")
+    from kda_patches.effects import NOT_IN_EFFECT, judge_effect
+
     for name, patch in sorted(snapshot.get("patches", {}).items()):
         lines.append(f"  patch {name}: {patch['state']}" + (f" ({patch['reason']})" if patch["reason"] else ""))
+        effect = judge_effect(name, [snapshot])
+        if effect is not None:
+            label = "APPLIED BUT NOT IN EFFECT" if effect[0] == NOT_IN_EFFECT else effect[0]
+            lines.append(f"    effect in this process: {label} ({effect[1]})")
         for target, info in sorted(patch.get("targets", {}).items()):
             lines.append(f"    {info['state']:<15} {target}" + (f" - {info['reason']}" if info["reason"] else ""))
     lines.extend(f"  {line}" for line in patch_summaries(snapshot))
@@ -51,7 +57,7 @@ def patch_summaries(snapshot: dict) -> list[str]:
 
 
 def aggregate_ledgers(snapshots: list[dict]) -> dict:
-    """Sum counters over processes and collect each patch's states, for a directory of ledgers."""
+    """Sum counters over processes and collect each patch's states and effect (judged over all of them)."""
     counters: dict[str, dict[str, int]] = {}
     states: dict[str, dict[str, int]] = {}
     for snapshot in snapshots:
@@ -62,7 +68,12 @@ def aggregate_ledgers(snapshots: list[dict]) -> dict:
         for name, patch in snapshot.get("patches", {}).items():
             tally = states.setdefault(name, {})
             tally[patch["state"]] = tally.get(patch["state"], 0) + 1
-    return {"processes": len(snapshots), "patch_states": states, "counters": counters}
+    from kda_patches.effects import judge_effect
+
+    effects = {name: judge_effect(name, snapshots) for name in sorted(states)}
+    return {"processes": len(snapshots), "patch_states": states, "counters": counters,
+            "effects": {name: {"state": verdict[0], "reason": verdict[1]} for name, verdict in effects.items()
+                        if verdict is not None}}
 
 
 def command_status(args: argparse.Namespace) -> int:

@@ -83,6 +83,26 @@ def _record(entry: LayerEntry, decision: str, verdict: Verdict | None, reason: s
     get_ledger().set_fact(SECTION, entry.name, fact)
 
 
+class NotInEffect(RuntimeError):
+    """Raised under ``KDA_PATCHES_STRICT=1`` when a requested layout would silently not take effect."""
+
+
+def refuse_not_in_effect(layer: str, why: str) -> None:
+    """Separate mode was requested but ``layer`` would be bound upstream (no reservation): raise under STRICT.
+
+    Without STRICT the layer keeps upstream's layout and the ledger says why (``status``/``regress`` then show
+    ``kv_cache_layout`` as applied but not in effect).
+    """
+    from kda_patches import current_flags
+
+    if current_flags().strict:
+        raise NotInEffect(f"kv_cache_layout: KDA_PATCHES_KV_STATE_MODE=separate was requested but {layer} would be "
+                          f"bound upstream: in-place regrouping is refused ({why}) and the engine reserved no "
+                          "separate-state memory for it. Activate kda_patches in the engine-core process too "
+                          "(the vLLM plugin entry point, the .pth file or kda-run), or unset the mode; "
+                          "KDA_PATCHES_STRICT=1 refuses to serve with the mode silently not in effect")
+
+
 def _footprints(entries: list[LayerEntry], chosen: dict[str, list[Footprint]]) -> list[Footprint]:
     return [fp for entry in entries for fp in chosen.get(entry.name, entry.footprints or [])]
 
@@ -135,6 +155,8 @@ def plan_storage(entries: list[LayerEntry], mode: str, reserved: set[str] | None
                 hint = ("the engine reserved no separate-state memory for it (kda_patches inactive in the "
                         "engine-core process?)" if mode == "separate" else
                         "KDA_PATCHES_KV_STATE_MODE=separate gives dense states outside the pool")
+                if mode == "separate":
+                    refuse_not_in_effect(entry.name, verdict.reason)
                 _record(entry, "upstream", verdict, f"in-place regrouping refused ({verdict.reason}); {hint}")
     for entry in entries:
         if entry.kind == "state" and entry.dense_proposal is None:

@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, help="wall-clock limit per run in seconds")
     parser.add_argument("--pythonpath", action="append", default=[], metavar="DIR",
                         help="extra import directory for the runs (repeatable)")
+    parser.add_argument("--baseline-runs", type=int, default=None, metavar="N",
+                        help="unpatched runs; from 2 on they are compared with each other and a baseline that "
+                             "differs from itself is reported as such (default: 2 for the embedded default "
+                             "workload, 1 otherwise)")
     parser.add_argument("--verbose", action="store_true", help="show the runs' own output live")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
@@ -84,13 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         workload = resolve_workload(args.workload)
     except ValueError as error:
         parser.error(str(error))
+    baseline_runs = args.baseline_runs if args.baseline_runs is not None else (
+        2 if workload.name == DEFAULT_WORKLOAD else 1)
+    if baseline_runs < 1:
+        parser.error(f"--baseline-runs must be at least 1, got {baseline_runs}")
     expect = None
     if args.expect is not None:
         expect = tuple(item for item in args.expect if item.lower() != "none")
     report = run_ab(workload, dict(args.param), cache_dir=args.cache_dir, baseline_dir=args.baseline,
                     update_baseline=args.update_baseline, rtol=args.rtol, atol=args.atol, expect=expect,
                     work_dir=args.work_dir, timeout_s=args.timeout, pythonpath=tuple(args.pythonpath),
-                    stream_logs=args.verbose)
+                    stream_logs=args.verbose, baseline_runs=baseline_runs)
     if report.baseline.source == report.patched.source == "not run" and report.errors and not args.json:
         # Refused before any run (bad workload parameters): the one error is the whole answer.
         print(f"kda-patches regress: error: {'; '.join(report.errors)}", file=sys.stderr)

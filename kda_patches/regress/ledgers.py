@@ -20,7 +20,7 @@ def summarize_ledger(ledger: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"pid", "role", "argv", "enabled", "patches": {name: {"state", "reason", "applied_targets"}},
-        "counters", "final"}``; ``enabled`` is the process's ``KDA_PATCHES`` switch, ``argv`` its first
+        "counters", "facts", "final"}``; ``enabled`` is the process's ``KDA_PATCHES`` switch, ``argv`` its first
         three arguments (Ray actors are told apart by them), ``final`` the ledger's own end-of-process
         marker when it has one, else None.
     """
@@ -32,6 +32,7 @@ def summarize_ledger(ledger: dict[str, Any]) -> dict[str, Any]:
     return {"pid": ledger.get("pid"), "role": ledger.get("role"), "argv": list(ledger.get("argv") or []),
             "enabled": bool((ledger.get("switches") or {}).get("KDA_PATCHES")), "patches": patches,
             "counters": {path: dict(values) for path, values in sorted(ledger.get("counters", {}).items())},
+            "facts": {section: dict(values) for section, values in sorted(ledger.get("facts", {}).items())},
             "final": ledger.get("final")}
 
 

@@ -50,12 +50,25 @@ def format_report(report: ABReport) -> str:
     if report.params:
         lines.append(f"  params    {report.params}")
     lines.append(_format_run(report.baseline))
+    lines += [_format_run(run) for run in report.extra_baselines]
     lines.append(_format_run(report.patched))
+    lines.append(f"  schedule  {report.schedule or 'not stated by the workload (its own engine calls decide it)'}")
     if report.baseline_file:
         lines.append(f"  baseline file {report.baseline_file} ({report.baseline_action})")
     comparison = report.comparison
+    if report.baseline_self is not None:
+        runs = 1 + len(report.extra_baselines)
+        if report.baseline_self.equal:
+            lines.append(f"  baseline self-check: {runs} unpatched runs agree ({report.baseline_self.compared} values)")
+        else:
+            lines.append(f"  baseline self-check: the unpatched runs DIFFER from each other "
+                         f"({report.baseline_self.differing} of {report.baseline_self.compared} values); first: "
+                         f"{report.baseline_self.first.describe() if report.baseline_self.first else '?'}")
     if report.verdict == "error":
         lines.append("RESULT: ERROR")
+    elif report.verdict == "baseline unstable":
+        lines.append("RESULT: BASELINE UNSTABLE — the workload is not reproducible without the overlay, so this A/B "
+                     "can neither blame nor clear it (make the schedule deterministic, then re-run)")
     elif comparison is not None and comparison.equal:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(comparison.kinds.items()))
         lines.append(f"RESULT: EQUAL — {comparison.compared} values compared ({kinds}); integers exact, floats "
@@ -68,6 +81,8 @@ def format_report(report: ABReport) -> str:
     lines += [f"  note: {message}" for message in report.notes]
     for met, explanation in report.expectations:
         lines.append(f"  expect {'ok  ' if met else 'FAIL'} {explanation}")
+    for name, (state, reason) in report.effects.items():
+        lines.append(f"  effect {name}: {state.upper() if state == 'not in effect' else state} ({reason})")
     if report.ranks:
         patched = sum(check.met for check in report.ranks)
         lines.append(f"  ranks: {patched} of {len(report.ranks)} expected processes patched")
@@ -114,5 +129,11 @@ def report_as_dict(report: ABReport, include_outputs: bool = False) -> dict[str,
             "expectations": [{"met": met, "explanation": text} for met, text in report.expectations],
             "ranks": [asdict(check) for check in report.ranks],
             "errors": report.errors, "notes": report.notes, "work_dir": report.work_dir,
-            "runs": {"baseline": run_dict(report.baseline), "patched": run_dict(report.patched)},
+            "schedule": report.schedule,
+            "effects": {name: {"state": state, "reason": reason} for name, (state, reason) in report.effects.items()},
+            "baseline_self_check": None if report.baseline_self is None else {
+                "equal": report.baseline_self.equal, "runs": 1 + len(report.extra_baselines),
+                "differing": report.baseline_self.differing},
+            "runs": {"baseline": run_dict(report.baseline), "patched": run_dict(report.patched),
+                     **{run.label: run_dict(run) for run in report.extra_baselines}},
             "patched_counter_totals": total_counters(report.patched.ledgers)}

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kda_patches.effects import NOT_IN_EFFECT
 from kda_patches.regress import baseline as store
 from kda_patches.regress.compare import Comparison, compare_outputs
 from kda_patches.regress.ledgers import check_expectation, collect_ledgers, find_applied_patches
@@ -80,20 +81,30 @@ class ABReport:
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     work_dir: str | None = None
+    effects: dict[str, tuple[str, str]] = field(default_factory=dict)
+    schedule: str = ""
+    extra_baselines: list[RunResult] = field(default_factory=list)
+    baseline_self: Comparison | None = None
 
     @property
     def verdict(self) -> str:
-        """``error`` (a run failed or the baseline was patched), ``different`` or ``equal``."""
+        """``error`` (a run failed or the baseline was patched), ``baseline unstable`` (two unpatched runs
+        differ: the A/B can neither blame nor clear the overlay), ``different`` or ``equal``."""
         if self.errors or self.comparison is None:
             return "error"
+        if self.baseline_self is not None and not self.baseline_self.equal:
+            return "baseline unstable"
         return "equal" if self.comparison.equal else "different"
 
     @property
     def exit_code(self) -> int:
         """0: equal, every expectation met and every rank patched; 1: different, an expectation
-        unmet or a rank missing/unpatched; 2: error."""
+        unmet (a patch applied but not in effect among them) or a rank missing/unpatched; 2: error;
+        3: the baseline differs from itself."""
         if self.verdict == "error":
             return 2
+        if self.verdict == "baseline unstable":
+            return 3
         if (self.verdict == "different" or not all(met for met, _ in self.expectations)
                 or not all(check.met for check in self.ranks)):
             return 1
@@ -219,7 +230,7 @@ def _baseline_from_store(report: ABReport, baseline_dir: str) -> bool:
 def run_ab(workload: Workload, params: dict[str, Any] | None = None, *, cache_dir: str | None = None,
            baseline_dir: str | None = None, update_baseline: bool = False, rtol: float = 0.0, atol: float = 0.0,
            expect: tuple[str, ...] | None = None, work_dir: str | None = None, timeout_s: float | None = None,
-           pythonpath: tuple[str, ...] = (), stream_logs: bool = False) -> ABReport:
+           pythonpath: tuple[str, ...] = (), stream_logs: bool = False, baseline_runs: int = 1) -> ABReport:
     """Run the A/B of a workload and return the report.
 
     Args:
@@ -236,10 +247,15 @@ def run_ab(workload: Workload, params: dict[str, Any] | None = None, *, cache_di
         timeout_s: per-run wall-clock limit (default the workload's).
         pythonpath: extra import directories for the runs.
         stream_logs: show the runs' output live.
+        baseline_runs: unpatched runs (>= 1); from 2 on, the later ones are compared with the first, and
+            a baseline that differs from itself makes the verdict ``baseline unstable`` (never blamed on the
+            overlay). A stored baseline counts as the first.
     Returns:
         The :class:`ABReport`; its ``exit_code`` is what the CLI returns.
     """
     params = json.loads(json.dumps(params or {}))
+    if baseline_runs < 1:
+        raise ValueError(f"baseline_runs must be at least 1, got {baseline_runs}")
     if workload.validate:
         try:
             params = load_callable(workload.validate)(params)
@@ -253,7 +269,8 @@ def run_ab(workload: Workload, params: dict[str, Any] | None = None, *, cache_di
     work_dir = os.path.abspath(work_dir) if keep else tempfile.mkdtemp(prefix="kda-regress-")
     report = ABReport(workload=workload.name, target=workload.target, params=params, rtol=rtol, atol=atol,
                       baseline=RunResult(label="baseline", source="not run"),
-                      patched=RunResult(label="patched", source="not run"), work_dir=work_dir)
+                      patched=RunResult(label="patched", source="not run"), work_dir=work_dir,
+                      schedule=workload.schedule)
     context = {"cache_dir": cache_dir}
     try:
         stored = bool(baseline_dir) and not update_baseline and _baseline_from_store(report, baseline_dir)
@@ -272,15 +289,32 @@ def run_ab(workload: Workload, params: dict[str, Any] | None = None, *, cache_di
                                                         report.baseline.outputs, report.baseline.wall_s or 0.0)
             report.baseline_action = "updated" if existed else "created"
     if report.baseline.ok:
+        for number in range(2, baseline_runs + 1):
+            extra = run_workload_process(workload, params, context, False,
+                                         _fresh_dir(work_dir, f"baseline{number}"), timeout_s, pythonpath,
+                                         stream_logs)
+            extra.label = f"baseline{number}"
+            report.extra_baselines.append(extra)
+            if not extra.ok:
+                break
+            compared = compare_outputs(report.baseline.outputs, extra.outputs, rtol, atol)
+            if report.baseline_self is None or not compared.equal:
+                report.baseline_self = compared
+            if not compared.equal:
+                break
+    if report.baseline.ok:
         report.patched = run_workload_process(workload, params, context, True, _fresh_dir(work_dir, "patched"),
                                               timeout_s, pythonpath, stream_logs)
-    for side in (report.baseline, report.patched):
+    for side in (report.baseline, *report.extra_baselines, report.patched):
         if side.error:
             report.errors.append(f"{side.label} run {side.error}")
     if report.baseline.ok and report.patched.ok:
         report.comparison = compare_outputs(report.baseline.outputs, report.patched.outputs, rtol, atol)
         expectations = workload.expect if expect is None else expect
         report.expectations = [check_expectation(report.patched.ledgers, item) for item in expectations]
+        report.effects = judge_effects(report.patched.ledgers)
+        report.expectations += [(False, f"{name} applied but not in effect: {reason}")
+                                for name, (state, reason) in report.effects.items() if state == NOT_IN_EFFECT]
         engine = report.patched.outputs.get(workload.engine_key) if workload.engine_key and isinstance(
             report.patched.outputs, dict) else None
         if workload.engine_key and not isinstance(engine, dict):
@@ -291,6 +325,14 @@ def run_ab(workload: Workload, params: dict[str, Any] | None = None, *, cache_di
         shutil.rmtree(work_dir, ignore_errors=True)
         report.work_dir = None
     return report
+
+
+def judge_effects(ledgers: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """Return ``{patch: (effect state, reason)}`` over a run's ledgers for every patch applied in it."""
+    from kda_patches.effects import EFFECTS, judge_effect
+
+    judged = {name: judge_effect(name, ledgers) for name in EFFECTS}
+    return {name: verdict for name, verdict in judged.items() if verdict is not None}
 
 
 def _fresh_dir(work_dir: str, name: str) -> str:

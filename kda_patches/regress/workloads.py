@@ -48,6 +48,8 @@ class Workload:
             returns the (normalized) parameters or raises ``ValueError`` naming what is wrong.
         engine_key: key of the outputs that describes the vLLM engine's layout; when set, the
             patched run must have a patched ledger from every rank (:mod:`kda_patches.regress.ranks`).
+        schedule: how the workload makes the engine's schedule independent of timing (stated in the
+            report); empty for a workload that does not say.
     """
 
     name: str
@@ -57,6 +59,11 @@ class Workload:
     timeout_s: float = 900.0
     validate: str = ""
     engine_key: str | None = None
+    schedule: str = ""
+
+
+TOGETHER = ("timing-independent: each round's requests are queued while the engine's scheduler is paused and "
+            "released in one step (generate_together), so the batches do not depend on arrival timing")
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -67,6 +74,7 @@ WORKLOADS: dict[str, Workload] = {
                 "chunked prefill + prefix continuation",
         expect=("gdn_host_flags:builds_flagged",),
         engine_key="engine",
+        schedule=TOGETHER,
     ),
     "vllm": Workload(
         name="vllm",
@@ -77,6 +85,7 @@ WORKLOADS: dict[str, Workload] = {
         timeout_s=3600.0,
         validate="kda_patches.regress.vllm_workload:validate_params",
         engine_key="engine",
+        schedule=TOGETHER,
     ),
 }
 

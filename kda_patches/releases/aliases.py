@@ -109,7 +109,7 @@ def find_importers(sources: list[ReleaseSource], module: str, name: str) -> list
             for node, scope in _imports_in(tree):
                 origin = _source_of(importer, path.name == "__init__.py", node)
                 for alias in node.names:
-                    if (origin, alias.name) not in wanted or importer == module and alias.name == name:
+                    if (origin, alias.name) not in wanted or (importer == module and alias.name == name):
                         continue
                     bound = alias.asname or alias.name
                     key = (importer, node.lineno, bound)

@@ -4,7 +4,8 @@ When the overlay is enabled the workload registers ``dummy_offset``, a real regi
 :mod:`kda_regress_dummy_target`'s functions and counts every call in the ledger. ``mode`` picks what
 the wrapper does: ``none`` (counts only: outputs equal), ``token`` (token 5 is off by one), ``drift``
 (floats move by 1e-6), ``drifted-signature`` (the patch's fingerprint does not match, so STRICT
-raises), ``raise`` (the workload itself fails), ``hang`` (sleeps, for the timeout).
+raises), ``raise`` (the workload itself fails), ``hang`` (sleeps, for the timeout), ``unstable`` (the
+first token is the process id: every run differs from every other, patched or not).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def compute(mode: str = "none", steps: int = 8, processes: int = 1) -> dict[str,
 
         time.sleep(120)
     tokens, scores = run_steps(mode, steps)
+    if mode == "unstable":
+        import os
+
+        tokens[0] = os.getpid()
     context = multiprocessing.get_context("spawn")
     for _ in range(processes - 1):
         child = context.Process(target=run_steps, args=(mode, steps))

@@ -28,3 +28,8 @@ def test_tiny_qwen3_next_tokens_equal_and_gdn_host_flags_exercised() -> None:
     assert flagged, text
     assert any(entry["role"].startswith("EngineCore") for entry in report.patched.ledgers), text
     assert report.exit_code == 0, text
+    # the report says what acted: host flags and layout decisions did; the CPU GDN path routes no state copy
+    assert report.effects["gdn_host_flags"][0] == "in effect", text
+    assert report.effects["kv_cache_layout"][0] == "in effect", text
+    assert report.effects["gdn_state_copy"][0] == "idle", text
+    assert "effect gdn_host_flags: in effect" in text and "schedule  timing-independent" in text

@@ -159,3 +159,22 @@ def test_work_dir_keeps_logs_outputs_and_ledgers(tmp_path) -> None:
         names = set(os.listdir(tmp_path / "work" / side))
         assert {"outputs.json", "run.log", "status"} <= names
         assert os.listdir(tmp_path / "work" / side / "status")
+
+
+def test_a_baseline_that_differs_from_itself_is_reported_as_such_not_blamed_on_the_overlay() -> None:
+    blamed = ab(params={"mode": "unstable"})
+    assert blamed.verdict == "different"  # one baseline run: the overlay would be blamed
+    report = ab(params={"mode": "unstable"}, baseline_runs=2)
+    assert report.verdict == "baseline unstable" and report.exit_code == 3, format_report(report)
+    text = format_report(report)
+    assert "RESULT: BASELINE UNSTABLE" in text and "the unpatched runs DIFFER" in text
+    assert report_as_dict(report)["baseline_self_check"] == {"equal": False, "runs": 2, "differing": 1}
+
+
+def test_two_agreeing_baselines_are_stated_and_the_schedule_is_reported() -> None:
+    report = ab(params={"mode": "none"}, baseline_runs=2)
+    assert report.verdict == "equal" and report.exit_code == 0
+    text = format_report(report)
+    assert "baseline self-check: 2 unpatched runs agree" in text
+    assert "schedule  not stated by the workload" in text  # a module:function workload says nothing
+    assert resolve_workload("tiny-qwen3-next").schedule.startswith("timing-independent")
