@@ -135,7 +135,20 @@ GATHER_INDEX_N = Mutant("gather-index-n-valid", KERNELS, FLAG_LINE, FLAG_LINE_IN
                         "D (state_copy)", "the gathers read row N (one past the cache) for a flagged index == N")
 
 
+GUARD_TESTS = "tests/routing/test_routing_guards.py"
+
 MUTANTS: tuple[Mutant, ...] = (
+    # -- issue 19: the two alias guards that had no killing test ------------------------------------------
+    Mutant("routing-elide-any-clear-value", ROUTING_ALIAS,
+           'and mask.__dict__.get("_kda_route") is self and type(value) in (int, float) and value == 0):',
+           'and mask.__dict__.get("_kda_route") is self):',
+           (f"{GUARD_TESTS}::test_a_clear_with_another_value_runs_as_written_and_is_not_elided",), "E (routing)",
+           "packed[~flags, ...] = 1 after a folded gather is elided as if it were the zero clear"),
+    Mutant("routing-fold-cast-to-any-dtype", ROUTING_ALIAS,
+           "return (self.open and dtype is self.state.dtype and final.dtype is not dtype",
+           "return (self.open and final.dtype is not dtype",
+           (f"{GUARD_TESTS}::test_a_cast_to_another_dtype_than_the_cache_is_torch_own_cast",), "E (routing)",
+           "last.to(other dtype) becomes a pending cast the plan would fold (a double rounding the fork never did)"),
     # -- issue #12's table: survived or flaky before the issue --------------------------------------------
     Mutant("routing-fold-foreign-index", ROUTING_ALIAS,
            "flags = self.flags if indices is self.indices else None",
