@@ -64,7 +64,7 @@ def key_targets(patch: registry.Patch) -> list[registry.Target]:
 
 def describe_seams() -> dict[str, Any]:
     """Return the state-copy seam declarations per patch and the Kimi fork-plan choice (no torch import)."""
-    from kda_patches.routing.seams import SeamWrapper
+    from kda_patches.routing.wrappers import SeamWrapper
 
     seams: dict[str, Any] = {"KDA_PATCHES_KIMI_PLAN": current_flags().kimi_plan}
     for name, patch in registry.all_patches().items():

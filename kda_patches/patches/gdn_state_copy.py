@@ -56,12 +56,8 @@ from kda_patches.routing.seams import (
     KVCacheSlot,
     MetadataField,
     Seam,
-    SeamWrapper,
-    StartupWrapper,
-    wrap_clear,
-    wrap_final,
-    wrap_gather,
 )
+from kda_patches.routing.wrappers import SeamWrapper, StartupWrapper, wrap_clear, wrap_final, wrap_gather
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 if TYPE_CHECKING:

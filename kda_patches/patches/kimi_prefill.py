@@ -37,14 +37,10 @@ from kda_patches.routing.seams import (
     CLEAR_FUNCTION,
     CLEAR_NONE,
     Argument,
-    ForkPlanWrapper,
     KVCacheSlot,
     Seam,
-    SeamWrapper,
-    StartupWrapper,
-    wrap_clear,
-    wrap_gather,
 )
+from kda_patches.routing.wrappers import ForkPlanWrapper, SeamWrapper, StartupWrapper, wrap_clear, wrap_gather
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The one routing mechanism every state-copy seam shares: read the declaration, alias, run, prove.
 
-:func:`route_call` is what a :class:`~kda_patches.routing.seams.SeamWrapper` runs for one call of a
+:func:`route_call` is what a :class:`~kda_patches.routing.wrappers.SeamWrapper` runs for one call of a
 seam function:
 
 1. a call nested inside a routed call runs plain (the outer one routes); a prefill-gated seam whose

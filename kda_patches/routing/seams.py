@@ -19,8 +19,10 @@ the final states back. They differ only in *where* things are. A :class:`Seam` s
   ``state[indices] = final.to(state.dtype)``, so that cast is folded into the plan's scatter -- or None
   (the scatter then gets what the fork computed).
 
-The mechanism that reads these declarations lives in :mod:`kda_patches.routing.calls` (it imports torch);
-this module is standard-library only, so patch records can build seams at ``import kda_patches``.
+The mechanism that reads these declarations lives in :mod:`kda_patches.routing.calls` (it imports torch),
+entered through the wrapt wrappers of :mod:`kda_patches.routing.wrappers`; this module imports nothing of
+either (standard library only), so patch records can build seams at ``import kda_patches`` and the
+mechanism modules can import the declarations without an import circle.
 """
 
 from __future__ import annotations
@@ -158,104 +160,3 @@ class Seam:
                 "flags": repr(self.flags), "clear": self.clear, "clear_function": self.clear_function,
                 "gather_function": self.gather_function, "prefill_gated": self.prefill_gated,
                 "final": repr(self.final) if self.final is not None else None}
-
-
-_calls: Any = None
-
-
-def _load_calls() -> Any:
-    global _calls
-    from kda_patches.routing import calls  # deferred: imports torch
-
-    _calls = calls
-    return calls
-
-
-class SeamWrapper:
-    """wrapt wrapper of a seam function: routes its state copy as its :class:`Seam` declares.
-
-    The worker startup hook recognises a seam layer by this wrapper type on its class's method.
-    """
-
-    __slots__ = ("seam",)
-
-    def __init__(self, seam: Seam) -> None:
-        self.seam = seam
-
-    def __repr__(self) -> str:
-        return f"SeamWrapper({self.seam.name!r})"
-
-    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs)
-
-
-class ClearWrapper:
-    """wrapt wrapper of a module-level ``clear_ssm_states``: elided when it repeats a folded clear."""
-
-    __slots__ = ()
-
-    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        return (_calls or _load_calls()).route_clear(wrapped, args, kwargs)
-
-
-class GatherWrapper:
-    """wrapt wrapper of a module-level ``gather_initial_states(state, indices, flags)``."""
-
-    __slots__ = ()
-
-    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        return (_calls or _load_calls()).route_gather(wrapped, args, kwargs)
-
-
-class FinalWrapper:
-    """wrapt wrapper of a seam's module-level chunk callable (``FinalFrom(function=...)``): inside a routed
-    call whose seam declares it, its final-state result is tagged so ``.to(cache dtype)`` folds into the scatter."""
-
-    __slots__ = ()
-
-    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        return (_calls or _load_calls()).route_final(wrapped, args, kwargs)
-
-
-class StartupWrapper:
-    """wrapt wrapper of a model runner's ``initialize_kv_cache``: prepare and publish every seam layer's plan.
-
-    One instance per patch (``section``); stacked instances share one outermost-call guard, so one startup
-    serves the seam layers of every patch.
-    """
-
-    __slots__ = ("section",)
-
-    def __init__(self, section: str) -> None:
-        self.section = section
-
-    def __repr__(self) -> str:
-        return f"StartupWrapper({self.section!r})"
-
-    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        from kda_patches.routing import startup  # deferred: imports torch
-
-        return startup.route_initialize_kv_cache(wrapped, instance, args, kwargs, self.section)
-
-
-class ForkPlanWrapper:
-    """wrapt wrapper of a fork's own plan initialization (vllm-ascend ``initialize_kda_state_copy``).
-
-    Observes the fork's plans (``KDA_PATCHES_KIMI_PLAN=fork``) or publishes the overlay's into the fork's
-    seam after the fork's own initialization (``overlay``); see :mod:`kda_patches.routing.fork_native`.
-    """
-
-    __slots__ = ("section",)
-
-    def __init__(self, section: str) -> None:
-        self.section = section
-
-    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        from kda_patches.routing import fork_native  # deferred: imports torch
-
-        return fork_native.route_fork_initialize(wrapped, args, kwargs, self.section)
-
-
-wrap_clear = ClearWrapper()
-wrap_gather = GatherWrapper()
-wrap_final = FinalWrapper()

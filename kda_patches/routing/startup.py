@@ -7,7 +7,7 @@ the GPU runner's method), exactly one runs the startup after the original return
 allocated, reshaped and bound, before any warmup forward, graph capture or request:
 
 1. the *seam layers* are the layers of the runner's static forward context whose class resolves a method
-   to a :class:`~kda_patches.routing.seams.SeamWrapper` (Kimi and GDN layers alike); bindings published
+   to a :class:`~kda_patches.routing.wrappers.SeamWrapper` (Kimi and GDN layers alike); bindings published
    to them by an earlier cache are withdrawn first;
 2. each layer's cache ``layer.kv_cache[seam.cache_slot]`` (``[N, H, V, K]``) goes into ONE call of
    :func:`kda_patches.state_copy.worker.initialize` with ``max_selected = scheduler_config.max_num_seqs``:
@@ -31,7 +31,7 @@ import torch
 from kda_patches.ledger import get_ledger
 from kda_patches.outermost import OutermostCall
 from kda_patches.routing.proof import PLAN_ATTRIBUTE
-from kda_patches.routing.seams import Seam, SeamWrapper
+from kda_patches.routing.seams import Seam
 
 _outermost_initialize = OutermostCall()
 
@@ -59,9 +59,9 @@ def seam_of(layer: Any) -> Seam | None:
             if name in seen:
                 continue
             seen.add(name)  # a subclass override hides the parent's (wrapped) method
-            wrapper = getattr(value, "_self_wrapper", None)
-            if isinstance(wrapper, SeamWrapper):
-                return wrapper.seam
+            seam = getattr(getattr(value, "_self_wrapper", None), "seam", None)  # a routing.wrappers.SeamWrapper
+            if isinstance(seam, Seam):
+                return seam
     return None
 
 

@@ -38,7 +38,7 @@ def strict(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
 
 def test_separate_mode_without_a_reservation_is_refused_under_strict(monkeypatch):
     strict(monkeypatch, True)
-    with pytest.raises(NotInEffect, match="layers.0.linear_attn would be bound upstream"):
+    with pytest.raises(NotInEffect, match=r"layers\.0\.linear_attn would be bound upstream"):
         plan_storage(shared_storage(), "separate", None, CheckerCache(), [])
 
 

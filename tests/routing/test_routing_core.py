@@ -16,7 +16,7 @@ from kda_patches.patches import gdn_state_copy, kimi_prefill
 from kda_patches.registry import Patch, Target
 from kda_patches.routing.alias import PackedStates
 from kda_patches.routing.proof import PLAN_ATTRIBUTE, StateCopyBypassed
-from kda_patches.routing.seams import SeamWrapper, wrap_clear, wrap_gather
+from kda_patches.routing.wrappers import SeamWrapper, wrap_clear, wrap_gather
 
 KIMI, GDN = kimi_prefill.LEDGER_PATH, gdn_state_copy.LEDGER_PATH
 SEAMS = {  # class -> (method, seam declaration)

@@ -17,7 +17,7 @@ from test_routing_core import call, counters
 from kda_patches.patches import gdn_state_copy
 from kda_patches.registry import Patch, Target
 from kda_patches.routing.alias import CallRoute, FinalStates, PendingCast, make_alias, tag_final
-from kda_patches.routing.seams import SeamWrapper, wrap_final
+from kda_patches.routing.wrappers import SeamWrapper, wrap_final
 
 GDN = gdn_state_copy.LEDGER_PATH
 SEAMS = {"AttributeChunkLayer": gdn_state_copy.QWEN_SEAM, "FunctionChunkLayer": gdn_state_copy.OLMO_SEAM,

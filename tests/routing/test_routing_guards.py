@@ -63,7 +63,7 @@ def test_the_zero_clear_is_elided_and_the_call_is_routed():
 
 
 def test_a_cast_to_another_dtype_than_the_cache_is_torch_own_cast():
-    route, alias, _, indices, _ = routed_call(torch.bfloat16)
+    route, alias, _, _, _ = routed_call(torch.bfloat16)
     final = tag_final((None, torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(5))), 1, route)[1]
     other = final.to(torch.float16)  # not the cache's dtype, though the plan prepared FP16 finals
     assert type(other) is not PendingCast

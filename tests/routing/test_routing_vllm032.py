@@ -20,7 +20,7 @@ import vllm_stack
 from kda_patches.ledger import get_ledger
 from kda_patches.patches import gdn_state_copy
 from kda_patches.registry import find_version, is_applied, register_patch, select_target
-from kda_patches.routing.seams import SeamWrapper
+from kda_patches.routing.wrappers import SeamWrapper
 
 QWEN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 HEADS, DIM, ROWS = 2, 4, 12

@@ -1,0 +1,119 @@
+"""The wrapt wrappers patch records install: the entry from a wrapped fork function into the routing core.
+
+Each wrapper holds only its declaration (a :class:`~kda_patches.routing.seams.Seam` or a ledger section)
+and hands the call to the mechanism -- :mod:`~kda_patches.routing.calls` (a seam call, a module-level
+clear / gather / chunk callable), :mod:`~kda_patches.routing.startup` (a runner's ``initialize_kv_cache``)
+or :mod:`~kda_patches.routing.fork_native` (a fork's own plan initialization) -- imported on first use
+(they import torch). Nothing in the mechanism imports this module, so the routing core has no import
+circle: ``wrappers`` -> mechanism -> ``seams`` (data). The startup hook recognises a seam layer by the
+:class:`~kda_patches.routing.seams.Seam` its wrapper carries (``wrapper.seam``), not by this module's classes.
+"""
+
+from __future__ import annotations
+
+from kda_patches.routing.seams import Seam
+
+TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
+if TYPE_CHECKING:
+    from typing import Any
+
+
+_calls: Any = None
+
+
+def _load_calls() -> Any:
+    global _calls
+    from kda_patches.routing import calls  # deferred: imports torch
+
+    _calls = calls
+    return calls
+
+
+class SeamWrapper:
+    """wrapt wrapper of a seam function: routes its state copy as its :class:`Seam` declares.
+
+    The worker startup hook recognises a seam layer by this wrapper type on its class's method.
+    """
+
+    __slots__ = ("seam",)
+
+    def __init__(self, seam: Seam) -> None:
+        self.seam = seam
+
+    def __repr__(self) -> str:
+        return f"SeamWrapper({self.seam.name!r})"
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs)
+
+
+class ClearWrapper:
+    """wrapt wrapper of a module-level ``clear_ssm_states``: elided when it repeats a folded clear."""
+
+    __slots__ = ()
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (_calls or _load_calls()).route_clear(wrapped, args, kwargs)
+
+
+class GatherWrapper:
+    """wrapt wrapper of a module-level ``gather_initial_states(state, indices, flags)``."""
+
+    __slots__ = ()
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (_calls or _load_calls()).route_gather(wrapped, args, kwargs)
+
+
+class FinalWrapper:
+    """wrapt wrapper of a seam's module-level chunk callable (``FinalFrom(function=...)``): inside a routed
+    call whose seam declares it, its final-state result is tagged so ``.to(cache dtype)`` folds into the scatter."""
+
+    __slots__ = ()
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return (_calls or _load_calls()).route_final(wrapped, args, kwargs)
+
+
+class StartupWrapper:
+    """wrapt wrapper of a model runner's ``initialize_kv_cache``: prepare and publish every seam layer's plan.
+
+    One instance per patch (``section``); stacked instances share one outermost-call guard, so one startup
+    serves the seam layers of every patch.
+    """
+
+    __slots__ = ("section",)
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+
+    def __repr__(self) -> str:
+        return f"StartupWrapper({self.section!r})"
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        from kda_patches.routing import startup  # deferred: imports torch
+
+        return startup.route_initialize_kv_cache(wrapped, instance, args, kwargs, self.section)
+
+
+class ForkPlanWrapper:
+    """wrapt wrapper of a fork's own plan initialization (vllm-ascend ``initialize_kda_state_copy``).
+
+    Observes the fork's plans (``KDA_PATCHES_KIMI_PLAN=fork``) or publishes the overlay's into the fork's
+    seam after the fork's own initialization (``overlay``); see :mod:`kda_patches.routing.fork_native`.
+    """
+
+    __slots__ = ("section",)
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        from kda_patches.routing import fork_native  # deferred: imports torch
+
+        return fork_native.route_fork_initialize(wrapped, args, kwargs, self.section)
+
+
+wrap_clear = ClearWrapper()
+wrap_gather = GatherWrapper()
+wrap_final = FinalWrapper()
