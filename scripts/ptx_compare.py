@@ -65,7 +65,8 @@ def main() -> int:
     rows = []
     for label, old in before["kernels"].items():
         new = after["kernels"][label]
-        changed = {op: (old["ops"].get(op, 0), new["ops"].get(op, 0)) for op in sorted(set(old["ops"]) | set(new["ops"]))
+        opcodes = sorted(set(old["ops"]) | set(new["ops"]))
+        changed = {op: (old["ops"].get(op, 0), new["ops"].get(op, 0)) for op in opcodes
                    if old["ops"].get(op, 0) != new["ops"].get(op, 0)}
         rows.append({"kernel": label, "before": old["instructions"], "after": new["instructions"],
                      "identical": old["sha"] == new["sha"], "opcode_changes": changed})
