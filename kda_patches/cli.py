@@ -12,7 +12,7 @@ import os
 import sys
 
 from kda_patches import current_flags, get_ledger
-from kda_patches.ledger import read_ledger_dir
+from kda_patches.ledger import read_ledger_dir, sum_counters
 
 
 def format_ledger(snapshot: dict) -> str:
@@ -58,20 +58,15 @@ def patch_summaries(snapshot: dict) -> list[str]:
 
 def aggregate_ledgers(snapshots: list[dict]) -> dict:
     """Sum counters over processes and collect each patch's states and effect (judged over all of them)."""
-    counters: dict[str, dict[str, int]] = {}
     states: dict[str, dict[str, int]] = {}
     for snapshot in snapshots:
-        for path, values in snapshot.get("counters", {}).items():
-            total = counters.setdefault(path, {})
-            for key, value in values.items():
-                total[key] = total.get(key, 0) + value
         for name, patch in snapshot.get("patches", {}).items():
             tally = states.setdefault(name, {})
             tally[patch["state"]] = tally.get(patch["state"], 0) + 1
     from kda_patches.effects import judge_effect
 
     effects = {name: judge_effect(name, snapshots) for name in sorted(states)}
-    return {"processes": len(snapshots), "patch_states": states, "counters": counters,
+    return {"processes": len(snapshots), "patch_states": states, "counters": sum_counters(snapshots),
             "effects": {name: {"state": verdict[0], "reason": verdict[1]} for name, verdict in effects.items()
                         if verdict is not None}}
 

@@ -15,7 +15,7 @@ the union tells):
   the runtime refuses where it can tell at the moment (a bypassed call, a separate-mode state layer bound
   without its reservation) and ``regress`` fails the run.
 
-Standard library only.
+Standard library only (and :mod:`kda_patches.ledger`).
 """
 
 from __future__ import annotations
@@ -117,13 +117,10 @@ def judge_effect(patch: str, ledgers: list[dict[str, Any]]) -> tuple[str, str] |
     applied = [ledger for ledger in ledgers if ledger.get("patches", {}).get(patch, {}).get("state") == "applied"]
     if not applied:
         return None
-    counters: dict[str, dict[str, int]] = {}
+    from kda_patches.ledger import sum_counters
+
     facts: dict[str, dict[str, Any]] = {}
     for ledger in ledgers:
-        for section, values in ledger.get("counters", {}).items():
-            bucket = counters.setdefault(section, {})
-            for key, amount in values.items():
-                bucket[key] = bucket.get(key, 0) + int(amount)
         for section, values in ledger.get("facts", {}).items():
             facts.setdefault(section, {}).update(values)
-    return effect.judge(counters, facts)
+    return effect.judge(sum_counters(ledgers), facts)

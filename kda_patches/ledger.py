@@ -157,6 +157,17 @@ def write_ledger_file(snapshot: dict[str, Any], status_dir: str) -> str:
     return final
 
 
+def sum_counters(snapshots: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Return every counter summed over ledger snapshots (or their summaries), by section then key, sorted."""
+    totals: dict[str, dict[str, int]] = {}
+    for snapshot in snapshots:
+        for section, values in snapshot.get("counters", {}).items():
+            bucket = totals.setdefault(section, {})
+            for key, amount in values.items():
+                bucket[key] = bucket.get(key, 0) + int(amount)
+    return {section: dict(sorted(values.items())) for section, values in sorted(totals.items())}
+
+
 def read_ledger_dir(status_dir: str) -> list[dict[str, Any]]:
     """Read every ``ledger-*.json`` in ``status_dir``, ordered by pid."""
     import json

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kda_patches.ledger import read_ledger_dir
+from kda_patches.ledger import read_ledger_dir, sum_counters
 
 
 def summarize_ledger(ledger: dict[str, Any]) -> dict[str, Any]:
@@ -45,13 +45,7 @@ def collect_ledgers(status_dir: str) -> list[dict[str, Any]]:
 
 def total_counters(summaries: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """Return every counter summed over all processes, by path then key."""
-    totals: dict[str, dict[str, int]] = {}
-    for summary in summaries:
-        for path, values in summary["counters"].items():
-            bucket = totals.setdefault(path, {})
-            for key, amount in values.items():
-                bucket[key] = bucket.get(key, 0) + int(amount)
-    return {path: dict(sorted(values.items())) for path, values in sorted(totals.items())}
+    return sum_counters(summaries)
 
 
 def check_expectation(summaries: list[dict[str, Any]], expectation: str) -> tuple[bool, str]:
