@@ -33,6 +33,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl || echo "wheel install failed" | tee -a "$SUMMARY"
 fi
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# the GPU machine has no network: released sources (bench peer, its test) come from a carried release cache
+if [ -d "$ROOT/.release-cache" ]; then export KDA_PATCHES_RELEASE_CACHE="$ROOT/.release-cache"; fi
 
 failures=0
 step() {  # step NAME COMMAND...: run, append to the log, record the status

@@ -17,10 +17,7 @@ A check is only worth its verdicts if it accepts code known to run and rejects c
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,37 +87,15 @@ CANARY = CalibrationKernel("canary:unsigned_compare", None, "unsigned_compare_ca
 
 
 def load_release_kernel(root: pathlib.Path, relative: str, function: str) -> Any:
-    """Import one released file by path and return its ``function`` (a JIT function).
-
-    ``vllm.triton_utils`` is provided as the installed ``triton``/``triton.language`` for the duration of
-    the import (the release's other imports are the standard library and torch).
+    """Import one released file by path (:func:`kda_patches.releases.load.load_released_module`) and return
+    its ``function`` (a JIT function).
 
     Raises:
         FileNotFoundError: the release cache lacks the file.
     """
-    path = root / relative
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is not in the release cache: fetch {RELEASE[0]}=={RELEASE[1]} "
-                                "(kda-patches conformance vllm-ascend==0.30.0rc2)")
-    saved = {name: sys.modules.get(name) for name in ("vllm", "vllm.triton_utils")}
-    shim = types.ModuleType("vllm.triton_utils")
-    shim.tl, shim.triton = tl, triton
-    package = types.ModuleType("vllm")
-    package.triton_utils = shim
-    sys.modules.update({"vllm": package, "vllm.triton_utils": shim})
-    try:
-        name = "kda_calibration_" + relative.replace("/", "_").removesuffix(".py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # the JIT reads the function's source through its module
-        spec.loader.exec_module(module)
-    finally:
-        for module_name, module_value in saved.items():
-            if module_value is None:
-                sys.modules.pop(module_name, None)
-            else:
-                sys.modules[module_name] = module_value
-    return getattr(module, function)
+    from kda_patches.releases.load import load_released_module
+
+    return getattr(load_released_module(root, relative), function)
 
 
 def calibration_kernels(root: pathlib.Path) -> list[tuple[CalibrationKernel, Any]]:

@@ -49,15 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--fallback-variants", type=parse_variants, default=[],
                        help="extra fallback configurations to measure, BYTES[/WARPS][,...]")
     add_gdn_parser(commands)
+    peer = add_gdn_parser(commands, "peer", "the fork's released GDN state-copy kernels (vllm-ascend 0.30 "
+                          "gather_ssm_states / scatter_ssm_states_, from the release cache) beside native and plan")
+    from kda_patches.bench.peer import DEFAULT_RELEASE
+
+    peer.add_argument("--release", default=DEFAULT_RELEASE, help=f"the fork release (default {DEFAULT_RELEASE})")
     commands.add_parser("serve-ab", help="vLLM's own `vllm bench throughput|latency`, KDA_PATCHES=0 vs =1, shuffled "
                         "rounds, patched/baseline ratios (own options: `kda-patches bench serve-ab --help`)")
     return parser
 
 
-def add_gdn_parser(commands: argparse._SubParsersAction) -> None:
-    """Add ``gdn-state-copy`` (:mod:`kda_patches.bench.gdn_state_copy`; defaults are its GDN shapes/cases)."""
-    gdn = commands.add_parser("gdn-state-copy", help="GDN prefill state copy: upstream's native gather/clear/"
-                              "scatter vs the plan's flagged gather + cast-folded scatter (seed 000 method)")
+def add_gdn_parser(commands: argparse._SubParsersAction, name: str = "gdn-state-copy",
+                   description: str = "GDN prefill state copy: upstream's native gather/clear/scatter vs the "
+                                      "plan's flagged gather + cast-folded scatter (seed 000 method)"
+                   ) -> argparse.ArgumentParser:
+    """Add ``gdn-state-copy`` (or ``name`` with the same options: ``peer``) and return its parser
+    (:mod:`kda_patches.bench.gdn_state_copy`; defaults are its GDN shapes/cases)."""
+    gdn = commands.add_parser(name, help=description)
     gdn.add_argument("--output", required=True, help="JSON file to write (must not exist)")
     gdn.add_argument("--seed", type=int, default=0, help="RNG seed of indices, flags and data")
     gdn.add_argument("--trials", type=int, default=30, help="rounds per case (each round shuffles the order)")
@@ -71,6 +79,7 @@ def add_gdn_parser(commands: argparse._SubParsersAction) -> None:
     gdn.add_argument("--gap-items", type=int, default=8192, help="page gap between rows, in items")
     gdn.add_argument("--selected", type=parse_ints, default=[1, 8, 64, 256], help="selected counts")
     gdn.add_argument("--graph-calls", type=int, default=50, help="calls captured per CUDA graph")
+    return gdn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,4 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         from kda_patches.bench.gdn_state_copy import run_gdn_benchmark
 
         return run_gdn_benchmark(args)
+    if args.benchmark == "peer":
+        from kda_patches.bench.peer import run_peer_benchmark
+
+        return run_peer_benchmark(args)
     return 2

@@ -12,19 +12,30 @@ class CompilerEntryCounter:
     """Context manager that counts calls of ``JITFunction.run``, ``InterpretedFunction.run`` and
     ``triton.compile`` (without blocking them).
 
+    Args:
+        foreign: names of kernels that are not the overlay's (a fork's kernels measured beside the plans,
+            which launch through the JIT by design): their JIT entries are counted in :attr:`foreign`,
+            not in :attr:`counts`.
+
     Attributes:
         counts: ``{entry point: calls}`` accumulated over every ``with`` block.
+        foreign: ``{kernel name: JIT entries}`` of the foreign kernels.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, foreign: tuple[str, ...] = ()) -> None:
         self.counts: dict[str, int] = {"JITFunction.run": 0, "InterpretedFunction.run": 0, "triton.compile": 0}
+        self.foreign: dict[str, int] = dict.fromkeys(foreign, 0)
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _wrap(self, owner: Any, attribute: str, key: str) -> None:
         original = getattr(owner, attribute)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.counts[key] += 1
+            name = getattr(getattr(args[0], "fn", None), "__name__", None) if args else None
+            if name in self.foreign:
+                self.foreign[name] += 1
+            else:
+                self.counts[key] += 1
             return original(*args, **kwargs)
 
         self._saved.append((owner, attribute, original))

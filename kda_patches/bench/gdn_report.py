@@ -15,6 +15,8 @@ GDN_TARGETS = {
 }
 SPEEDUP_CASES = (("float32", "float32"), ("bfloat16", "float32"))
 MODES = ("graph", "event", "wall", "enqueue")
+OWN_IMPLS = ("native", "plan", "plan+torch-cast", "copy")  # any other impl is a peer (``bench peer``)
+PEER_LEAD = 1.10  # the plan ahead of a peer by this much somewhere is what would justify an overlay plan there
 
 
 def floor_us(result: dict[str, Any], inner: list[int], cache: str, final: str, selected: int, op: str
@@ -57,6 +59,10 @@ def summarize_gdn(result: dict[str, Any]) -> dict[str, Any]:
         copy = impls.get("copy", {})
         row["plan_graph_over_copy"] = plan["graph"] / copy["graph"] if plan.get("graph") and copy.get("graph") else None
         row["copy_graph_over_floor"] = copy["graph"] / floor if copy.get("graph") and floor else None
+        # peer / plan per mode: > 1 means the plan is faster than that peer
+        row["plan_speedup_vs_peer"] = {name: {mode: values[mode] / plan[mode] for mode in MODES
+                                              if values.get(mode) and plan.get(mode)}
+                                       for name, values in impls.items() if name not in OWN_IMPLS}
         rows.append(row)
         tag = f"{shape}/{cache}:{final}/{selected}"
         if selected >= 64 and op == "pair" and (cache, final) in SPEEDUP_CASES:
@@ -69,7 +75,23 @@ def summarize_gdn(result: dict[str, Any]) -> dict[str, Any]:
             if row["plan_graph_over_copy"] is not None:  # the same bound against torch's copy of those bytes
                 checks[f"scatter_graph_over_contiguous_copy {tag}"] = target_check(
                     row["plan_graph_over_copy"], GDN_TARGETS["scatter_graph_over_floor_max"], "max")
-    return close_summary(result, rows, checks, GDN_TARGETS)
+    summary = close_summary(result, rows, checks, GDN_TARGETS)
+    peers = sorted({name for row in rows for name in row["plan_speedup_vs_peer"]})
+    if peers:
+        summary["peers"] = {name: peer_verdict(rows, name) for name in peers}
+    return summary
+
+
+def peer_verdict(rows: list[dict[str, Any]], peer: str) -> dict[str, Any]:
+    """Return where the plan leads ``peer`` by :data:`PEER_LEAD` or more in graph replay (the operator's question:
+    is an overlay plan worth offering where the fork has its own), and the range of graph-replay ratios."""
+    ratios = [(row, row["plan_speedup_vs_peer"][peer]["graph"]) for row in rows
+              if row["plan_speedup_vs_peer"].get(peer, {}).get("graph")]
+    leads = [f"{row['shape']} {row['dtype']}:{row['final_dtype']} S={row['selected']} {row['op']} {ratio:.2f}x"
+             for row, ratio in ratios if ratio >= PEER_LEAD]
+    values = [ratio for _, ratio in ratios]
+    return {"graph_ratio_min": min(values, default=None), "graph_ratio_max": max(values, default=None),
+            "plan_leads_by_10pct": leads}
 
 
 def _show(value: float | None) -> str:
@@ -96,6 +118,15 @@ def print_gdn_table(result: dict[str, Any]) -> None:
               + (f" | plan+torch-cast graph {_show(extra.get('graph'))}" if extra else "")
               + (f" | contiguous copy graph {_show(copy.get('graph'))} ({row['copy_graph_over_floor']:.2f}x floor;"
                  f" plan {row['plan_graph_over_copy']:.2f}x copy)" if copy and row["plan_graph_over_copy"] else ""))
+    for row in result["summary"]["rows"]:
+        for peer, ratios in row.get("plan_speedup_vs_peer", {}).items():
+            graph = row["impls"][peer].get("graph")
+            print(f"{row['shape']} {row['dtype']}:{row['final_dtype']} S={row['selected']:<4} {row['op']:<7} | "
+                  f"{peer} graph {_show(graph)}, wall {_show(row['impls'][peer].get('wall'))} | plan faster by "
+                  f"{ratios.get('graph', 0):.2f}x graph, {ratios.get('wall', 0):.2f}x wall")
+    for peer, verdict in result["summary"].get("peers", {}).items():
+        print(f"peer {peer}: plan/peer graph-replay speed {verdict['graph_ratio_min']:.2f}-"
+              f"{verdict['graph_ratio_max']:.2f}x; plan ahead by >= 10 % in {len(verdict['plan_leads_by_10pct'])} rows")
     for name, check in result["summary"]["checks"].items():
         value = check["value"]
         shown = f"{value:.3f}" if isinstance(value, float) else value

@@ -140,9 +140,15 @@ def measure_case(impls: dict[str, Any], state: torch.Tensor, final: torch.dtype,
     return timing.measure_rounds(calls, args.trials, args.graph_calls, device, shuffler)
 
 
-def run_gdn_benchmark(args: argparse.Namespace) -> int:
+def run_gdn_benchmark(args: argparse.Namespace, extra_impls: dict[str, Any] | None = None,
+                      extra_fields: dict[str, Any] | None = None) -> int:
     """Run the GDN state-copy benchmark described by ``args`` (see ``kda_patches.bench.cli``).
 
+    Args:
+        args: the parsed options.
+        extra_impls: more ``{name: (gather, scatter)}`` measured beside native and plan (``bench peer``), with
+            the same correctness check first.
+        extra_fields: more top-level fields of the result JSON.
     Returns:
         0 on success, 2 when the output exists or the device cannot run it.
     """
@@ -157,6 +163,7 @@ def run_gdn_benchmark(args: argparse.Namespace) -> int:
         for cache_name, final_name in parse_cases(args.cases):
             state = build_cache(run.device, DTYPES[cache_name], args.rows, inner, args.gap_items)
             impls, binding = build_impls(state, DTYPES[final_name], max(args.selected))
+            impls.update(extra_impls or {})
             plans[f"{shape_name}/{cache_name}:{final_name}"] = binding.plan.describe()
             with run.counter:
                 for selected in args.selected:
@@ -168,4 +175,5 @@ def run_gdn_benchmark(args: argparse.Namespace) -> int:
                                    for (impl, op, mode), values in samples.items())
             del impls, binding, state
             run.release()
-    return run.finish("gdn-state-copy", plans, records, summarize_gdn, plot_gdn, print_gdn_table)
+    return run.finish("gdn-state-copy", plans, records, summarize_gdn, plot_gdn, print_gdn_table,
+                      **(extra_fields or {}))

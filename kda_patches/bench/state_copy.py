@@ -210,7 +210,7 @@ class BenchRun:
         self.generator = torch.Generator().manual_seed(args.seed)
         self.shuffler = random.Random(args.seed)
         self.ceiling = timing.measure_copy_ceiling(device) if device.type == "cuda" else None
-        self.counter = CompilerEntryCounter()
+        self.counter = CompilerEntryCounter(tuple(getattr(args, "foreign_kernels", ())))
 
     @classmethod
     def begin(cls, args: argparse.Namespace) -> BenchRun | None:
@@ -238,6 +238,8 @@ class BenchRun:
         result = {"benchmark": benchmark, **extra, "argv": dict(vars(self.args)), "source_sha256": source_hash(),
                   "versions": collect_versions(self.device), "copy_ceiling": self.ceiling,
                   "compiler_entries_after_seal": self.counter.counts, "plans": plans, "records": records}
+        if self.counter.foreign:
+            result["peer_jit_entries"] = dict(self.counter.foreign)
         result["summary"] = summarize(result)
         plot_path = Path(self.args.plot) if self.args.plot else self.output.with_suffix(".png")
         result["summary"]["plot"] = plot(result, plot_path)
