@@ -32,6 +32,8 @@ SWITCHES: dict[str, str] = {
     ">=0.30) kimi_prefill stands aside; overlay: publish the overlay's sealed plan into the fork's seam "
     "(unverified on NPUs)",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
+    "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
+    "(default ~/.cache/kda-patches/releases); not read at activation",
 }
 
 _BOOLEAN_VALUES = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True,

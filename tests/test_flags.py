@@ -57,3 +57,8 @@ def test_paths_split_on_pathsep_and_flags_are_immutable():
     assert flags == parse_flags({"KDA_PATCHES_PRELOAD": "/a/lib1.so:/b/lib2.so",
                                  "KDA_PATCHES_FORCE_TRITON": "1"}, KNOWN)
     assert isinstance(flags, Flags)
+
+
+def test_the_release_cache_variable_is_a_known_switch():
+    # read by kda_patches.releases.fetch, not at activation: it must not be warned about as unknown
+    assert not parse_flags({"KDA_PATCHES_RELEASE_CACHE": "/tmp/cache"}, known_patches=()).warnings
