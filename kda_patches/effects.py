@@ -53,6 +53,11 @@ class CounterEffect:
             return NOT_IN_EFFECT, f"{seen}" + ", ".join(f"{name} {count}" for name, count in missed.items())
         if acted:
             return IN_EFFECT, f"{seen}" + ", ".join(f"{name} {count}" for name, count in acted.items())
+        # the startup hook says why layers got no plan (e.g. vLLM's CPU backend runs them through its own kernels)
+        unprepared = [fact for fact in facts.get(self.section, {}).values()
+                      if isinstance(fact, dict) and fact.get("decision") == "not-prepared"]
+        if unprepared:
+            return IDLE, f"{seen}{len(unprepared)} layer(s) not prepared: {unprepared[0].get('reason', '?')}"
         return IDLE, f"{seen}{self.idle}"
 
 

@@ -62,3 +62,10 @@ def test_status_shows_applied_but_not_in_effect():
     assert "effect in this process: APPLIED BUT NOT IN EFFECT (calls_seen 2, calls_bypassed 2)" in \
         format_ledger(snapshot)
     assert aggregate_ledgers([snapshot])["effects"]["gdn_state_copy"]["state"] == NOT_IN_EFFECT
+
+
+def test_idle_says_why_when_the_startup_hook_recorded_unprepared_layers():
+    fact = {"decision": "not-prepared", "reason": "cache on the CPU and TRITON_INTERPRET is not 1"}
+    snapshot = ledger("gdn_state_copy", facts={"gdn_state_copy": {"model.layers.0.linear_attn": fact}})
+    state, reason = judge_effect("gdn_state_copy", [snapshot])
+    assert state == IDLE and reason == "1 layer(s) not prepared: cache on the CPU and TRITON_INTERPRET is not 1"
