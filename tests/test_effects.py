@@ -68,4 +68,5 @@ def test_idle_says_why_when_the_startup_hook_recorded_unprepared_layers():
     fact = {"decision": "not-prepared", "reason": "cache on the CPU and TRITON_INTERPRET is not 1"}
     snapshot = ledger("gdn_state_copy", facts={"gdn_state_copy": {"model.layers.0.linear_attn": fact}})
     state, reason = judge_effect("gdn_state_copy", [snapshot])
-    assert state == IDLE and reason == "1 layer(s) not prepared: cache on the CPU and TRITON_INTERPRET is not 1"
+    assert state == IDLE
+    assert reason == "calls_seen 0, 1 layer(s) not prepared: cache on the CPU and TRITON_INTERPRET is not 1"
