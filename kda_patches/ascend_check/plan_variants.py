@@ -151,15 +151,18 @@ def _case(chip: str, plan: str, cache: torch.dtype, rule: int, spec: dict[str, A
                        signature, dict(spec["constexprs"]))
 
 
-def probe_case(chip: str, family: str) -> VariantCase:
+def probe_case(chip: str, family: str, cases: list[VariantCase] | None = None) -> VariantCase:
     """Return the first variant of ``family`` the plans prepare on ``chip``; for a family the chip's plans
     never use (a fused copy on A2/A3, a cast into an FP32 cache on A5), the variant of that family's plan
     class for a Kimi-K3 cache, built the same way.
 
+    Args:
+        chip, family: what to find.
+        cases: ``enumerate_variants((chip,))`` when the caller already has it (enumerated otherwise).
     Raises:
         KeyError: no plan kernel belongs to ``family``.
     """
-    for case in enumerate_variants((chip,)):
+    for case in cases if cases is not None else enumerate_variants((chip,)):
         if case.family == family:
             return case
     target = TARGETS[f"ascend-{chip}"]

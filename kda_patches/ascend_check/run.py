@@ -32,12 +32,6 @@ def _toolchain(chip: str) -> Any:
     return _TOOLCHAINS[chip]
 
 
-def _compile_variant(task: tuple[str, int]) -> dict[str, Any]:
-    chip, index = task
-    case = _variants(chip)[index]
-    return asdict(_toolchain(chip).compile(case.kernel, case.signature, case.constexprs))
-
-
 _VARIANT_CACHE: dict[str, list[Any]] = {}
 
 
@@ -47,6 +41,12 @@ def _variants(chip: str) -> list[Any]:
     if chip not in _VARIANT_CACHE:
         _VARIANT_CACHE[chip] = enumerate_variants((chip,))
     return _VARIANT_CACHE[chip]
+
+
+def _compile_variant(task: tuple[str, int]) -> dict[str, Any]:
+    chip, index = task
+    case = _variants(chip)[index]
+    return asdict(_toolchain(chip).compile(case.kernel, case.signature, case.constexprs))
 
 
 def _compile_probe(task: tuple[str, str, int, str, int | None]) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def probe_kernel(chip: str, family: str, items: int, stream: bool = False,
     """
     from kda_patches.ascend_check.plan_variants import probe_case
 
-    case = probe_case(chip, family)
+    case = probe_case(chip, family, _variants(chip))  # the worker's enumeration, not one per probe
     constexprs = dict(case.constexprs)
     constexprs["BLOCK"] = items
     payload = constexprs["PAYLOAD"]
