@@ -31,6 +31,9 @@ SWITCHES: dict[str, str] = {
     "KDA_PATCHES_KIMI_PLAN": "fork (default): where the fork ships its own Kimi state-copy plan (vllm-ascend "
     ">=0.30) kimi_prefill stands aside; overlay: publish the overlay's sealed plan into the fork's seam "
     "(unverified on NPUs)",
+    "KDA_PATCHES_ROUTING": "rewrite (default): a seam whose released source has exactly the declared copy lines "
+    "runs a twin compiled at apply time that calls the plan directly; alias: every seam routes through the "
+    "routed alias of its cache (tensor subclasses, more host time per call). Read when a seam is wrapped",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
     "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
     "(default ~/.cache/kda-patches/releases); not read at activation",
@@ -41,6 +44,7 @@ _BOOLEAN_VALUES = {"0": False, "1": True, "false": False, "true": True, "no": Fa
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _KV_STATE_MODES = ("auto", "separate")
 _KIMI_PLANS = ("fork", "overlay")
+_ROUTINGS = ("rewrite", "alias")
 
 
 class Flags:
@@ -52,17 +56,17 @@ class Flags:
     """
 
     __slots__ = ("enabled", "disable", "only", "force_triton", "strict", "status_dir", "log_level",
-                 "custom_opp", "preload", "kv_state_mode", "kimi_plan", "role", "warnings")
+                 "custom_opp", "preload", "kv_state_mode", "kimi_plan", "routing", "role", "warnings")
 
     def __init__(self, enabled: bool = True, disable: frozenset[str] = frozenset(),
                  only: frozenset[str] | None = None, force_triton: bool = False, strict: bool = False,
                  status_dir: str | None = None, log_level: str = "WARNING", custom_opp: tuple[str, ...] = (),
                  preload: tuple[str, ...] = (), kv_state_mode: str = "auto", role: str | None = None,
-                 warnings: tuple[str, ...] = (), kimi_plan: str = "fork") -> None:
+                 warnings: tuple[str, ...] = (), kimi_plan: str = "fork", routing: str = "rewrite") -> None:
         values = dict(enabled=enabled, disable=frozenset(disable), only=None if only is None else frozenset(only),
                       force_triton=force_triton, strict=strict, status_dir=status_dir, log_level=log_level,
                       custom_opp=tuple(custom_opp), preload=tuple(preload), kv_state_mode=kv_state_mode,
-                      kimi_plan=kimi_plan, role=role, warnings=tuple(warnings))
+                      kimi_plan=kimi_plan, routing=routing, role=role, warnings=tuple(warnings))
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -98,6 +102,7 @@ class Flags:
             "KDA_PATCHES_PRELOAD": list(self.preload),
             "KDA_PATCHES_KV_STATE_MODE": self.kv_state_mode,
             "KDA_PATCHES_KIMI_PLAN": self.kimi_plan,
+            "KDA_PATCHES_ROUTING": self.routing,
             "KDA_PATCHES_ROLE": self.role,
         }
 
@@ -169,6 +174,10 @@ def parse_flags(environ: Mapping[str, str] | None = None,
     if kimi_plan not in _KIMI_PLANS:
         raise ValueError(f"KDA_PATCHES_KIMI_PLAN={env.get('KDA_PATCHES_KIMI_PLAN')!r} is not a choice; "
                          f"use one of {', '.join(_KIMI_PLANS)}")
+    routing = (env.get("KDA_PATCHES_ROUTING") or "rewrite").strip().lower()
+    if routing not in _ROUTINGS:
+        raise ValueError(f"KDA_PATCHES_ROUTING={env.get('KDA_PATCHES_ROUTING')!r} is not a mechanism; "
+                         f"use one of {', '.join(_ROUTINGS)}")
 
     flags = Flags(
         enabled=parse_boolean("KDA_PATCHES", env.get("KDA_PATCHES"), True),
@@ -182,6 +191,7 @@ def parse_flags(environ: Mapping[str, str] | None = None,
         preload=_split_paths(env.get("KDA_PATCHES_PRELOAD")),
         kv_state_mode=kv_state_mode,
         kimi_plan=kimi_plan,
+        routing=routing,
         role=env.get("KDA_PATCHES_ROLE") or None,
         warnings=tuple(warnings),
     )

@@ -81,6 +81,17 @@ class Ledger:
         if self.status_dir and time.monotonic() - self._last_flush > _FLUSH_INTERVAL_S:
             self.flush()
 
+    def count_each(self, path: str, keys: tuple[str, ...]) -> None:
+        """Add 1 to each counter in ``keys`` of ``path`` (one routed call's counters at once)."""
+        counters = self._counters.get(path)
+        if counters is None:
+            counters = self._counters.setdefault(path, {})
+        for key in keys:
+            counters[key] = counters.get(key, 0) + 1
+        self._dirty = True
+        if self.status_dir and time.monotonic() - self._last_flush > _FLUSH_INTERVAL_S:
+            self.flush()
+
     def set_fact(self, section: str, key: str, value: Any) -> None:
         """Record a JSON-serialisable fact under ``section`` (bootstrap steps, plan kinds, ...)."""
         with self._lock:

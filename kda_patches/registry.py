@@ -444,6 +444,9 @@ def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
         _report(patch, key, target.stack, "failed", reason, strict)
         return "failed"
     _applied[(patch.name, key)] = _Applied(target, parent, attribute, raw, wrapper_object, aliases)
+    on_apply = getattr(target.wrapper, "on_apply", None)
+    if on_apply is not None:  # a wrapper that prepares per wrapped function (a seam's rewritten twin)
+        on_apply(key, raw)
     if aliases:
         get_ledger().set_fact(ALIASES_SECTION, f"{patch.name} {key}", [repr(alias) for alias in aliases])
     get_ledger().record_target(patch.name, key, "applied",
@@ -547,6 +550,9 @@ def revert_patch(patch: Patch) -> int:
             if applied is None:
                 continue
             outcome = _restore(applied)
+            on_revert = getattr(applied.target.wrapper, "on_revert", None)
+            if on_revert is not None:
+                on_revert(key, applied.original)
             if outcome == "lost":
                 _logger().warning("kda_patches: reverting patch %r: %s no longer leads to its wrapper (replaced "
                                   "by someone else); left as it is", patch.name, key)

@@ -59,11 +59,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 @pytest.fixture
 def strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the test as under ``KDA_PATCHES_STRICT=1`` (bypassed calls raise)."""
+    """Run the test as under ``KDA_PATCHES_STRICT=1`` (bypassed calls raise); the routing mechanism is kept."""
     import kda_patches
     from kda_patches.flags import Flags
 
-    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True))
+    current = kda_patches._FLAGS
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True, routing=current.routing if current else "rewrite"))
 
 
 @pytest.fixture
@@ -72,4 +73,5 @@ def lenient(monkeypatch: pytest.MonkeyPatch) -> None:
     import kda_patches
     from kda_patches.flags import Flags
 
-    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=False))
+    current = kda_patches._FLAGS
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=False, routing=current.routing if current else "rewrite"))

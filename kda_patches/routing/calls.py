@@ -263,6 +263,6 @@ def route_final(wrapped: Any, args: tuple, kwargs: dict) -> Any:
     """Inside a routed call whose seam declares ``FinalFrom(function=...)``, tag the chunk callable's final state."""
     result = wrapped(*args, **kwargs)
     route = getattr(active_call, "route", None)
-    if route is None or route.seam.final is None or route.seam.final.function is None:
-        return result
+    if type(route) is not CallRoute or route.seam.final is None or route.seam.final.function is None:
+        return result  # no alias route (a rewritten seam folds its cast from its source)
     return tag_final(result, route.seam.final.index, route)

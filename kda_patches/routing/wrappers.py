@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 _calls: Any = None
+_direct: Any = None
 
 
 def _load_calls() -> Any:
@@ -29,21 +30,49 @@ def _load_calls() -> Any:
     return calls
 
 
+def _load_direct() -> Any:
+    global _direct
+    from kda_patches.routing import direct  # deferred: imports torch
+
+    _direct = direct
+    return direct
+
+
 class SeamWrapper:
     """wrapt wrapper of a seam function: routes its state copy as its :class:`Seam` declares.
 
-    The worker startup hook recognises a seam layer by this wrapper type on its class's method.
+    When the registry wraps a function it calls :meth:`on_apply`, which compiles the function's rewritten
+    twin (:mod:`kda_patches.routing.rewrite`); calls of a function with a twin run the twin with a direct
+    route (:mod:`kda_patches.routing.direct`), any other call routes through the alias
+    (:mod:`kda_patches.routing.calls`). The worker startup hook recognises a seam layer by this wrapper
+    type on its class's method.
     """
 
-    __slots__ = ("seam",)
+    __slots__ = ("rewrites", "seam")
 
     def __init__(self, seam: Seam) -> None:
         self.seam = seam
+        self.rewrites: dict[Any, Any] = {}  # original function -> its rewritten twin
 
     def __repr__(self) -> str:
         return f"SeamWrapper({self.seam.name!r})"
 
+    def on_apply(self, key: str, original: Any) -> str:
+        """Prepare the twin of ``original`` (just wrapped as ``key``); return the mechanism its calls use."""
+        from kda_patches.routing.rewrite import prepare_rewrite  # deferred: ast/inspect, only when wrapping
+
+        return prepare_rewrite(self.rewrites, self.seam, key, original)
+
+    def on_revert(self, key: str, original: Any) -> None:
+        """Forget the twin of ``original`` (its wrapper was removed)."""
+        self.rewrites.pop(original, None)
+
     def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if self.rewrites:
+            # a bound method, or (a call through the class) wrapt's partial proxy binding the instance
+            twin = self.rewrites.get(getattr(wrapped, "__func__", None) or getattr(wrapped, "__wrapped__", None))
+            if twin is not None:
+                return (_direct or _load_direct()).route_direct(self.seam, twin, wrapped, instance, args, kwargs)
         return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs)
 
 

@@ -5,7 +5,9 @@ Two parts, both timed with ``perf_counter`` loops (best of 5 x 2000), no profile
 1. primitives on CUDA tensors: ``as_subclass``, an attribute on a tensor, retyping in place, ``empty_like``,
    device and shape comparisons, ``~flags``, a ledger count, a ``CallRoute``;
 2. the routed call of the routing suite's Qwen-shaped dummy layer (``tests/routing``), with a plan stand-in
-   that only allocates (so the step costs are the routing core's), split into its steps by wrapping each.
+   that only allocates (so the step costs are the routing core's), under each routing mechanism, split into
+   its steps by wrapping each, and its bookkeeping: the routed call minus the same body with the plan's calls
+   written in (:func:`routed_steps`).
 
 Usage: ``python scripts/gpu/route_host_costs.py --out DIR`` (writes ``DIR/route_host_costs.json``; runs on
 the CPU too, then part 1 uses CPU tensors).
@@ -97,8 +99,15 @@ def install_forward_context_stand_in() -> None:
     sys.modules["vllm.forward_context"] = module
 
 
-def routed_steps(torch: Any, calls: int = 20000) -> dict[str, float]:
-    """Per-step microseconds of the dummy Qwen-shaped layer's routed call (the plan only allocates)."""
+def routed_steps(torch: Any, calls: int = 20000) -> dict[str, Any]:
+    """Per-call microseconds of the dummy Qwen-shaped layer's routed call (the plan only allocates).
+
+    For each mechanism (``rewrite``: the twin compiled at apply time; ``alias``: the routed alias), the routed
+    call untimed, then split into its steps by wrapping each. ``ideal`` is the same body written by hand with
+    the plan's ``gather`` / ``scatter`` in place of the copy lines (what a fork calling the plan itself would
+    run); ``bookkeeping`` is a mechanism's routed call minus ``ideal``: everything routing adds around the
+    plan's own work. ``unpatched`` is the body as the fork wrote it (torch indexing; for reference).
+    """
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the dummy runner prepares a real plan on CPU tensors
     sys.path[:0] = [str(ROOT / "tests" / "routing"), str(ROOT / "tests")]
     install_forward_context_stand_in()
@@ -106,8 +115,10 @@ def routed_steps(torch: Any, calls: int = 20000) -> dict[str, float]:
     from test_routing_folded_cast import record
     from vllm.forward_context import ForwardContext, override_forward_context
 
+    import kda_patches
+    from kda_patches.flags import Flags
     from kda_patches.registry import register_patch, revert_patch
-    from kda_patches.routing import alias
+    from kda_patches.routing import alias, direct
     from kda_patches.routing import calls as calls_module
     from kda_patches.routing.proof import PLAN_ATTRIBUTE
 
@@ -120,9 +131,43 @@ def routed_steps(torch: Any, calls: int = 20000) -> dict[str, float]:
         def scatter(self, state: Any, packed: Any, indices: Any) -> None:
             return None
 
+    plan = AllocatingPlan()
+    module = importlib.import_module("routing_dummies")
+    layer = module.AttributeChunkLayer("model.layers.0.attn")
+    runner = module.Runner({layer.prefix: layer}, max_num_seqs=8, dtype=torch.bfloat16)
+    runner.initialize_kv_cache(None)
+    layer.chunk_gated_delta_rule = lambda initial: (initial.new_zeros(initial.shape[0]), initial.float())
+    indices, flags = batch(24, 5, torch.int32, 0)
+    metadata = module.Metadata(num_prefills=1, num_decodes=0, prefill_state_indices=indices,
+                               prefill_has_initial_state=flags, non_spec_state_indices_tensor=indices,
+                               has_initial_state=flags)
+    out = torch.zeros(5)
+    context = ForwardContext(no_compile_layers={layer.prefix: layer}, attn_metadata={layer.prefix: metadata},
+                             slot_mapping={})
+
+    def ideal(self: Any, mixed_qkv: Any, b: Any, a: Any, core_attn_out: Any) -> None:
+        m = module._metadata(self)
+        ssm_state = self.kv_cache[1]
+        prefill_state_indices = m.prefill_state_indices
+        initial_state = plan.gather(ssm_state, prefill_state_indices, m.prefill_has_initial_state)
+        core, last_recurrent_state = self.chunk_gated_delta_rule(initial_state)
+        plan.scatter(ssm_state, last_recurrent_state, prefill_state_indices)
+        core_attn_out.copy_(core)
+
+    def loop(function: Any, count: int) -> float:
+        with override_forward_context(context):
+            start = time.perf_counter()
+            for _ in range(count):
+                function(layer, None, None, None, out)
+            return (time.perf_counter() - start) / count * 1e6
+
+    def best(function: Any) -> float:
+        loop(function, 500)
+        return min(loop(function, calls) for _ in range(3))
+
     spent: dict[str, int] = {}
 
-    def timed(owner: Any, name: str) -> None:
+    def timed(owner: Any, name: str) -> Any:
         original = getattr(owner, name)
         label = f"{getattr(owner, '__name__', owner)}.{name}".replace("kda_patches.routing.", "")
 
@@ -133,48 +178,58 @@ def routed_steps(torch: Any, calls: int = 20000) -> dict[str, float]:
             finally:
                 spent[label] = spent.get(label, 0) + time.perf_counter_ns() - start
         setattr(owner, name, wrapper)
+        return owner, name, original
 
-    patch = record("route_host_costs", "AttributeChunkLayer")
-    register_patch(patch)
-    try:
-        module = importlib.import_module("routing_dummies")
-        layer = module.AttributeChunkLayer("model.layers.0.attn")
-        runner = module.Runner({layer.prefix: layer}, max_num_seqs=8, dtype=torch.bfloat16)
-        runner.initialize_kv_cache(None)
-        setattr(layer, PLAN_ATTRIBUTE, AllocatingPlan())
-        layer.chunk_gated_delta_rule = lambda initial: (initial.new_zeros(initial.shape[0]), initial.float())
-        indices, flags = batch(24, 5, torch.int32, 0)
-        metadata = module.Metadata(num_prefills=1, num_decodes=0, prefill_state_indices=indices,
-                                   prefill_has_initial_state=flags, non_spec_state_indices_tensor=indices,
-                                   has_initial_state=flags)
-        out = torch.zeros(5)
-        context = ForwardContext(no_compile_layers={layer.prefix: layer}, attn_metadata={layer.prefix: metadata},
-                                 slot_mapping={})
+    steps = {
+        "alias": ((alias.RoutedCache, "__getitem__"), (alias.RoutedCache, "__setitem__"),
+                  (alias.RoutedFlags, "__invert__"), (alias.PackedStates, "__setitem__"), (alias.FinalStates, "to"),
+                  (calls_module.FinalTagger, "__call__"), (calls_module, "settle_route"),
+                  (calls_module, "make_alias"), (calls_module, "make_flags_alias"),
+                  (calls_module, "shadow_attribute"), (calls_module, "prefill_metadata"),
+                  (calls_module, "breakable_capture_active"), (calls_module, "CallRoute"),
+                  (calls_module, "route_call")),
+        "rewrite": ((direct.DirectRoute, "gather"), (direct.DirectRoute, "scatter_cast"),
+                    (direct, "DirectRoute"), (direct, "read_cache"), (direct, "require_plan"),
+                    (calls_module, "prefill_metadata"), (calls_module, "breakable_capture_active"),
+                    (direct, "route_direct"))}
+    unpatched = best(module.AttributeChunkLayer._forward_core)
+    ideal_us = best(ideal)
+    result: dict[str, Any] = {"unpatched (torch indexing) (us)": round(unpatched, 3),
+                              "ideal (plan calls written in) (us)": round(ideal_us, 3)}
+    saved_flags = kda_patches._FLAGS
+    for mechanism, owners in steps.items():
+        kda_patches._FLAGS = Flags(routing=mechanism)
+        patch = record(f"route_host_costs_{mechanism}", "AttributeChunkLayer")
+        register_patch(patch)  # the dummies are imported: the target is wrapped (and rewritten) now
+        try:
+            setattr(layer, PLAN_ATTRIBUTE, plan)
+            seam_call = module.AttributeChunkLayer._forward_core
+            loop(seam_call, 500)
+            pairs = [(loop(ideal, calls // 4), loop(seam_call, calls // 4)) for _ in range(8)]  # interleaved
+            ideal_here = min(pair[0] for pair in pairs)
+            untimed = min(pair[1] for pair in pairs)
+            undo = [timed(owner, name) for owner, name in owners]
+            try:
+                loop(seam_call, 500)
+                spent.clear()
+                loop(seam_call, calls)
+            finally:
+                for owner, name, original in reversed(undo):
+                    setattr(owner, name, original)
+        finally:
+            revert_patch(patch)
+            kda_patches._FLAGS = saved_flags
+        from kda_patches.ledger import get_ledger
 
-        def run(count: int) -> float:
-            with override_forward_context(context):
-                start = time.perf_counter()
-                for _ in range(count):
-                    layer._forward_core(None, None, None, out)
-                return (time.perf_counter() - start) / count * 1e6
-
-        run(500)
-        untimed = min(run(calls) for _ in range(3))
-        for owner, name in ((alias.RoutedCache, "__getitem__"), (alias.RoutedCache, "__setitem__"),
-                            (alias.RoutedFlags, "__invert__"), (alias.PackedStates, "__setitem__"),
-                            (alias.FinalStates, "to"), (calls_module.FinalTagger, "__call__"),
-                            (calls_module, "settle_route"), (calls_module, "make_alias"),
-                            (calls_module, "make_flags_alias"), (calls_module, "shadow_attribute"),
-                            (calls_module, "prefill_metadata"), (calls_module, "breakable_capture_active"),
-                            (calls_module, "CallRoute"), (calls_module, "route_call")):
-            timed(owner, name)
-        run(500)
-        spent.clear()
-        run(calls)
-    finally:
-        revert_patch(patch)
-    steps = {label: round(total / calls / 1000, 3) for label, total in sorted(spent.items(), key=lambda kv: -kv[1])}
-    return {"routed call, untimed (us)": round(untimed, 3), **steps}
+        facts = get_ledger().snapshot().get("facts", {}).get("gdn_state_copy", {})
+        result[mechanism] = {
+            "routing fact": facts.get("routing routing_dummies:AttributeChunkLayer._forward_core"),
+            "routed call, untimed (us)": round(untimed, 3),
+            "ideal, interleaved with it (us)": round(ideal_here, 3),
+            "bookkeeping = routed - ideal (us)": round(untimed - ideal_here, 3),
+            "steps (us, timer overhead included)": {
+                label: round(total / calls / 1000, 3) for label, total in sorted(spent.items(), key=lambda kv: -kv[1])}}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,7 @@ def test_every_seam_kind_is_routed_and_exact(load_dummies, strict, cls, dtype, i
     assert getattr(layer, PLAN_ATTRIBUTE) is not None
 
 
+@pytest.mark.alias_mechanism
 def test_the_native_clear_is_elided_only_for_the_calls_own_flags(load_dummies, strict, monkeypatch):
     """``initial[~flags, ...] = 0`` reaches the packed tensor's ``__setitem__`` with the tagged ``~flags``: elided."""
     module = load_dummies(record("routing_native", ("NativeClearLayer",)))

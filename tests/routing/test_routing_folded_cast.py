@@ -71,6 +71,7 @@ def test_an_fp32_cache_has_nothing_to_fold(load_dummies, strict):
     assert delta.get("calls_routed") == 3 and not delta.get("casts_folded"), delta
 
 
+@pytest.mark.alias_mechanism
 def test_a_cast_used_before_the_scatter_is_computed_by_torch(load_dummies, strict):
     baseline, patched, delta = run_ab(load_dummies, "CastReuseLayer", torch.bfloat16, torch.int64)
     assert torch.equal(baseline[1], patched[1])

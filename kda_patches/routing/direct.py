@@ -1,0 +1,218 @@
+"""The route a rewritten seam function calls directly: the plan's copies with the per-call proof, no aliases.
+
+A seam function rewritten at apply time (:mod:`kda_patches.routing.rewrite`) calls its
+:class:`DirectRoute` where the fork gathered, cleared and scattered. Per call the route holds the plan and
+the cache and counts what it copied; :func:`route_direct` runs the twin and settles the call with the same
+proof as the alias route (:func:`~kda_patches.routing.proof.settle_route`: exactly one gather and one scatter
+through the plan, or ``calls_bypassed`` with the reason, raised under STRICT).
+
+Every method checks at run time what the source cannot promise: that the tensor under the cache's name *is*
+the layer's cache (the object the plan was prepared for), that the index is a 1-D int32/int64 vector, that
+the flags can be folded (the conditions of :func:`~kda_patches.routing.alias.foldable_flags`), and that a
+folded cast's source is a dtype the plan prepared. Whatever fails a check runs exactly as the fork wrote it
+(torch indexing, the fork's clear, ``.to()``) and, for a copy, is left uncounted, so the call is reported
+bypassed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kda_patches.ledger import get_ledger
+from kda_patches.routing.alias import is_index_vector
+from kda_patches.routing.calls import active_call, breakable_capture_active, prefill_metadata
+from kda_patches.routing.proof import PLAN_ATTRIBUTE, layer_name_of, report_bypass, require_plan
+from kda_patches.routing.seams import KVCacheSlot, Seam
+
+_getitem = torch.Tensor.__getitem__
+_setitem = torch.Tensor.__setitem__
+
+
+class DirectRoute:
+    """One rewritten call's plan, cache and tallies (same counters as :class:`~kda_patches.routing.alias.CallRoute`).
+
+    Attributes:
+        seam, layer, plan, state: the declaration, the layer, its published plan, its cache tensor.
+        gathers / scatters: copies that went through the plan.
+        folded / elided: gathers that took the clear's flags (the clear was removed from the source, so each
+            fold is also an elision).
+        casts_folded: scatters that cast inside the plan's copy.
+        native_clears: clears run as written because the flags could not be folded.
+        proxy: always None (no alias exists; the module-level gather wrapper then leaves calls alone).
+    """
+
+    __slots__ = ("casts_folded", "elided", "folded", "gathers", "layer", "native_clears", "plan", "scatters", "seam",
+                 "state")
+    proxy = None
+    open = True  # only ever seen while its call runs (the module-level wrappers check it)
+
+    def __init__(self, seam: Seam, layer: Any, plan: Any, state: torch.Tensor) -> None:
+        self.seam = seam
+        self.layer = layer
+        self.plan = plan
+        self.state = state
+        self.gathers = self.scatters = self.folded = self.elided = self.casts_folded = self.native_clears = 0
+
+    @property
+    def layer_name(self) -> str:
+        return layer_name_of(self.layer)
+
+    def gather(self, state: torch.Tensor, indices: Any, flags: Any, clear: Any = None) -> torch.Tensor:
+        """``state[indices]`` and the removed clear: ``[~flags, ...] = 0``, or ``clear(packed, flags)`` if given.
+
+        Args:
+            state, indices: the cache and the index as the fork's gather line names them.
+            flags: the removed clear's flags, or None (no clear was removed).
+            clear: the fork's clear function as its own call would have found it (a function clear), or None.
+        """
+        if state is not self.state or not is_index_vector(indices):
+            packed = _getitem(state, indices)  # not the prepared cache, or not an index vector: as written
+            if flags is not None:
+                self.run_clear(packed, flags, clear)
+            return packed
+        self.gathers += 1
+        if (flags is not None and isinstance(flags, torch.Tensor) and flags.dtype is torch.bool
+                and flags.dim() == 1 and flags.shape == indices.shape and flags.device == state.device):
+            self.folded += 1
+            self.elided += 1
+            return self.plan.gather(state, indices, flags)
+        packed = self.plan.gather(state, indices, None)
+        if flags is not None:
+            self.run_clear(packed, flags, clear)
+        return packed
+
+    def run_clear(self, packed: torch.Tensor, flags: Any, clear: Any) -> None:
+        """Run the fork's clear as written (the flags could not be folded)."""
+        self.native_clears += 1
+        if clear is not None:
+            clear(packed, flags)
+        else:
+            _setitem(packed, (~flags, Ellipsis), 0)
+
+    def gather_function(self, function: Any, state: torch.Tensor, indices: Any, flags: Any) -> torch.Tensor:
+        """``function(state, indices, flags)`` (the fork's ``gather_initial_states``) through the plan."""
+        if state is not self.state:
+            return function(state, indices, flags)
+        self.gathers += 1
+        return self.plan.gather(state, indices, flags)
+
+    def scatter(self, state: torch.Tensor, indices: Any, value: Any) -> None:
+        """``state[indices] = value`` through the plan when ``value`` already has the cache's dtype."""
+        if (state is self.state and is_index_vector(indices) and isinstance(value, torch.Tensor)
+                and value.dtype is state.dtype):
+            self.plan.scatter(state, value, indices)
+            self.scatters += 1
+            return
+        # another dtype makes torch's own index_put raise (Kimi Linear scatters its final state uncast): the
+        # plan would cast and succeed, so the call would behave differently patched
+        _setitem(state, indices, value)
+
+    def scatter_cast(self, state: torch.Tensor, indices: Any, final: Any) -> None:
+        """``state[indices] = final.to(state.dtype)`` with the cast inside the plan's copy where it prepared one."""
+        if (state is self.state and is_index_vector(indices) and isinstance(final, torch.Tensor)
+                and final.device == state.device and final.dtype is not state.dtype
+                and final.dtype in getattr(self.plan, "final_dtypes", ())):
+            self.plan.scatter(state, final, indices)
+            self.scatters += 1
+            self.casts_folded += 1
+            return
+        self.scatter(state, indices, final.to(state.dtype))
+
+    def elide_clear(self, states: Any, flags: Any) -> bool:
+        """A module-level clear reached inside this call is never a folded one (those were removed)."""
+        return False
+
+    def problem(self) -> str | None:
+        """Return why this call does not count as routed, or None when it does."""
+        if self.gathers != 1 or self.scatters != 1:
+            return (f"routed {self.gathers} gather(s) and {self.scatters} scatter(s) of the recurrent-state "
+                    "cache through the rewritten seam, expected exactly 1 and 1: the call copied states another "
+                    "way (another tensor under the cache's name, a non-vector index, or a branch without the copy)")
+        return None
+
+
+def read_cache(seam: Seam, layer: Any, args: tuple, kwargs: dict) -> Any:
+    """Return the declared cache (``layer.kv_cache[slot]`` or the declared argument), or None."""
+    where = seam.state
+    if type(where) is KVCacheSlot:
+        cache = layer.__dict__.get("kv_cache")
+        if cache is None:
+            cache = getattr(layer, "kv_cache", None)
+        slot = where.slot
+        return cache[slot] if isinstance(cache, (tuple, list)) and len(cache) > slot else None
+    return args[where.position] if len(args) > where.position else kwargs.get(where.name)
+
+
+def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Run one call of a rewritten seam function: the twin with this call's :class:`DirectRoute`.
+
+    The prefill gate is read only when it decides something: before the call when the layer has no plan
+    (a prefill call is refused before any of it runs, a decode call runs as written) or the call cannot be
+    routed (no 4-D cache, breakable CUDA-graph capture), and after a call that copied nothing through the
+    plan (decode-only: uncounted; a prefill: bypassed). A call that routed exactly one gather and one
+    scatter copied its states in the prefill branch, which is the gate's answer already.
+
+    Args:
+        seam: the declaration.
+        twin: the rewritten function (``twin(route, instance, *args, **kwargs)``).
+        wrapped: the original bound function (nested, unpublished and unroutable calls run it as they are).
+        instance: the layer.
+        args, kwargs: the call's arguments (``self`` excluded).
+    Returns:
+        The original's return value.
+    Raises:
+        PlanNotPublished: a prefill call of a layer with no published plan.
+        StateCopyBypassed: under STRICT, when a prefill call did not route exactly one gather and one scatter.
+    """
+    active = active_call
+    if getattr(active, "route", None) is not None:  # a nested seam call: the outer call routes
+        return wrapped(*args, **kwargs)
+    plan = getattr(instance, PLAN_ATTRIBUTE, None)
+    state = read_cache(seam, instance, args, kwargs) if plan is not None else None
+    if plan is None or not isinstance(state, torch.Tensor) or state.dim() != 4 or (
+            seam.prefill_gated and breakable_capture_active()):
+        return run_unroutable(seam, wrapped, instance, args, kwargs, state)
+    route = DirectRoute(seam, instance, plan, state)
+    active.route = route
+    try:
+        result = twin(route, instance, *args, **kwargs)
+    except BaseException:
+        active.route = None
+        if route.gathers or route.scatters or not seam.prefill_gated or prefill_metadata(instance) is not None:
+            get_ledger().count_each(seam.section, ("calls_seen", "calls_failed"))
+        raise
+    active.route = None
+    if route.gathers == 1 and route.scatters == 1:
+        get_ledger().count_each(seam.section, _ROUTED_FOLDED if route.casts_folded else _ROUTED)
+        return result
+    if not (route.gathers or route.scatters) and seam.prefill_gated and prefill_metadata(instance) is None:
+        return result  # decode-only, speculative-only or no forward context: the copy lines did not run
+    get_ledger().count(seam.section, "calls_seen")
+    report_bypass(seam.section, route.layer_name, route.problem() or "unknown")
+    return result
+
+
+_ROUTED = ("calls_seen", "calls_routed")
+_ROUTED_FOLDED = ("calls_seen", "calls_routed", "casts_folded")
+
+
+def run_unroutable(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dict, state: Any) -> Any:
+    """A call with no plan, no 4-D cache or under breakable capture: refuse or report a prefill, run the rest.
+
+    Raises:
+        PlanNotPublished: a prefill call (or any call of a seam that is not prefill-gated) without a plan.
+    """
+    if seam.prefill_gated and prefill_metadata(instance) is None:
+        return wrapped(*args, **kwargs)  # decode-only, speculative-only or no forward context: untouched
+    section = seam.section
+    get_ledger().count(section, "calls_seen")
+    require_plan(instance, section)
+    if not isinstance(state, torch.Tensor) or state.dim() != 4:
+        report_bypass(section, layer_name_of(instance), f"the declared state {seam.state!r} is not a "
+                      "[N, H, V, K] tensor")
+    else:
+        report_bypass(section, layer_name_of(instance), "breakable CUDA-graph capture replays the unwrapped "
+                      f"function (VLLM_USE_BREAKABLE_CUDAGRAPH=1 is not supported by {section})")
+    return wrapped(*args, **kwargs)

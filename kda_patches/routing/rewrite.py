@@ -1,0 +1,382 @@
+"""Rewrite a seam's released function once, at apply time, so its state copy calls the plan directly.
+
+The routed alias (:mod:`kda_patches.routing.alias`) finds the fork's gather, clear, scatter and cast at run
+time through tensor subclasses, and pays for that in every call (~20 µs of host time on a GPU host). The
+copy lines of a released seam are known statically: ``kda-patches conformance`` already checks their
+shapes. This module reads the function's source, finds exactly those lines, and compiles a twin of the
+function in which they call the call's :class:`~kda_patches.routing.direct.DirectRoute` instead:
+
+- the **gather** ``X = S[I]`` -- optionally followed by row-preserving ``.contiguous()`` /
+  ``.transpose(-1, -2)`` -- becomes ``X = _kda_route.gather(S, I, F)``; with a declared gather function,
+  ``X = G(S, I, F)`` becomes ``X = _kda_route.gather_function(G, S, I, F)``;
+- the **clear** that directly follows a subscript gather is removed and its flags ``F`` go to the gather,
+  only when it is exactly ``X[~F, ...] = 0`` / ``X[~F] = 0`` (native) or ``clear_function(X, F)``, and ``F``
+  does not read ``X``; when the flags cannot be folded at run time the route runs that clear as written
+  (the function clear through the name the fork's call would have looked up);
+- the **scatter** ``S[J] = V`` becomes ``_kda_route.scatter(S, J, V)``, or, where the seam declares its
+  final state (``Seam.final``, the seams whose alias folds the cast) and ``V`` is ``E.to(S.dtype)`` of a
+  plain name ``E``, ``_kda_route.scatter_cast(S, J, E)`` (the plan casts inside its copy). A cast of an
+  expression (vllm-ascend's ``last.transpose(-1, -2).contiguous().to(...)``) or to any other dtype stays
+  as written.
+
+The twin has the original's globals (the module's live namespace), defaults, name and line numbers, plus one
+positional-only first parameter ``_kda_route``: ``twin(route, self, *args, **kwargs)``. A function this
+module cannot rewrite exactly -- no source, a closure (``super()``), a decorator that returned another
+object, a name-mangled identifier, a clear that is not the folded form, another index read or write of the
+cache -- is refused with the reason; the seam then routes through the alias, and the ledger fact
+``routing <target>`` of the seam's section says which mechanism each seam runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import types
+from typing import Any
+
+from kda_patches.routing.seams import CLEAR_FUNCTION, CLEAR_NATIVE, CLEAR_NONE, Argument, Seam
+
+ROUTE_PARAMETER = "_kda_route"
+_ROW_PRESERVING = ("contiguous", "transpose")
+_FUTURE_FLAGS = 0
+for _feature in ("annotations", "division", "generator_stop"):
+    import __future__
+
+    _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
+
+
+class RewriteRefused(Exception):
+    """The function's source is not exactly the declared seam; the message says what differs."""
+
+
+class Rewritten:
+    """A seam function's rewritten twin and what was replaced.
+
+    Attributes:
+        function: the twin (takes the call's route first, then the original's arguments).
+        replaced: ``"line N: <kind>"`` per rewritten statement (ledger, doctor).
+    """
+
+    __slots__ = ("function", "replaced")
+
+    def __init__(self, function: types.FunctionType, replaced: list[str]) -> None:
+        self.function = function
+        self.replaced = replaced
+
+
+def _route_call(method: str, *args: ast.expr) -> ast.Call:
+    return ast.Call(func=ast.Attribute(value=ast.Name(id=ROUTE_PARAMETER, ctx=ast.Load()), attr=method,
+                                       ctx=ast.Load()), args=list(args), keywords=[])
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    return {child.id for child in ast.walk(node) if isinstance(child, ast.Name)}
+
+
+def _single_index(node: ast.Subscript) -> ast.expr | None:
+    """The index expression of ``S[I]`` when it is one plain expression (not a slice or a tuple)."""
+    index = node.slice
+    return None if isinstance(index, (ast.Slice, ast.Tuple, ast.Starred)) else index
+
+
+def _unwrap_row_preserving(value: ast.expr) -> tuple[ast.expr, list[ast.Call]]:
+    """Peel ``.contiguous()`` / ``.transpose(-1, -2)`` calls off ``value``; return the core and the chain."""
+    chain = []
+    while (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and not value.keywords
+           and value.func.attr in _ROW_PRESERVING):
+        if value.func.attr == "contiguous" and value.args:
+            break
+        if value.func.attr == "transpose" and not _swaps_last_two(value.args):
+            break
+        chain.append(value)
+        value = value.func.value
+    return value, chain
+
+
+def _swaps_last_two(args: list[ast.expr]) -> bool:
+    values = []
+    for arg in args:
+        if not (isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub) and isinstance(arg.operand, ast.Constant)
+                and type(arg.operand.value) is int):
+            return False
+        values.append(-arg.operand.value)
+    return sorted(values) == [-2, -1]
+
+
+def _is_zero(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float) and node.value == 0
+
+
+def _native_clear_flags(statement: ast.stmt, packed: str) -> ast.expr | None:
+    """``F`` when ``statement`` is ``packed[~F, ...] = 0`` or ``packed[~F] = 0``, else None."""
+    if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1 and _is_zero(statement.value)):
+        return None
+    target = statement.targets[0]
+    if not (isinstance(target, ast.Subscript) and _is_name(target.value, packed)):
+        return None
+    key = target.slice
+    if isinstance(key, ast.Tuple):
+        if len(key.elts) != 2 or not (isinstance(key.elts[1], ast.Constant) and key.elts[1].value is Ellipsis):
+            return None
+        key = key.elts[0]
+    if isinstance(key, ast.UnaryOp) and isinstance(key.op, ast.Invert):
+        return key.operand
+    return None
+
+
+def _function_clear_flags(statement: ast.stmt, packed: str, clear_function: str) -> ast.expr | None:
+    """``F`` when ``statement`` is ``clear_function(packed, F)``, else None."""
+    if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)):
+        return None
+    call = statement.value
+    if not (_is_name(call.func, clear_function) and len(call.args) == 2 and not call.keywords
+            and _is_name(call.args[0], packed)):
+        return None
+    return call.args[1]
+
+
+def _find_state_name(seam: Seam, tree: ast.FunctionDef) -> str | None:
+    """The name the cache goes by: the declared argument's, else the one name both gathered and scattered.
+
+    A cache slot is bound in many ways (``ssm_state = self_kv_cache[1]``, ``conv, state = self.kv_cache[:2]``),
+    so the name is read off the copy statements themselves: the only name that is written as ``S[J] = V`` and
+    read as ``X = S[I]`` (or passed first to the declared gather function). The route checks at run time that
+    the object under that name *is* the layer's cache; anything else is copied natively and reported.
+    """
+    if isinstance(seam.state, Argument):
+        return seam.state.name
+    written, read = set(), set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        target = node.targets[0]
+        if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+            written.add(target.value.id)
+        elif isinstance(target, ast.Name):
+            value = node.value
+            if (seam.gather_function is not None and isinstance(value, ast.Call)
+                    and _is_name(value.func, seam.gather_function) and value.args
+                    and isinstance(value.args[0], ast.Name)):
+                read.add(value.args[0].id)
+            core, _chain = _unwrap_row_preserving(value)
+            if seam.gather_function is None and isinstance(core, ast.Subscript) and isinstance(core.value, ast.Name):
+                read.add(core.value.id)
+    names = written & read
+    return names.pop() if len(names) == 1 else None
+
+
+class _SeamRewriter:
+    """Finds and replaces the copy statements of one function body (see the module docstring)."""
+
+    def __init__(self, seam: Seam, state: str) -> None:
+        self.seam = seam
+        self.state = state
+        self.replaced: list[str] = []
+        self.gathers = self.scatters = self.clears = 0
+
+    def rewrite_block(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        skip = False
+        for position, statement in enumerate(body):
+            if skip:
+                skip = False
+                continue
+            following = body[position + 1] if position + 1 < len(body) else None
+            replacement, consumed_next = self.rewrite_statement(statement, following)
+            out.append(replacement)
+            skip = consumed_next
+        return out
+
+    def rewrite_statement(self, statement: ast.stmt, following: ast.stmt | None) -> tuple[ast.stmt, bool]:
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(statement, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                setattr(statement, field, self.rewrite_block(block))
+        for handler in getattr(statement, "handlers", ()) or ():
+            handler.body = self.rewrite_block(handler.body)
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+            target = statement.targets[0]
+            if isinstance(target, ast.Subscript) and _is_name(target.value, self.state):
+                return self.rewrite_scatter(statement, target), False
+            if isinstance(target, ast.Name):
+                return self.rewrite_gather(statement, target.id, following)
+        return statement, False
+
+    def rewrite_scatter(self, statement: ast.Assign, target: ast.Subscript) -> ast.stmt:
+        index = _single_index(target)
+        if index is None:
+            raise RewriteRefused(f"line {statement.lineno}: the cache is written as {ast.unparse(target)} "
+                                 "(not one index vector)")
+        value = statement.value
+        if (self.seam.final is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                and value.func.attr == "to" and isinstance(value.func.value, ast.Name) and len(value.args) == 1
+                and not value.keywords and isinstance(value.args[0], ast.Attribute)
+                and value.args[0].attr == "dtype" and _is_name(value.args[0].value, self.state)):
+            call = _route_call("scatter_cast", ast.Name(id=self.state, ctx=ast.Load()), index, value.func.value)
+            kind = "scatter with the cast to the cache dtype folded"
+        else:
+            call = _route_call("scatter", ast.Name(id=self.state, ctx=ast.Load()), index, value)
+            kind = "scatter"
+        self.scatters += 1
+        self.replaced.append(f"line {statement.lineno}: {kind}")
+        return ast.copy_location(ast.Expr(value=call), statement)
+
+    def rewrite_gather(self, statement: ast.Assign, packed: str, following: ast.stmt | None) -> tuple[ast.stmt, bool]:
+        seam = self.seam
+        value = statement.value
+        if seam.gather_function is not None:
+            if (isinstance(value, ast.Call) and _is_name(value.func, seam.gather_function) and len(value.args) == 3
+                    and not value.keywords and _is_name(value.args[0], self.state)):
+                statement.value = _route_call("gather_function", value.func, *value.args)
+                self.gathers += 1
+                self.replaced.append(f"line {statement.lineno}: {seam.gather_function} call")
+            return statement, False
+        core, _chain = _unwrap_row_preserving(value)
+        if not (isinstance(core, ast.Subscript) and _is_name(core.value, self.state)):
+            return statement, False
+        index = _single_index(core)
+        if index is None:
+            raise RewriteRefused(f"line {statement.lineno}: the cache is read as {ast.unparse(core)} "
+                                 "(not one index vector)")
+        flags = None
+        if following is not None and seam.clear == CLEAR_NATIVE:
+            flags = _native_clear_flags(following, packed)
+        elif following is not None and seam.clear == CLEAR_FUNCTION:
+            flags = _function_clear_flags(following, packed, seam.clear_function)
+        if seam.clear != CLEAR_NONE and (flags is None or packed in _names_in(flags)):
+            raise RewriteRefused(f"line {statement.lineno}: the gather into {packed!r} is not directly followed "
+                                 f"by the declared clear ({_describe_clear(seam, packed)}); it cannot be folded")
+        clear = [following.value.func] if flags is not None and seam.clear == CLEAR_FUNCTION else []
+        replacement = _route_call("gather", ast.Name(id=self.state, ctx=ast.Load()), index,
+                                  flags if flags is not None else ast.Constant(value=None), *clear)
+        if _chain:  # the row-preserving calls stay, applied to the plan's (row-cleared) result
+            _chain[-1].func.value = replacement
+        else:
+            statement.value = replacement
+        self.gathers += 1
+        self.replaced.append(f"line {statement.lineno}: gather" + (" with the clear folded" if flags else ""))
+        if flags is not None:
+            self.clears += 1
+            self.replaced.append(f"line {following.lineno}: clear removed (folded into the gather)")
+            return statement, True
+        return statement, False
+
+
+def _describe_clear(seam: Seam, packed: str) -> str:
+    if seam.clear == CLEAR_NATIVE:
+        return f"{packed}[~flags, ...] = 0"
+    return f"{seam.clear_function}({packed}, flags)"
+
+
+def _check_remaining(tree: ast.FunctionDef, state: str) -> None:
+    """Refuse when the cache is still indexed anywhere after the rewrite (a copy the plan would not see)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and _is_name(node.value, state):
+            raise RewriteRefused(f"line {node.lineno}: the cache is also indexed as {ast.unparse(node)}, "
+                                 "which is not a declared gather or scatter")
+        if isinstance(node, ast.AugAssign) and _is_name(node.target, state):
+            raise RewriteRefused(f"line {node.lineno}: the cache is updated in place with an operator")
+
+
+def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
+    """Return the rewritten twin of a seam's released function.
+
+    Args:
+        function: the plain function (a class ``__dict__`` entry) the seam's wrapper wraps.
+        seam: its declaration (state, clear form, gather function).
+    Returns:
+        The :class:`Rewritten` twin.
+    Raises:
+        RewriteRefused: the function is not exactly the declared seam (the message says where).
+    """
+    if type(function) is not types.FunctionType:  # a proxy (another wrapper) passes isinstance
+        raise RewriteRefused(f"{function!r} is not a plain function")
+    code = function.__code__
+    if code.co_freevars:
+        raise RewriteRefused(f"{function.__qualname__} closes over {', '.join(code.co_freevars)} (e.g. super()); "
+                             "a recompiled twin cannot share its cells")
+    try:
+        lines, first_line = inspect.getsourcelines(function)
+    except (OSError, TypeError) as error:
+        raise RewriteRefused(f"no source for {function.__qualname__}: {error}") from None
+    module = ast.parse(textwrap.dedent("".join(lines)))
+    definition = module.body[0] if len(module.body) == 1 else None
+    if not isinstance(definition, ast.FunctionDef) or definition.name != function.__name__:
+        raise RewriteRefused(f"the source of {function.__qualname__} is not one function definition")
+    if definition.decorator_list and (hasattr(function, "__wrapped__") or code.co_firstlineno != first_line):
+        # a decorator that returned another object: the twin would drop what it adds
+        raise RewriteRefused(f"{function.__qualname__} is wrapped by a decorator; the twin would drop it")
+    definition.decorator_list = []  # each decorator returned the function itself: nothing to keep
+    arguments = definition.args
+    every_argument = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                      *(a for a in (arguments.vararg, arguments.kwarg) if a is not None)]
+    for node in ast.walk(definition):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name is not None and name.startswith("__") and not name.endswith("__"):
+            raise RewriteRefused(f"line {node.lineno + first_line - 1}: {name} is name-mangled in a class body")
+    if any(a.arg == ROUTE_PARAMETER for a in every_argument):
+        raise RewriteRefused(f"{function.__qualname__} already has a parameter named {ROUTE_PARAMETER}")
+    state = _find_state_name(seam, definition)
+    if state is None:
+        raise RewriteRefused(f"{function.__qualname__}: no one name is both read as X = S[I] (or passed first to "
+                             "the declared gather function) and written as S[J] = V, so the cache's name is unknown "
+                             f"({seam.state!r})")
+    ast.increment_lineno(module, first_line - 1)
+    rewriter = _SeamRewriter(seam, state)
+    definition.body = rewriter.rewrite_block(definition.body)
+    if rewriter.gathers == 0 or rewriter.scatters == 0:
+        raise RewriteRefused(f"{function.__qualname__}: found {rewriter.gathers} gather(s) and {rewriter.scatters} "
+                             f"scatter(s) of {state!r} of the declared forms, expected at least one of each")
+    _check_remaining(definition, state)
+    arguments.posonlyargs.insert(0, ast.arg(arg=ROUTE_PARAMETER))  # first: a positional pass costs no dict
+    ast.fix_missing_locations(module)
+    compiled = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    twin_code = next(c for c in compiled.co_consts if isinstance(c, types.CodeType) and c.co_name == function.__name__)
+    twin = types.FunctionType(twin_code, function.__globals__, function.__name__, function.__defaults__)
+    twin.__kwdefaults__ = function.__kwdefaults__
+    twin.__qualname__ = function.__qualname__
+    twin.__module__ = function.__module__
+    twin.__doc__ = function.__doc__
+    twin.__annotations__ = dict(getattr(function, "__annotations__", {}))
+    twin.__dict__.update(function.__dict__)
+    twin.__kda_original__ = function
+    return Rewritten(twin, rewriter.replaced)
+
+
+def prepare_rewrite(rewrites: dict[Any, Any], seam: Seam, key: str, original: Any) -> str:
+    """Build the twin of a just-wrapped seam function into ``rewrites`` (or record why it routes by alias).
+
+    Called once when the registry wraps the function (``SeamWrapper.on_apply``); never raises: a refusal
+    or an unexpected error leaves the seam on the routed alias, and the ledger fact
+    ``<seam section> / routing <key>`` says which mechanism runs and why.
+
+    Args:
+        rewrites: the wrapper's ``{original function: twin}`` table.
+        seam: the declaration.
+        key: the target's ``module:qualname`` (the fact's name).
+        original: what the registry wrapped (a class ``__dict__`` entry).
+    Returns:
+        ``"rewrite"`` or ``"alias"``.
+    """
+    from kda_patches import current_flags, get_ledger
+
+    fact: dict[str, Any]
+    if current_flags().routing == "alias":
+        fact = {"mechanism": "alias", "reason": "KDA_PATCHES_ROUTING=alias"}
+    else:
+        try:
+            rewritten = rewrite_seam_function(original, seam)
+        except RewriteRefused as refusal:
+            fact = {"mechanism": "alias", "reason": f"not rewritten: {refusal}"}
+        except Exception as error:  # a rewrite bug must not cost the seam its routing
+            fact = {"mechanism": "alias", "reason": f"rewrite failed: {type(error).__name__}: {error}"}
+        else:
+            rewrites[original] = rewritten.function
+            fact = {"mechanism": "rewrite", "replaced": rewritten.replaced}
+    get_ledger().set_fact(seam.section, f"routing {key}", {"seam": seam.name, **fact})
+    return fact["mechanism"]

@@ -1,0 +1,281 @@
+"""The rewritten twin of a seam function (issue 19): what the rewrite accepts, what it refuses, and the direct
+route's run-time checks -- each decided by a body (``rewrite_dummies``) that differs from a valid one in the
+one place the rule looks at.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from kda_patches.ledger import get_ledger
+from kda_patches.registry import Patch, Target, register_patch, revert_patch
+from kda_patches.routing.proof import PLAN_ATTRIBUTE, PlanNotPublished, StateCopyBypassed
+from kda_patches.routing.rewrite import RewriteRefused, rewrite_seam_function
+from kda_patches.routing.seams import CLEAR_NATIVE, Argument, FinalFrom, KVCacheSlot, Seam
+from kda_patches.routing.wrappers import SeamWrapper
+
+pytestmark = pytest.mark.rewrite_mechanism
+
+SECTION = "rewrite_tests"
+SEAM = Seam("rewrite test seam", SECTION, state=KVCacheSlot(1), indices=Argument(0, "indices"),
+            flags=Argument(1, "flags"), clear=CLEAR_NATIVE, final=FinalFrom(1, function="chunk"))
+MODULE = "rewrite_dummies"
+
+
+class ContractPlan:
+    """A plan stand-in that holds the route to the real plans' contract: flags are None or a 1-D bool vector
+    with one flag per index on the cache's device; a scatter source has a prepared dtype."""
+
+    final_dtypes = (torch.float32,)
+
+    def __init__(self) -> None:
+        self.sources: list[torch.Tensor] = []
+
+    def gather(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
+        if flags is not None:
+            assert isinstance(flags, torch.Tensor) and flags.dtype is torch.bool and flags.dim() == 1
+            assert flags.shape == indices.shape and flags.device == state.device
+        packed = torch.Tensor.__getitem__(state, indices).clone()
+        if flags is not None:
+            packed[~flags] = 0
+        return packed
+
+    def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor) -> None:
+        assert packed.dtype is state.dtype or packed.dtype in self.final_dtypes
+        self.sources.append(packed)
+        torch.Tensor.__setitem__(state, indices, packed.to(state.dtype))
+
+
+def load(cls: str | None) -> tuple[object, Patch | None]:
+    """Import :mod:`rewrite_dummies` afresh, with ``cls.forward`` wrapped under :data:`SEAM` when given."""
+    sys.modules.pop(MODULE, None)
+    patch = None
+    if cls is not None:
+        patch = Patch(f"rewrite_{cls}", "rewrite test record", (Target(MODULE, f"{cls}.forward", SeamWrapper(SEAM)),))
+        register_patch(patch)
+    return importlib.import_module(MODULE), patch
+
+
+@pytest.fixture
+def world():
+    """Return ``make(cls, patched, dtype)`` -> ``(module, layer, plan)``; every record is reverted afterwards."""
+    patches: list[Patch] = []
+
+    def make(cls: str, patched: bool, dtype: torch.dtype = torch.bfloat16, publish: bool = True):
+        while patches:  # one world at a time: a record of the same name would find itself applied already
+            revert_patch(patches.pop())
+        module, patch = load(cls if patched else None)
+        if patch is not None:
+            patches.append(patch)
+        layer = getattr(module, cls)()
+        cache = torch.randn(6, 2, 4, 4, generator=torch.Generator().manual_seed(3)).to(dtype)
+        layer.kv_cache = (torch.zeros(6, 3, dtype=torch.bfloat16), cache)
+        plan = ContractPlan()
+        if patched and publish:
+            setattr(layer, PLAN_ATTRIBUTE, plan)
+        return module, layer, plan
+
+    yield make
+    for patch in reversed(patches):
+        revert_patch(patch)
+    sys.modules.pop(MODULE, None)
+
+
+def batch(count: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    indices = torch.tensor([4, 1, 3, 0, 5][:count])
+    flags = torch.tensor([True, False, True, False, True][:count])
+    return indices, flags
+
+
+def outcome(layer, indices, flags) -> tuple:
+    """``(output, cache)`` of one call, or ``(exception type, cache)`` when it raised."""
+    try:
+        result = layer.forward(indices, flags)
+    except Exception as error:  # the exception type is the outcome compared
+        result = type(error)
+    return result, layer.kv_cache[1].clone()
+
+
+def same(a: tuple, b: tuple) -> bool:
+    equal = a[0] is b[0] if isinstance(a[0], type) else isinstance(b[0], torch.Tensor) and torch.equal(a[0], b[0])
+    return equal and torch.equal(a[1], b[1])
+
+
+def counted() -> dict[str, int]:
+    return dict(get_ledger().counters(SECTION))
+
+
+def delta(before: dict[str, int]) -> dict[str, int]:
+    after = counted()
+    return {key: after.get(key, 0) - before.get(key, 0) for key in after if after.get(key, 0) != before.get(key, 0)}
+
+
+def mechanism(cls: str) -> dict:
+    return get_ledger().snapshot()["facts"][SECTION][f"routing {MODULE}:{cls}.forward"]
+
+
+def ab(world, cls: str, dtype: torch.dtype, indices, flags) -> tuple[tuple, tuple, dict[str, int], ContractPlan]:
+    _, layer, _ = world(cls, False, dtype)
+    baseline = outcome(layer, indices, flags)
+    _, layer, plan = world(cls, True, dtype)
+    before = counted()
+    patched = outcome(layer, indices, flags)
+    return baseline, patched, delta(before), plan
+
+
+@pytest.mark.parametrize("cls", ["Valid", "TransposedLastTwo", "PassthroughDecorated"])
+def test_a_declared_body_runs_its_twin_exactly(world, strict, cls):
+    baseline, patched, counts, plan = ab(world, cls, torch.bfloat16, *batch())
+    assert same(baseline, patched)
+    assert mechanism(cls)["mechanism"] == "rewrite", mechanism(cls)
+    folded = cls != "TransposedLastTwo"  # that one casts a transposed copy: an expression, left as written
+    assert counts == {"calls_seen": 1, "calls_routed": 1, **({"casts_folded": 1} if folded else {})}
+    assert [source.dtype for source in plan.sources] == [torch.float32 if folded else torch.bfloat16]
+
+
+def test_the_twin_replaces_the_copy_lines_and_nothing_else():
+    module, _ = load(None)
+    replaced = rewrite_seam_function(vars(module.Valid)["forward"], SEAM).replaced
+    first = module.Valid.forward.__code__.co_firstlineno
+    assert replaced == [f"line {first + 3}: gather with the clear folded",
+                        f"line {first + 4}: clear removed (folded into the gather)",
+                        f"line {first + 6}: scatter with the cast to the cache dtype folded"]
+
+
+REFUSALS = [
+    ("ClearWithOne", "not directly followed by the declared clear"),
+    ("ClearNotNext", "not directly followed by the declared clear"),
+    ("ClearReadsGathered", "not directly followed by the declared clear"),
+    ("ReadsARow", "also indexed as ssm_state[0]"),
+    ("TransposedOtherAxes", "no one name is both"),
+    ("SlicedGather", "not one index vector"),
+    ("NoScatter", "no one name is both"),
+    ("InPlaceOperator", "updated in place with an operator"),
+    ("UsesSuper", "closes over __class__"),
+    ("WrapperDecorated", "wrapped by a decorator"),
+    ("NameMangled", "__scale is name-mangled"),
+    ("TakesRouteName", "already has a parameter named _kda_route"),
+]
+
+
+@pytest.mark.parametrize(("cls", "reason"), REFUSALS, ids=[cls for cls, _ in REFUSALS])
+def test_a_body_that_is_not_the_declared_seam_is_refused_with_the_reason(world, cls, reason):
+    module, _ = load(None)
+    with pytest.raises(RewriteRefused, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        rewrite_seam_function(vars(getattr(module, cls))["forward"], SEAM)
+    world(cls, True)  # wrapped: the seam routes through the alias, and the ledger says why
+    assert mechanism(cls)["mechanism"] == "alias" and reason in mechanism(cls)["reason"], mechanism(cls)
+
+
+def test_a_clear_with_another_value_runs_as_the_fork_wrote_it(world, lenient):
+    baseline, patched, _, _ = ab(world, "ClearWithOne", torch.float32, *batch())
+    assert same(baseline, patched)  # rows without an initial state hold ones, as the fork wrote
+
+
+@pytest.mark.parametrize(("cls", "dtype"), [("CastToOther", torch.float32), ("CastToOtherTensorsDtype", torch.float32),
+                                            ("CastToDevice", torch.bfloat16)])
+def test_a_cast_to_anything_but_the_cache_dtype_is_not_folded(world, lenient, cls, dtype):
+    """Storing a source of another dtype makes torch's index_put raise; folding the cast would hide that."""
+    baseline, patched, _, plan = ab(world, cls, dtype, *batch())
+    assert baseline[0] is RuntimeError and same(baseline, patched)
+    assert not plan.sources
+    assert "folded" not in mechanism(cls)["replaced"][-1]
+
+
+def test_a_cast_of_an_expression_stays_as_written(world, strict):
+    baseline, patched, counts, plan = ab(world, "CastOfAnExpression", torch.bfloat16, *batch())
+    assert same(baseline, patched)
+    assert counts == {"calls_seen": 1, "calls_routed": 1} and plan.sources[0].dtype is torch.bfloat16
+
+
+def test_another_tensor_under_the_cache_name_is_copied_natively_and_reported(world, lenient):
+    baseline, patched, counts, plan = ab(world, "RebindsTheCache", torch.bfloat16, *batch(3))
+    assert same(baseline, patched)
+    assert counts == {"calls_seen": 1, "calls_bypassed": 1} and not plan.sources
+    _, layer, _ = world("RebindsTheCache", True)
+    before = counted()
+    layer.forward(*batch(2))  # the cache itself under that name: routed
+    assert delta(before) == {"calls_seen": 1, "calls_routed": 1, "casts_folded": 1}
+
+
+def test_another_tensor_under_the_cache_name_raises_under_strict(world, strict):
+    _, layer, _ = world("RebindsTheCache", True)
+    with pytest.raises(StateCopyBypassed, match="rewritten seam"):
+        layer.forward(*batch(3))
+
+
+FLAGS = {
+    "a numpy mask": lambda flags: flags.numpy(),
+    "an int64 tensor": lambda flags: flags.long(),
+    "a 2-D mask": lambda flags: flags[:, None].expand(-1, 2).contiguous(),
+    "one flag too many": lambda flags: torch.cat([flags, flags[:1]]),
+}
+
+
+@pytest.mark.parametrize("name", FLAGS)
+def test_flags_the_plan_cannot_take_are_cleared_as_the_fork_wrote(world, lenient, name):
+    indices, flags = batch()
+    baseline, patched, counts, _ = ab(world, "Valid", torch.float32, indices, FLAGS[name](flags))
+    assert same(baseline, patched), (baseline[0], patched[0])
+    if baseline[0] is not IndexError:
+        assert counts == {"calls_seen": 1, "calls_routed": 1}, counts
+
+
+def test_a_call_that_copies_nothing_is_bypassed(world, lenient):
+    _, layer, _ = world("PrefillBranch", True)
+    before = counted()
+    layer.forward(batch()[0], None)
+    assert delta(before) == {"calls_seen": 1, "calls_bypassed": 1}
+    assert "0 gather(s) and 0 scatter(s)" in get_ledger().snapshot()["facts"][SECTION]["last_bypass"]["reason"]
+
+
+def test_a_call_without_a_plan_is_refused_before_any_of_it_runs(world, strict):
+    module, layer, _ = world("Valid", True, publish=False)
+    runs, cache, before = module.BODY_RUNS["count"], layer.kv_cache[1].clone(), counted()
+    with pytest.raises(PlanNotPublished, match="no published state-copy plan"):
+        layer.forward(*batch())
+    assert module.BODY_RUNS["count"] == runs and torch.equal(layer.kv_cache[1], cache)
+    assert delta(before) == {"calls_seen": 1, "calls_refused": 1}
+
+
+def test_a_failing_call_is_counted_failed_and_raises(world, strict):
+    _, layer, _ = world("Raises", True)
+    before = counted()
+    with pytest.raises(ValueError, match="chunk kernel failed"):
+        layer.forward(*batch())
+    assert delta(before) == {"calls_seen": 1, "calls_failed": 1}
+
+
+def test_a_call_through_the_class_runs_the_twin(world, strict):
+    module, layer, plan = world("Valid", True)
+    before = counted()
+    module.Valid.forward(layer, *batch())
+    assert delta(before) == {"calls_seen": 1, "calls_routed": 1, "casts_folded": 1} and plan.sources
+
+
+def test_revert_forgets_the_twin_and_a_new_registration_rebuilds_it():
+    module, patch = load("Valid")
+    wrapper = patch.targets[0].wrapper
+    try:
+        assert list(wrapper.rewrites) == [vars(module.Valid)["forward"].__wrapped__]
+    finally:
+        revert_patch(patch)
+    assert wrapper.rewrites == {}
+    register_patch(patch)
+    try:
+        assert len(wrapper.rewrites) == 1
+    finally:
+        revert_patch(patch)
+        sys.modules.pop(MODULE, None)
+
+
+@pytest.mark.alias_mechanism
+def test_routing_alias_keeps_every_seam_on_the_alias(world, strict):
+    baseline, patched, counts, _ = ab(world, "Valid", torch.bfloat16, *batch())
+    assert same(baseline, patched)
+    assert mechanism("Valid") == {"seam": SEAM.name, "mechanism": "alias", "reason": "KDA_PATCHES_ROUTING=alias"}
+    assert counts == {"calls_seen": 1, "calls_routed": 1}
