@@ -137,7 +137,37 @@ GATHER_INDEX_N = Mutant("gather-index-n-valid", KERNELS, FLAG_LINE, FLAG_LINE_IN
 
 GUARD_TESTS = "tests/routing/test_routing_guards.py"
 
+REWRITE = "kda_patches/routing/rewrite.py"
+DIRECT = "kda_patches/routing/direct.py"
+REWRITE_TESTS = "tests/routing/test_routing_rewrite.py"
+
 MUTANTS: tuple[Mutant, ...] = (
+    # -- issue 19: the rewritten twin's guards, and the alias's transpose tag -----------------------------
+    Mutant("rewrite-fold-any-clear-value", REWRITE,
+           "if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1 and _is_zero(statement.value)):",
+           "if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1):",
+           (f"{REWRITE_TESTS}::test_a_clear_with_another_value_runs_as_the_fork_wrote_it",), "E (routing)",
+           "packed[~flags, ...] = 1 right after the gather is removed from the twin as if it were the zero clear"),
+    Mutant("rewrite-fold-cast-to-any-tensors-dtype", REWRITE,
+           'and value.args[0].attr == "dtype" and _is_name(value.args[0].value, self.state)):',
+           'and value.args[0].attr == "dtype"):',
+           (f"{REWRITE_TESTS}::test_a_cast_to_anything_but_the_cache_dtype_is_not_folded",), "E (routing)",
+           "S[J] = final.to(other.dtype) is folded into a scatter that casts to the cache's dtype"),
+    Mutant("direct-route-any-cache-object", DIRECT,
+           "        if state is not self.state or not is_index_vector(indices):\n            packed = _getitem(",
+           "        if not is_index_vector(indices):\n            packed = _getitem(",
+           (f"{REWRITE_TESTS}::test_another_tensor_under_the_cache_name_is_copied_natively_and_reported",),
+           "E (routing)", "a gather from another tensor under the cache's name goes through the cache's plan"),
+    Mutant("direct-fold-any-flags-shape", DIRECT,
+           "                and flags.dim() == 1 and flags.shape == indices.shape",
+           "                and flags.shape[0] == indices.shape[0]",
+           (f"{REWRITE_TESTS}::test_flags_the_plan_cannot_take_are_cleared_as_the_fork_wrote",), "E (routing)",
+           "a 2-D clear mask is handed to the plan's gather as if it were one flag per row"),
+    Mutant("alias-transpose-keeps-any-tag", ROUTING_ALIAS,
+           "        if ndim >= 2 and {dim0 % ndim, dim1 % ndim} == {ndim - 1, ndim - 2}:",
+           "        if ndim >= 2:",
+           (f"{REWRITE_TESTS}::test_a_clear_after_a_transpose_of_the_row_axis_is_never_taken_for_the_folded_one",),
+           "E (routing)", "a clear after a transpose that moves the row axis is elided as the folded clear"),
     # -- issue 19: the two alias guards that had no killing test ------------------------------------------
     Mutant("routing-elide-any-clear-value", ROUTING_ALIAS,
            'and mask.__dict__.get("_kda_route") is self and type(value) in (int, float) and value == 0):',

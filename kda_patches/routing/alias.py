@@ -193,7 +193,13 @@ class PackedStates(torch.Tensor):
         torch.Tensor.__setitem__(self, key, value)
 
     def transpose(self, dim0: int, dim1: int) -> torch.Tensor:  # the vllm-ascend GDN [.., K, V] variant
-        return _keep_tag(torch.Tensor.transpose(self, dim0, dim1), self)
+        """Keep the tag only for a swap of the last two axes: rows stay rows, so the folded zero rows are the
+        clear's rows there too; any other swap moves the row axis and its result is a plain tensor."""
+        result = torch.Tensor.transpose(self, dim0, dim1)
+        ndim = self.dim()
+        if ndim >= 2 and {dim0 % ndim, dim1 % ndim} == {ndim - 1, ndim - 2}:
+            return _keep_tag(result, self)
+        return torch.Tensor.as_subclass(result, torch.Tensor)
 
     def contiguous(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return _keep_tag(torch.Tensor.contiguous(self, *args, **kwargs), self)

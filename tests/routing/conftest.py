@@ -28,16 +28,17 @@ def pytest_configure(config: pytest.Config) -> None:
                             "it runs under KDA_PATCHES_ROUTING=alias only")
     config.addinivalue_line("markers", "rewrite_mechanism: the test is about the rewritten twin; "
                             "it runs under KDA_PATCHES_ROUTING=rewrite only")
+    config.addinivalue_line("markers", "both_mechanisms: runs under both mechanisms (overrides a module's mark)")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run every routing test under both mechanisms, unless it is marked as about one of them."""
+    """Run every routing test under both mechanisms, unless it is marked as about one of them (the closest
+    mark wins: a test's own mark over its module's)."""
     if "routing" not in metafunc.fixturenames:
         return
-    definition = metafunc.definition
-    mechanisms = (("alias",) if definition.get_closest_marker("alias_mechanism")
-                  else ("rewrite",) if definition.get_closest_marker("rewrite_mechanism") else MECHANISMS)
-    metafunc.parametrize("routing", mechanisms, indirect=True)
+    choices = {"alias_mechanism": ("alias",), "rewrite_mechanism": ("rewrite",), "both_mechanisms": MECHANISMS}
+    closest = next((mark.name for mark in metafunc.definition.iter_markers() if mark.name in choices), None)
+    metafunc.parametrize("routing", choices.get(closest, MECHANISMS), indirect=True)
 
 
 @pytest.fixture(autouse=True)

@@ -279,3 +279,12 @@ def test_routing_alias_keeps_every_seam_on_the_alias(world, strict):
     assert same(baseline, patched)
     assert mechanism("Valid") == {"seam": SEAM.name, "mechanism": "alias", "reason": "KDA_PATCHES_ROUTING=alias"}
     assert counts == {"calls_seen": 1, "calls_routed": 1}
+
+
+@pytest.mark.both_mechanisms
+def test_a_clear_after_a_transpose_of_the_row_axis_is_never_taken_for_the_folded_one(world, strict):
+    """``S[I].transpose(0, 1)`` moves the rows: its ``[~flags, ...] = 0`` clears heads. The rewrite refuses the
+    body; the alias must not elide that clear (it keeps its tag only through a swap of the last two axes)."""
+    _, layer, _ = world("TransposedOtherAxes", True, torch.float32)
+    with pytest.raises(StateCopyBypassed, match="clear"):
+        layer.forward(*batch(2))  # two rows, two heads: the clear's mask fits either axis
