@@ -24,6 +24,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs only with --run-gpu")
     config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow)")
+    config.addinivalue_line("markers", "alias_mechanism: the test is about the routed alias's own objects; "
+                            "it runs under KDA_PATCHES_ROUTING=alias only")
+    config.addinivalue_line("markers", "rewrite_mechanism: the test is about the rewritten twin; "
+                            "it runs under KDA_PATCHES_ROUTING=rewrite only")
+    config.addinivalue_line("markers", "both_mechanisms: runs under both mechanisms (overrides a module's mark)")
     vllm_stack.GPU_RUN = config.getoption("--run-gpu")
     # find_spec, not an import: importing vLLM costs seconds and must not happen in every pytest process
     # before the tests that register post-import hooks on its modules.
@@ -75,3 +80,29 @@ def lenient(monkeypatch: pytest.MonkeyPatch) -> None:
 
     current = kda_patches._FLAGS
     monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=False, routing=current.routing if current else "rewrite"))
+
+
+MECHANISMS = ("rewrite", "alias")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that uses ``routing`` runs under both mechanisms, unless it is marked as about one of them (the
+    closest mark wins: a test's own mark over its module's). The routing suite uses it in every test."""
+    if "routing" not in metafunc.fixturenames:
+        return
+    choices = {"alias_mechanism": ("alias",), "rewrite_mechanism": ("rewrite",), "both_mechanisms": MECHANISMS}
+    closest = next((mark.name for mark in metafunc.definition.iter_markers() if mark.name in choices), None)
+    metafunc.parametrize("routing", choices.get(closest, MECHANISMS), indirect=True)
+
+
+@pytest.fixture
+def routing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Set ``KDA_PATCHES_ROUTING`` for the test (read when a seam is wrapped, i.e. when the dummies load);
+    the ``strict`` / ``lenient`` fixtures keep it."""
+    import kda_patches
+    from kda_patches.flags import Flags
+
+    mechanism = getattr(request, "param", "rewrite")
+    current = kda_patches._FLAGS
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=bool(current and current.strict), routing=mechanism))
+    return mechanism

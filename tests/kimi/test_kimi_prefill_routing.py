@@ -117,7 +117,31 @@ def test_a_plan_refusal_fails_the_call_before_any_copy(load_reference, strict):
     assert grew(before, "calls_failed") == 1 and grew(before, "calls_routed") == 0
 
 
-def test_the_routed_alias_is_scoped_to_one_call(load_reference, strict):
+@pytest.mark.rewrite_mechanism
+def test_the_rewritten_body_sees_the_plain_cache(routing, load_reference, strict):
+    """Under the rewrite no alias exists: the fork's body indexes the layer's own cache object."""
+    modules = load_reference(patched=True)
+    world, layer = started_world(modules)
+    seen: dict[str, object] = {}
+    ascend_module = modules["kimi_ascend_layer"]
+    original = ascend_module.chunk_kda_prefill
+
+    def spy(*args, **kwargs):
+        seen["state"] = inspect.currentframe().f_back.f_locals["recurrent_state"]
+        return original(*args, **kwargs)
+
+    ascend_module.chunk_kda_prefill = spy
+    try:
+        before = kimi_workload.prefill_counters()
+        kimi_workload.run_batch(world, layer, one_batch(layer))
+    finally:
+        ascend_module.chunk_kda_prefill = original
+    assert seen["state"] is layer.kv_cache[1]
+    assert grew(before, "calls_routed") == 1
+
+
+@pytest.mark.alias_mechanism
+def test_the_routed_alias_is_scoped_to_one_call(routing, load_reference, strict):
     """Outside the call the cache object is the plain tensor again; a leaked alias indexes like a plain tensor."""
     modules = load_reference(patched=True)
     world, layer = started_world(modules)

@@ -20,38 +20,11 @@ if "kda_patches.state_copy.kernels" not in sys.modules:
 from kda_patches.registry import Patch, register_patch, revert_patch
 
 DUMMIES = "routing_dummies"
-MECHANISMS = ("rewrite", "alias")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "alias_mechanism: the test is about the routed alias's own objects; "
-                            "it runs under KDA_PATCHES_ROUTING=alias only")
-    config.addinivalue_line("markers", "rewrite_mechanism: the test is about the rewritten twin; "
-                            "it runs under KDA_PATCHES_ROUTING=rewrite only")
-    config.addinivalue_line("markers", "both_mechanisms: runs under both mechanisms (overrides a module's mark)")
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run every routing test under both mechanisms, unless it is marked as about one of them (the closest
-    mark wins: a test's own mark over its module's)."""
-    if "routing" not in metafunc.fixturenames:
-        return
-    choices = {"alias_mechanism": ("alias",), "rewrite_mechanism": ("rewrite",), "both_mechanisms": MECHANISMS}
-    closest = next((mark.name for mark in metafunc.definition.iter_markers() if mark.name in choices), None)
-    metafunc.parametrize("routing", choices.get(closest, MECHANISMS), indirect=True)
-
 
 @pytest.fixture(autouse=True)
-def routing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Set ``KDA_PATCHES_ROUTING`` for the test (read when a seam is wrapped, i.e. when the dummies load);
-    the ``strict`` / ``lenient`` fixtures keep it."""
-    import kda_patches
-    from kda_patches.flags import Flags
-
-    mechanism = getattr(request, "param", "rewrite")
-    current = kda_patches._FLAGS
-    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=bool(current and current.strict), routing=mechanism))
-    return mechanism
+def routing_everywhere(routing: str) -> str:
+    """Every routing test runs under both mechanisms (``routing``, tests/conftest.py) unless it is marked."""
+    return routing
 
 
 @pytest.fixture
