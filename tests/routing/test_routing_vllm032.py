@@ -18,8 +18,9 @@ import torch
 import vllm_stack
 
 from kda_patches.ledger import get_ledger
-from kda_patches.patches import gdn_state_copy
-from kda_patches.registry import find_version, is_applied, register_patch, select_target
+from kda_patches.patches import gdn_state_copy, kimi_prefill
+from kda_patches.registry import find_version, is_applied, register_patch, revert_patch, select_target
+from kda_patches.routing.rewrite import rewrite_seam_function
 from kda_patches.routing.wrappers import SeamWrapper
 
 QWEN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
@@ -49,7 +50,8 @@ def standin_chunk(q, k, v, g, beta, initial_state, output_final_state, cu_seqlen
 @pytest.fixture
 def qwen_module(monkeypatch):
     vllm_stack.import_vllm("vllm")
-    register_patch(gdn_state_copy.PATCH)  # idempotent when activation registered it already
+    revert_patch(gdn_state_copy.PATCH)  # activation may have wrapped it under other flags: wrap it under this test's
+    register_patch(gdn_state_copy.PATCH)
     module = importlib.import_module(QWEN)
     monkeypatch.setattr(module, "causal_conv1d_fn", standin_conv)
     monkeypatch.setattr(module, "fused_post_conv_prep", standin_prep)
@@ -118,3 +120,29 @@ def test_installed_qwen_forward_core_is_wrapped_and_routed(qwen_module, strict, 
     assert torch.equal(out, expected)
     assert torch.equal(raw, base_raw)
     assert type(layer.kv_cache[1]) is torch.Tensor  # the alias was scoped to the call
+
+
+INSTALLED_SEAMS = [
+    (QWEN, "QwenGatedDeltaNetAttention._forward_core", gdn_state_copy.QWEN_SEAM, True),
+    ("vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn", "OlmoHybridGatedDeltaNetAttention._forward_core",
+     gdn_state_copy.OLMO_SEAM, True),
+    ("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward",
+     gdn_state_copy.KIMI_GDN_SEAM, False),
+    ("vllm.models.kimi_k3.nvidia.kda", "KimiK3DeltaAttention._forward", kimi_prefill.UPSTREAM_SEAM, False),
+]
+
+
+@pytest.mark.rewrite_mechanism
+@pytest.mark.parametrize(("module_name", "qualname", "seam", "folds_clear"), INSTALLED_SEAMS,
+                         ids=[qualname.split(".")[0] for _, qualname, _, _ in INSTALLED_SEAMS])
+def test_every_installed_upstream_seam_rewrites(module_name, qualname, seam, folds_clear):
+    """vLLM 0.32's own four seam functions have exactly the declared copy lines: each gets its twin."""
+    vllm_stack.import_vllm("vllm")
+    cls_name, method = qualname.split(".")
+    function = vars(getattr(importlib.import_module(module_name), cls_name))[method]
+    function = getattr(function, "__wrapped__", function)  # the released function under any applied wrapper
+    replaced = rewrite_seam_function(function, seam).replaced
+    kinds = [line.split(": ", 1)[1] for line in replaced]
+    assert any(kind.startswith("gather") or kind.endswith("call") for kind in kinds), replaced
+    assert any(kind.startswith("scatter") for kind in kinds), replaced
+    assert ("clear removed (folded into the gather)" in kinds) is folds_clear, replaced
