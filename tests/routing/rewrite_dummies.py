@@ -274,3 +274,22 @@ class Raises(Layer):
         final = initial.float() * 0.5 + 1
         ssm_state[indices] = final.to(ssm_state.dtype)
         raise ValueError("the chunk kernel failed")
+
+
+def clear_rows(packed, flags):
+    """A module-level clear (vllm-ascend's ``clear_ssm_states`` form): zero the rows whose flag is 0/False."""
+    CLEAR_ROWS["count"] += 1
+    packed[torch.as_tensor(flags) == 0] = 0
+
+
+CLEAR_ROWS = {"count": 0}
+
+
+class FunctionClear(Layer):
+    def forward(self, indices, flags):
+        ssm_state = self.kv_cache[1]
+        initial = ssm_state[indices].contiguous()
+        clear_rows(initial, flags)
+        final = initial.float() * 0.5 + 1
+        ssm_state[indices] = final.to(ssm_state.dtype)
+        return initial.float()

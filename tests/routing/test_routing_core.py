@@ -8,6 +8,9 @@ byte of the page-gapped caches (gaps and offset poisoned) must be equal.
 
 from __future__ import annotations
 
+import sys
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -130,6 +133,22 @@ def test_decode_only_and_context_free_calls_pass_through_uncounted(load_dummies,
     assert grew(before, GDN) == {"calls_seen": 0, "calls_routed": 0, "calls_bypassed": 0}
     assert layer.seen_state_types == [torch.Tensor, torch.Tensor]  # the plain cache, not the routed alias
     assert torch.equal(runner.raw[layer.prefix], snapshot)
+
+
+def test_a_prefill_under_breakable_graph_capture_runs_as_written_and_is_reported(load_dummies, lenient, monkeypatch):
+    """Breakable capture replays the undecorated function without the wrapper: the call is not routed."""
+    module = load_dummies()
+    base_outputs, base_raw, _ = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
+    capture = SimpleNamespace(_capturing=True)
+    fake = SimpleNamespace(BreakableCUDAGraphCapture=SimpleNamespace(current=lambda: capture))
+    monkeypatch.setitem(sys.modules, "vllm.compilation.breakable_cudagraph", fake)
+    module = load_dummies(record("routing_breakable", ("NativeClearLayer",)))
+    before = counters(GDN)
+    outputs, raw, layer = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
+    assert torch.equal(outputs[0], base_outputs[0]) and torch.equal(raw, base_raw)
+    assert grew(before, GDN) == {"calls_seen": 1, "calls_routed": 0, "calls_bypassed": 1}
+    assert "breakable CUDA-graph capture" in get_ledger().snapshot()["facts"][GDN]["last_bypass"]["reason"]
+    assert layer.seen_state_types == [torch.Tensor]  # the fork's own function ran on the plain cache
 
 
 def test_a_same_shaped_other_index_tensor_never_folds_the_clear(load_dummies, strict):

@@ -15,7 +15,7 @@ from kda_patches.ledger import get_ledger
 from kda_patches.registry import Patch, Target, register_patch, revert_patch
 from kda_patches.routing.proof import PLAN_ATTRIBUTE, PlanNotPublished, StateCopyBypassed
 from kda_patches.routing.rewrite import RewriteRefused, rewrite_seam_function
-from kda_patches.routing.seams import CLEAR_NATIVE, Argument, FinalFrom, KVCacheSlot, Seam
+from kda_patches.routing.seams import CLEAR_FUNCTION, CLEAR_NATIVE, Argument, FinalFrom, KVCacheSlot, Seam
 from kda_patches.routing.wrappers import SeamWrapper
 
 pytestmark = pytest.mark.rewrite_mechanism
@@ -52,12 +52,19 @@ class ContractPlan:
         torch.Tensor.__setitem__(state, indices, packed.to(state.dtype))
 
 
+FUNCTION_SEAM = Seam("rewrite test function-clear seam", SECTION, state=KVCacheSlot(1), indices=Argument(0, "indices"),
+                     flags=Argument(1, "flags"), clear=CLEAR_FUNCTION, clear_function="clear_rows",
+                     final=FinalFrom(1, function="chunk"))
+SEAM_OF = {"FunctionClear": FUNCTION_SEAM}
+
+
 def load(cls: str | None) -> tuple[object, Patch | None]:
-    """Import :mod:`rewrite_dummies` afresh, with ``cls.forward`` wrapped under :data:`SEAM` when given."""
+    """Import :mod:`rewrite_dummies` afresh, with ``cls.forward`` wrapped under its seam when given."""
     sys.modules.pop(MODULE, None)
     patch = None
     if cls is not None:
-        patch = Patch(f"rewrite_{cls}", "rewrite test record", (Target(MODULE, f"{cls}.forward", SeamWrapper(SEAM)),))
+        seam = SEAM_OF.get(cls, SEAM)
+        patch = Patch(f"rewrite_{cls}", "rewrite test record", (Target(MODULE, f"{cls}.forward", SeamWrapper(seam)),))
         register_patch(patch)
     return importlib.import_module(MODULE), patch
 
@@ -290,3 +297,53 @@ def test_a_clear_after_a_transpose_of_the_row_axis_is_never_taken_for_the_folded
     _, layer, _ = world("TransposedOtherAxes", True, torch.float32)
     with pytest.raises(StateCopyBypassed, match="clear"):
         layer.forward(*batch(2))  # two rows, two heads: the clear's mask fits either axis
+
+
+def test_a_function_clear_with_flags_the_plan_cannot_take_runs_the_forks_function(world, strict):
+    """Non-foldable flags: the removed ``clear_rows(initial, flags)`` runs through the fork's own name."""
+    indices, flags = batch()
+    module, layer, _ = world("FunctionClear", False, torch.float32)
+    runs = module.CLEAR_ROWS["count"]
+    baseline = outcome(layer, indices, flags.long())
+    assert module.CLEAR_ROWS["count"] == runs + 1
+    module, layer, _ = world("FunctionClear", True, torch.float32)
+    before, runs = counted(), module.CLEAR_ROWS["count"]
+    patched = outcome(layer, indices, flags.long())  # int flags: ~flags would index rows, not mask them
+    assert same(baseline, patched) and module.CLEAR_ROWS["count"] == runs + 1
+    assert delta(before) == {"calls_seen": 1, "calls_routed": 1}
+    layer.forward(indices, flags)  # bool flags: folded, the function is not called
+    assert module.CLEAR_ROWS["count"] == runs + 1
+
+
+def test_without_a_declared_final_the_cast_stays_as_written():
+    module, _ = load(None)
+    seam = Seam("no final", SECTION, state=KVCacheSlot(1), clear=CLEAR_NATIVE)
+    replaced = rewrite_seam_function(vars(module.Valid)["forward"], seam).replaced
+    assert replaced[-1].endswith(": scatter"), replaced
+
+
+def test_a_function_without_source_or_not_plain_is_refused():
+    namespace: dict = {}
+    exec("def forward(self, indices, flags):\n    return None\n", namespace)  # a function with no file
+    with pytest.raises(RewriteRefused, match="no source"):
+        rewrite_seam_function(namespace["forward"], SEAM)
+    module, patch = load("Valid")
+    try:
+        with pytest.raises(RewriteRefused, match="not a plain function"):
+            rewrite_seam_function(vars(module.Valid)["forward"], SEAM)  # the wrapt proxy, not the function
+    finally:
+        revert_patch(patch)
+        sys.modules.pop(MODULE, None)
+
+
+def test_a_rewrite_error_leaves_the_seam_on_the_alias_and_says_so(world, strict, monkeypatch):
+    from kda_patches.routing import rewrite
+
+    def broken(function, seam):
+        raise KeyError("a rewrite bug")
+
+    monkeypatch.setattr(rewrite, "rewrite_seam_function", broken)
+    baseline, patched, counts, _ = ab(world, "Valid", torch.bfloat16, *batch())
+    assert same(baseline, patched) and counts == {"calls_seen": 1, "calls_routed": 1}
+    assert mechanism("Valid")["mechanism"] == "alias"
+    assert mechanism("Valid")["reason"] == "rewrite failed: KeyError: 'a rewrite bug'"
