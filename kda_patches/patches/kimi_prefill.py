@@ -149,8 +149,9 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
         snapshot: ``Ledger.snapshot()`` (or a ledger JSON file's content).
         section: the patch's ledger section (``kimi_prefill`` or ``gdn_state_copy``).
     Returns:
-        e.g. ``kimi_prefill: prefill calls seen 12, routed 12, bypassed 0; plans fused=4 (model.layers.0…)``;
-        layers where the fork keeps its own plan show as ``fork-native:fused=4 (…)``.
+        e.g. ``kimi_prefill: prefill calls seen 12, routed 12, bypassed 0; plans fused=4 (model.layers.0…);
+        seams by rewrite 1``; layers where the fork keeps its own plan show as ``fork-native:fused=4 (…)``;
+        the last part counts the wrapped seam functions by routing mechanism (facts ``routing <target>``).
     """
     counters = snapshot.get("counters", {}).get(section, {})
     facts = snapshot.get("facts", {}).get(section, {})
@@ -170,4 +171,7 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
     for extra in ("casts_folded", "casts_materialized"):  # the final-state cast inside the scatter, or not
         if counters.get(extra):
             line += f", {extra.replace('_', ' ')} {counters[extra]}"
-    return f"{line}; plans {plans}"
+    mechanisms = sorted(fact["mechanism"] for key, fact in facts.items()
+                        if key.startswith("routing ") and isinstance(fact, dict) and "mechanism" in fact)
+    routing = ", ".join(f"{name} {mechanisms.count(name)}" for name in sorted(set(mechanisms)))
+    return f"{line}; plans {plans}" + (f"; seams by {routing}" if routing else "")

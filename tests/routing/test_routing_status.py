@@ -33,3 +33,12 @@ def test_kimi_status_line_names_fork_native_layers():
     assert kimi_prefill.format_status_line(SNAPSHOT) == (
         "kimi_prefill: prefill calls seen 0, routed 0, bypassed 0; plans fork-native:fallback=1 "
         "(model.layers.3.self_attn)")
+
+
+def test_the_status_line_counts_seams_by_routing_mechanism():
+    snapshot = {"counters": {}, "facts": {"gdn_state_copy": {
+        "routing a:Qwen._forward_core": {"seam": "q", "mechanism": "rewrite", "replaced": []},
+        "routing a:Olmo._forward_core": {"seam": "o", "mechanism": "rewrite", "replaced": []},
+        "routing b:Ascend._forward_core": {"seam": "a", "mechanism": "alias", "reason": "not rewritten: ..."}}}}
+    assert gdn_state_copy.format_status_line(snapshot) == (
+        "gdn_state_copy: prefill calls seen 0, routed 0, bypassed 0; plans none published; seams by alias 1, rewrite 2")
