@@ -44,7 +44,7 @@ class DirectRoute:
     """
 
     __slots__ = ("casts_folded", "elided", "folded", "gathers", "layer", "native_clears", "plan", "scatters", "seam",
-                 "state")
+                 "state", "vector")
     proxy = None
     open = True  # only ever seen while its call runs (the module-level wrappers check it)
 
@@ -54,6 +54,7 @@ class DirectRoute:
         self.plan = plan
         self.state = state
         self.gathers = self.scatters = self.folded = self.elided = self.casts_folded = self.native_clears = 0
+        self.vector = None  # the last index object found to be a 1-D int32/int64 vector (the scatter reuses it)
 
     @property
     def layer_name(self) -> str:
@@ -73,6 +74,7 @@ class DirectRoute:
                 self.run_clear(packed, flags, clear)
             return packed
         self.gathers += 1
+        self.vector = indices
         if (flags is not None and isinstance(flags, torch.Tensor) and flags.dtype is torch.bool
                 and flags.dim() == 1 and flags.shape == indices.shape and flags.device == state.device):
             self.folded += 1
@@ -100,8 +102,8 @@ class DirectRoute:
 
     def scatter(self, state: torch.Tensor, indices: Any, value: Any) -> None:
         """``state[indices] = value`` through the plan when ``value`` already has the cache's dtype."""
-        if (state is self.state and is_index_vector(indices) and isinstance(value, torch.Tensor)
-                and value.dtype is state.dtype):
+        if (state is self.state and (indices is self.vector or is_index_vector(indices))
+                and isinstance(value, torch.Tensor) and value.dtype is state.dtype):
             self.plan.scatter(state, value, indices)
             self.scatters += 1
             return
@@ -111,8 +113,8 @@ class DirectRoute:
 
     def scatter_cast(self, state: torch.Tensor, indices: Any, final: Any) -> None:
         """``state[indices] = final.to(state.dtype)`` with the cast inside the plan's copy where it prepared one."""
-        if (state is self.state and is_index_vector(indices) and isinstance(final, torch.Tensor)
-                and final.device == state.device and final.dtype is not state.dtype
+        if (state is self.state and (indices is self.vector or is_index_vector(indices))
+                and isinstance(final, torch.Tensor) and final.device == state.device and final.dtype is not state.dtype
                 and final.dtype in getattr(self.plan, "final_dtypes", ())):
             self.plan.scatter(state, final, indices)
             self.scatters += 1
@@ -170,7 +172,12 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
     if getattr(active, "route", None) is not None:  # a nested seam call: the outer call routes
         return wrapped(*args, **kwargs)
     plan = getattr(instance, PLAN_ATTRIBUTE, None)
-    state = read_cache(seam, instance, args, kwargs) if plan is not None else None
+    if plan is None:
+        state = None
+    elif type(seam.state) is KVCacheSlot and type(cache := instance.__dict__.get("kv_cache")) is tuple:
+        state = cache[seam.state.slot] if len(cache) > seam.state.slot else None  # the common case, inline
+    else:
+        state = read_cache(seam, instance, args, kwargs)
     if plan is None or not isinstance(state, torch.Tensor) or state.dim() != 4 or (
             seam.prefill_gated and breakable_capture_active()):
         return run_unroutable(seam, wrapped, instance, args, kwargs, state)

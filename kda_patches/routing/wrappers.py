@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 _calls: Any = None
-_direct: Any = None
+_route_direct: Any = None
 
 
 def _load_calls() -> Any:
@@ -31,11 +31,11 @@ def _load_calls() -> Any:
 
 
 def _load_direct() -> Any:
-    global _direct
-    from kda_patches.routing import direct  # deferred: imports torch
+    global _route_direct
+    from kda_patches.routing.direct import route_direct  # deferred: imports torch
 
-    _direct = direct
-    return direct
+    _route_direct = route_direct
+    return route_direct
 
 
 class SeamWrapper:
@@ -68,11 +68,12 @@ class SeamWrapper:
         self.rewrites.pop(original, None)
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if self.rewrites:
+        rewrites = self.rewrites
+        if rewrites:
             # a bound method, or (a call through the class) wrapt's partial proxy binding the instance
-            twin = self.rewrites.get(getattr(wrapped, "__func__", None) or getattr(wrapped, "__wrapped__", None))
+            twin = rewrites.get(getattr(wrapped, "__func__", None) or getattr(wrapped, "__wrapped__", None))
             if twin is not None:
-                return (_direct or _load_direct()).route_direct(self.seam, twin, wrapped, instance, args, kwargs)
+                return (_route_direct or _load_direct())(self.seam, twin, wrapped, instance, args, kwargs)
         return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs)
 
 
