@@ -154,6 +154,9 @@ def routed_steps(torch: Any, calls: int = 20000) -> dict[str, Any]:
         plan.scatter(ssm_state, last_recurrent_state, prefill_state_indices)
         core_attn_out.copy_(core)
 
+    def ideal_bound(self: Any, *inputs: Any) -> None:  # the same one extra frame as the seam's bound call
+        return ideal(self, *inputs)
+
     def loop(function: Any, count: int) -> float:
         with override_forward_context(context):
             start = time.perf_counter()
@@ -192,7 +195,7 @@ def routed_steps(torch: Any, calls: int = 20000) -> dict[str, Any]:
                     (direct, "DirectRoute"), (direct, "read_cache"), (direct, "require_plan"),
                     (calls_module, "prefill_metadata"), (calls_module, "breakable_capture_active"),
                     (direct, "route_direct"))}
-    unpatched = best(module.AttributeChunkLayer._forward_core)
+    unpatched = best(lambda self, *inputs: self._forward_core(*inputs))
     ideal_us = best(ideal)
     result: dict[str, Any] = {"unpatched (torch indexing) (us)": round(unpatched, 3),
                               "ideal (plan calls written in) (us)": round(ideal_us, 3)}
@@ -203,9 +206,13 @@ def routed_steps(torch: Any, calls: int = 20000) -> dict[str, Any]:
         register_patch(patch)  # the dummies are imported: the target is wrapped (and rewritten) now
         try:
             setattr(layer, PLAN_ATTRIBUTE, plan)
-            seam_call = module.AttributeChunkLayer._forward_core
+            def seam_call(self: Any, *inputs: Any) -> Any:  # bound, as vLLM calls it (not wrapt's class-call path)
+                return self._forward_core(*inputs)
+
+            if mechanism == "rewrite":
+                result["rewrite layers (us)"] = rewrite_layers(module, layer, plan, loop, calls)
             loop(seam_call, 500)
-            pairs = [(loop(ideal, calls // 4), loop(seam_call, calls // 4)) for _ in range(8)]  # interleaved
+            pairs = [(loop(ideal_bound, calls // 4), loop(seam_call, calls // 4)) for _ in range(8)]  # interleaved
             ideal_here = min(pair[0] for pair in pairs)
             untimed = min(pair[1] for pair in pairs)
             undo = [timed(owner, name) for owner, name in owners]
@@ -230,6 +237,40 @@ def routed_steps(torch: Any, calls: int = 20000) -> dict[str, Any]:
             "steps (us, timer overhead included)": {
                 label: round(total / calls / 1000, 3) for label, total in sorted(spent.items(), key=lambda kv: -kv[1])}}
     return result
+
+
+def rewrite_layers(module: Any, layer: Any, plan: Any, loop: Any, calls: int) -> dict[str, float]:
+    """The rewritten call peeled layer by layer (best of 30 interleaved loops each): what each layer adds.
+
+    ``twin, bare route``: the twin with a route whose methods only call the plan; ``twin, DirectRoute``: with
+    the real route (its checks and tallies); ``route_direct``: plus the call's setup and proof;
+    ``full call``: plus wrapt's dispatch and the wrapper (a bound call, as vLLM makes it). Each goes through
+    one lambda frame.
+    """
+    from kda_patches.routing import direct
+
+    raw_function = vars(module.AttributeChunkLayer)["_forward_core"].__wrapped__
+    wrapper = vars(module.AttributeChunkLayer)["_forward_core"]._self_wrapper
+    twin, seam = wrapper.rewrites[raw_function], wrapper.seam
+
+    class BareRoute:
+        def gather(self, state: Any, indices: Any, flags: Any, clear: Any = None) -> Any:
+            return plan.gather(state, indices, flags)
+
+        def scatter_cast(self, state: Any, indices: Any, final: Any) -> None:
+            plan.scatter(state, final, indices)
+
+    bare = BareRoute()
+    variants = {
+        "twin, bare route": lambda self, *a: twin(bare, self, *a),
+        "twin, DirectRoute": lambda self, *a: twin(direct.DirectRoute(seam, self, plan, self.kv_cache[1]), self, *a),
+        "route_direct": lambda self, *a: direct.route_direct(seam, twin, None, self, a, {}),
+        "full call": lambda self, *a: self._forward_core(*a)}
+    best: dict[str, float] = {}
+    for _ in range(30):
+        for name, function in variants.items():
+            best[name] = min(best.get(name, float("inf")), loop(function, calls // 20))
+    return {name: round(value, 3) for name, value in best.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
