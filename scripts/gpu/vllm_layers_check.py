@@ -1,8 +1,10 @@
-"""vLLM 0.33's own Kimi K3 KDA and Qwen GDN layers on the GPU, overlay off vs on: exactness and prefill time.
+"""vLLM 0.33's own GDN-family seam layers on the GPU, overlay off vs on: exactness and prefill time.
 
-Issue 9. Runs vLLM's released layer code (``KimiK3DeltaAttention._forward``,
-``QwenGatedDeltaNetAttention._forward_core``) with its real Triton kernels, brought along as the bundle of
-``scripts/gpu/vllm_bundle.py`` (vLLM's ``.py`` files + the wheels its import chain needs; no ``vllm._C``).
+Issues 9 and 19. Runs vLLM's released layer code (``KimiK3DeltaAttention._forward``,
+``QwenGatedDeltaNetAttention._forward_core``, ``OlmoHybridGatedDeltaNetAttention._forward_core``,
+``KimiGatedDeltaNetAttention._forward`` of Kimi Linear; :data:`KINDS`) with its real Triton kernels, brought
+along as the bundle of ``scripts/gpu/vllm_bundle.py`` (vLLM's ``.py`` files + the wheels its import chain needs;
+no ``vllm._C``).
 
 Per layer, one child process (``KDA_PATCHES=1``, ``KDA_PATCHES_STRICT=1``, ``KDA_PATCHES_ONLY=<its patch>``)
 builds the layer the way vLLM does: a real ``ModelConfig`` from a ``config.json`` written here, a
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.machinery
 import json
 import os
@@ -57,14 +60,50 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUNDLE_DIR = ROOT / ".bundle"
 SITE_DIR = pathlib.Path(tempfile.gettempdir()) / "kda-vllm-bundle"
-LAYERS = ("kimi_k3", "qwen_gdn")
-PATCH_OF = {"kimi_k3": "kimi_prefill", "qwen_gdn": "gdn_state_copy"}
-FOLDS = ("qwen_gdn",)  # layers whose seam declares its final state's source (Seam.final): the cast is folded
-PREFIX_OF = {"kimi_k3": "model.layers.1.self_attn", "qwen_gdn": "model.layers.0.linear_attn"}
-# Prefix caching (vLLM's default) puts mamba layers in "align" mode. Under the V2 model runner,
-# KimiK3KDAMetadataBuilder.build asserts that the runner precomputed the aligned state indices (its model state
-# does, per step); no runner is built here, so the Kimi child selects the V1 runner, where the builder computes
-# the same indices itself with vLLM's own Triton kernel. The Qwen GDN builder computes them in both.
+
+
+class LayerKind:
+    """How one of vLLM's GDN-family seam layers is built and called (declarations; one mechanism below).
+
+    Attributes:
+        patch: the overlay patch whose seam wraps it.
+        prefix: the layer's name in the static forward context.
+        config: ``kimi_linear`` or ``qwen3_next``: which ``config.json`` (:func:`write_model_dir`) it is built on.
+        module, cls: where vLLM defines the layer class.
+        method: the seam method the check calls (``_forward`` / ``_forward_core``).
+        inputs: ``kda`` (``mixed_qkv, g1, g2, beta``) or ``gdn`` (``mixed_qkv, b, a``), plus ``core_attn_out``.
+        folds: its seam declares its final state's source (``Seam.final``): the cast is folded.
+        v1_runner: the child selects vLLM's V1 model runner (see ``RUNNER_NOTE``).
+    """
+
+    __slots__ = ("cls", "config", "folds", "inputs", "method", "module", "patch", "prefix", "v1_runner")
+
+    def __init__(self, patch: str, prefix: str, config: str, module: str, cls: str, method: str, inputs: str,
+                 folds: bool, v1_runner: bool = False) -> None:
+        self.patch, self.prefix, self.config, self.module, self.cls = patch, prefix, config, module, cls
+        self.method, self.inputs, self.folds, self.v1_runner = method, inputs, folds, v1_runner
+
+
+_GDN = "vllm.model_executor.layers.mamba.gdn"
+# Olmo hybrid is built on the Qwen3.6 TP4 head config: its layer reads the same linear_* fields, and the check
+# then needs no OlmoHybrid config class in the image's transformers
+KINDS = {
+    "kimi_k3": LayerKind("kimi_prefill", "model.layers.1.self_attn", "kimi_linear", "vllm.models.kimi_k3.nvidia.kda",
+                         "KimiK3DeltaAttention", "_forward", "kda", folds=False, v1_runner=True),
+    "qwen_gdn": LayerKind("gdn_state_copy", "model.layers.0.linear_attn", "qwen3_next",
+                          f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention", "_forward_core", "gdn",
+                          folds=True),
+    "olmo_gdn": LayerKind("gdn_state_copy", "model.layers.0.linear_attn", "qwen3_next",
+                          f"{_GDN}.olmo_gdn_linear_attn", "OlmoHybridGatedDeltaNetAttention", "_forward_core", "gdn",
+                          folds=True),
+    "kimi_linear_gdn": LayerKind("gdn_state_copy", "model.layers.0.self_attn", "kimi_linear",
+                                 f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention", "_forward", "kda",
+                                 folds=False),
+}
+LAYERS = tuple(KINDS)
+PATCH_OF = {name: kind.patch for name, kind in KINDS.items()}
+FOLDS = tuple(name for name, kind in KINDS.items() if kind.folds)
+PREFIX_OF = {name: kind.prefix for name, kind in KINDS.items()}
 RUNNER_NOTE = "kimi_k3: VLLM_USE_V2_MODEL_RUNNER=0 (builder computes aligned state indices itself)"
 TIMED_SEQS = (1, 8, 64, 256)
 TIMED_LEN, TIMED_CACHED = 512, 512
@@ -120,7 +159,7 @@ def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool) -> d
     env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_ONLY=PATCH_OF[layer],
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
                VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
-    if layer == "kimi_k3":  # see RUNNER_NOTE
+    if KINDS[layer].v1_runner:  # see RUNNER_NOTE
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if dry_run:
         env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1")
@@ -335,7 +374,7 @@ _LIBRARIES: list[Any] = []
 
 def write_model_dir(layer: str, root: pathlib.Path) -> pathlib.Path:
     """Write a ``config.json`` with the issue's head counts (Kimi K3 12x128; Qwen3.6-27B TP4 GDN 12v/4k x128)."""
-    if layer == "kimi_k3":
+    if KINDS[layer].config == "kimi_linear":
         config = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 2048,
                   "num_hidden_layers": 2, "num_attention_heads": 16, "vocab_size": 1024, "torch_dtype": "bfloat16",
                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
@@ -388,15 +427,10 @@ class LayerBench:
         initialize_model_parallel(1, 1)
         facts["distributed_backend"] = backend
         hf = model.hf_text_config
+        kind = KINDS[layer_kind]
         with set_default_torch_dtype(torch.bfloat16), torch.device(device):
-            if layer_kind == "kimi_k3":
-                from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
-
-                self.layer = KimiK3DeltaAttention(hf, self.config, prefix=self.prefix)
-            else:
-                from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
-
-                self.layer = QwenGatedDeltaNetAttention(hf, self.config, prefix=self.prefix)
+            layer_class = getattr(importlib.import_module(kind.module), kind.cls)
+            self.layer = layer_class(hf, self.config, prefix=self.prefix)
         self.init_weights()
         facts["layer_class"] = f"{type(self.layer).__module__}.{type(self.layer).__qualname__}"
         facts["prefill_backend"] = getattr(self.layer, "kda_prefill_backend", None) or getattr(
@@ -488,7 +522,7 @@ class LayerBench:
             return (torch.randn(shape, generator=generator, device=self.device) * scale).to(torch.bfloat16)
 
         layer = self.layer
-        if self.kind == "kimi_k3":
+        if KINDS[self.kind].inputs == "kda":
             heads, dim = layer.local_num_heads, layer.head_dim
             return {"mixed_qkv": draw(tokens, 3 * heads * dim), "g1": draw(1, tokens, heads, dim),
                     "g2": draw(tokens, heads, dim), "beta": draw(1, tokens, heads),
@@ -510,10 +544,7 @@ class LayerBench:
 
         fresh = fresh if fresh is not None else self.fresh(inputs)
         with set_forward_context({self.prefix: metadata}, self.config, num_tokens=fresh["mixed_qkv"].shape[0]):
-            if self.kind == "kimi_k3":
-                self.layer._forward(**fresh)
-            else:
-                self.layer._forward_core(**fresh)
+            getattr(self.layer, KINDS[self.kind].method)(**fresh)
         return fresh["core_attn_out"]
 
 
@@ -745,7 +776,20 @@ def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: i
                 split["fork_body_us"].append((time.perf_counter() - started) * 1e6)
         return original_run_routed(body, args, kwargs, route)
 
+    from kda_patches.routing import wrappers as routing_wrappers
+
+    original_direct = routing_wrappers._route_direct or routing_wrappers._load_direct()
+    split["route_direct_us"] = []
+
+    def timed_direct(*args: Any, **kwargs: Any) -> Any:  # a rewritten seam's whole call (twin included)
+        started = time.perf_counter()
+        try:
+            return original_direct(*args, **kwargs)
+        finally:
+            split["route_direct_us"].append((time.perf_counter() - started) * 1e6)
+
     routing_calls.route_call, routing_calls.run_routed = timed_route_call, timed_run_routed
+    routing_wrappers._route_direct = timed_direct
     try:
         for step in range(3 * calls + 2):
             order = variants[:]
@@ -756,9 +800,11 @@ def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: i
                     samples[variant].append(elapsed)
     finally:
         routing_calls.route_call, routing_calls.run_routed = original_route_call, original_run_routed
+        routing_wrappers._route_direct = original_direct
     result: dict[str, Any] = {"seqs": seqs, "calls": calls,
                               "route_call_us": statistics.median(split["route_call_us"] or [0.0]),
-                              "fork_body_us": statistics.median(split["fork_body_us"] or [0.0])}
+                              "fork_body_us": statistics.median(split["fork_body_us"] or [0.0]),
+                              "route_direct_us": statistics.median(split["route_direct_us"] or [0.0])}
     for variant in variants:
         profiler = cProfile.Profile()
         for _ in range(calls):
@@ -835,7 +881,8 @@ def run_child_main(args: argparse.Namespace) -> int:
                 print(f"[{args.child}] host enqueue {seqs}x{TIMED_LEN}: " + ", ".join(
                     f"{variant} {profile[variant]['enqueue_us']:.1f} us" for variant in ("baseline", "patched")
                     if variant in profile) + f"; patched: route_call {profile['route_call_us']:.1f} us, of which the "
-                    f"fork's body {profile['fork_body_us']:.1f} us (medians)", flush=True)
+                    f"fork's body {profile['fork_body_us']:.1f} us; route_direct {profile['route_direct_us']:.1f} us "
+                    "(medians; a seam runs one of the two mechanisms)", flush=True)
         result["ledger"] = get_ledger().snapshot()
     except BaseException as error:  # the parent reports it; the traceback goes to the log
         traceback.print_exc()
