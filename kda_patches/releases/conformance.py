@@ -12,7 +12,10 @@ code shape the target's wrapper relies on (``Target.shapes``, :mod:`kda_patches.
 Per target it reports: the module present or absent; the attribute resolving or not (and, when a class lacks
 the method, which classes of that module define it); the version-range verdict of the sibling in range; the
 signature fingerprint (found vs expected); the runtime decision (``ok`` = would be wrapped, ``not-applicable``,
-``skipped``; ``absent`` = its module is not in the stack, its hook never fires); its group; each shape.
+``skipped``; ``absent`` = its module is not in the stack, its hook never fires); its group; each shape; and for
+a state-copy seam, ``routing``: the mechanism its calls will run, read from the release's source by the same
+code the wrapper uses at apply time (:func:`kda_patches.routing.rewrite.predict_mechanism`: ``rewrite`` with
+the replaced lines, or ``alias`` with the reason).
 
 Then one verdict per patch per stack (first rule that matches):
 
@@ -177,6 +180,11 @@ def check_target(patch: registry.Patch, key: str, stack: Stack, decision: regist
         "aliases": alias_report(source, stack.sources, target.module, target.qualname)
         if present and decision is not None and decision.state == "ok" else None,
     }
+    seam = getattr(target.wrapper, "seam", None)  # a state-copy seam: which routing mechanism it will run
+    if seam is not None and definition is not None and decision is not None and decision.state == "ok":
+        from kda_patches.routing.rewrite import predict_mechanism
+
+        report["routing"] = predict_mechanism(definition.node, seam, target.qualname)
     for name in target.shapes:
         if name not in SHAPES:
             report["shapes"][name] = {"ok": False, "evidence": f"unknown shape name {name!r} in the record"}

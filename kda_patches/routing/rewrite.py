@@ -283,6 +283,48 @@ def _check_remaining(tree: ast.FunctionDef, state: str) -> None:
             raise RewriteRefused(f"line {node.lineno}: the cache is updated in place with an operator")
 
 
+def plan_rewrite(definition: ast.FunctionDef, seam: Seam, qualname: str) -> list[str]:
+    """Rewrite a seam function's definition in place (the source-level half of the rewrite) and say what changed.
+
+    Used by :func:`rewrite_seam_function` on the installed function's source, and by ``kda-patches conformance``
+    on a release's file (with that file's line numbers), so both give the same verdict for the same source.
+
+    Args:
+        definition: the function's ``def`` node (line numbers as in its file).
+        seam: its declaration.
+        qualname: the function's qualified name (messages).
+    Returns:
+        ``"line N: <kind>"`` per rewritten statement.
+    Raises:
+        RewriteRefused: the body is not exactly the declared seam (the message says where).
+    """
+    arguments = definition.args
+    every_argument = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                      *(a for a in (arguments.vararg, arguments.kwarg) if a is not None)]
+    for node in ast.walk(definition):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name is not None and name.startswith("__") and not name.endswith("__"):
+            raise RewriteRefused(f"line {node.lineno}: {name} is name-mangled in a class body")
+        if isinstance(node, ast.Name) and node.id in ("super", "__class__"):
+            raise RewriteRefused(f"{qualname} closes over __class__ (line {node.lineno}: {node.id}); "
+                                 "a recompiled twin cannot share its cells")
+    if any(a.arg == ROUTE_PARAMETER for a in every_argument):
+        raise RewriteRefused(f"{qualname} already has a parameter named {ROUTE_PARAMETER}")
+    state = _find_state_name(seam, definition)
+    if state is None:
+        raise RewriteRefused(f"{qualname}: no one name is both read as X = S[I] (or passed first to the declared "
+                             "gather function) and written as S[J] = V, so the cache's name is unknown "
+                             f"({seam.state!r})")
+    rewriter = _SeamRewriter(seam, state)
+    definition.body = rewriter.rewrite_block(definition.body)
+    if rewriter.gathers == 0 or rewriter.scatters == 0:
+        raise RewriteRefused(f"{qualname}: found {rewriter.gathers} gather(s) and {rewriter.scatters} "
+                             f"scatter(s) of {state!r} of the declared forms, expected at least one of each")
+    _check_remaining(definition, state)
+    arguments.posonlyargs.insert(0, ast.arg(arg=ROUTE_PARAMETER))  # first: a positional pass costs no dict
+    return rewriter.replaced
+
+
 def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
     """Return the rewritten twin of a seam's released function.
 
@@ -312,28 +354,8 @@ def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
         # a decorator that returned another object: the twin would drop what it adds
         raise RewriteRefused(f"{function.__qualname__} is wrapped by a decorator; the twin would drop it")
     definition.decorator_list = []  # each decorator returned the function itself: nothing to keep
-    arguments = definition.args
-    every_argument = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
-                      *(a for a in (arguments.vararg, arguments.kwarg) if a is not None)]
-    for node in ast.walk(definition):
-        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
-        if name is not None and name.startswith("__") and not name.endswith("__"):
-            raise RewriteRefused(f"line {node.lineno + first_line - 1}: {name} is name-mangled in a class body")
-    if any(a.arg == ROUTE_PARAMETER for a in every_argument):
-        raise RewriteRefused(f"{function.__qualname__} already has a parameter named {ROUTE_PARAMETER}")
-    state = _find_state_name(seam, definition)
-    if state is None:
-        raise RewriteRefused(f"{function.__qualname__}: no one name is both read as X = S[I] (or passed first to "
-                             "the declared gather function) and written as S[J] = V, so the cache's name is unknown "
-                             f"({seam.state!r})")
     ast.increment_lineno(module, first_line - 1)
-    rewriter = _SeamRewriter(seam, state)
-    definition.body = rewriter.rewrite_block(definition.body)
-    if rewriter.gathers == 0 or rewriter.scatters == 0:
-        raise RewriteRefused(f"{function.__qualname__}: found {rewriter.gathers} gather(s) and {rewriter.scatters} "
-                             f"scatter(s) of {state!r} of the declared forms, expected at least one of each")
-    _check_remaining(definition, state)
-    arguments.posonlyargs.insert(0, ast.arg(arg=ROUTE_PARAMETER))  # first: a positional pass costs no dict
+    replaced = plan_rewrite(definition, seam, function.__qualname__)
     ast.fix_missing_locations(module)
     compiled = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True)
     twin_code = next(c for c in compiled.co_consts if isinstance(c, types.CodeType) and c.co_name == function.__name__)
@@ -345,7 +367,28 @@ def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
     twin.__annotations__ = dict(getattr(function, "__annotations__", {}))
     twin.__dict__.update(function.__dict__)
     twin.__kda_original__ = function
-    return Rewritten(twin, rewriter.replaced)
+    return Rewritten(twin, replaced)
+
+
+def predict_mechanism(definition: ast.AST, seam: Seam, qualname: str) -> dict[str, Any]:
+    """Return which mechanism a seam will run on a release, read from its source (``kda-patches conformance``).
+
+    Args:
+        definition: the function's node in the release's file (left unchanged: a copy is rewritten).
+        seam: its declaration.
+        qualname: the function's qualified name.
+    Returns:
+        ``{"mechanism": "rewrite", "replaced": [...]}`` or ``{"mechanism": "alias", "reason": ...}``. A
+        decorator is read as returning the function itself (the live check decides the rest at wrap time).
+    """
+    import copy
+
+    if not isinstance(definition, ast.FunctionDef):
+        return {"mechanism": "alias", "reason": f"not rewritten: {qualname} is not a function definition"}
+    try:
+        return {"mechanism": "rewrite", "replaced": plan_rewrite(copy.deepcopy(definition), seam, qualname)}
+    except RewriteRefused as refusal:
+        return {"mechanism": "alias", "reason": f"not rewritten: {refusal}"}
 
 
 def prepare_rewrite(rewrites: dict[Any, Any], seam: Seam, key: str, original: Any) -> str:

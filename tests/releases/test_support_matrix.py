@@ -45,3 +45,16 @@ def test_every_listed_stack_is_read_and_no_patch_is_broken(reports: list[dict]) 
 
 def test_readme_links_the_matrix() -> None:
     assert "SUPPORT_MATRIX.md" in (ROOT / "patches" / "README.md").read_text(encoding="utf-8")
+
+
+def test_every_wrapped_state_copy_seam_of_the_matrix_rewrites(reports: list[dict]) -> None:
+    """Each released seam the overlay wraps has exactly the declared copy lines (read as the wrapper reads them)."""
+    seen, refused = 0, []
+    for report in reports:
+        for entry in report["patches"].values():
+            for target in entry["targets"]:
+                if "routing" in target:
+                    seen += 1
+                    if target["routing"]["mechanism"] != "rewrite":
+                        refused.append(f"{report['stack']} {target['key']}: {target['routing']['reason']}")
+    assert seen >= 40 and refused == []

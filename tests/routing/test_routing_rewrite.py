@@ -347,3 +347,23 @@ def test_a_rewrite_error_leaves_the_seam_on_the_alias_and_says_so(world, strict,
     assert same(baseline, patched) and counts == {"calls_seen": 1, "calls_routed": 1}
     assert mechanism("Valid")["mechanism"] == "alias"
     assert mechanism("Valid")["reason"] == "rewrite failed: KeyError: 'a rewrite bug'"
+
+
+def test_conformance_predicts_the_mechanism_from_a_releases_source():
+    """The static half, on a file's ``def`` node (as conformance reads a release): same verdicts, node unchanged."""
+    import ast
+    import inspect
+
+    from kda_patches.routing.rewrite import predict_mechanism
+
+    module, _ = load(None)
+    tree = ast.parse(inspect.getsource(module))
+    nodes = {node.name: next(item for item in node.body if isinstance(item, ast.FunctionDef))
+             for node in tree.body if isinstance(node, ast.ClassDef) and node.name in ("Valid", "ClearWithOne")}
+    before = ast.dump(nodes["Valid"])
+    valid = predict_mechanism(nodes["Valid"], SEAM, "Valid.forward")
+    assert valid["mechanism"] == "rewrite" and valid["replaced"][0].startswith(f"line {nodes['Valid'].lineno + 3}:")
+    assert ast.dump(nodes["Valid"]) == before
+    refused = predict_mechanism(nodes["ClearWithOne"], SEAM, "ClearWithOne.forward")
+    assert refused["mechanism"] == "alias" and "declared clear" in refused["reason"]
+    assert predict_mechanism(tree.body[0], SEAM, "x")["mechanism"] == "alias"
