@@ -63,13 +63,17 @@ def key_targets(patch: registry.Patch) -> list[registry.Target]:
 
 
 def describe_seams() -> dict[str, Any]:
-    """Return the state-copy seam declarations per patch and the Kimi fork-plan choice (no torch import)."""
+    """Return the state-copy seam declarations per patch, the Kimi fork-plan and routing switches, and per seam
+    the mechanism this process wraps it with (``not wrapped here`` when its module was not imported; no torch)."""
     from kda_patches.routing.wrappers import SeamWrapper
 
-    seams: dict[str, Any] = {"KDA_PATCHES_KIMI_PLAN": current_flags().kimi_plan}
+    flags = current_flags()
+    facts = get_ledger().snapshot().get("facts", {})
+    seams: dict[str, Any] = {"KDA_PATCHES_KIMI_PLAN": flags.kimi_plan, "KDA_PATCHES_ROUTING": flags.routing}
     for name, patch in registry.all_patches().items():
-        declared = {target.key: target.wrapper.seam.describe() for target in patch.targets
-                    if isinstance(target.wrapper, SeamWrapper)}
+        declared = {target.key: {**target.wrapper.seam.describe(), "routing": facts.get(
+            target.wrapper.seam.section, {}).get(f"routing {target.key}", {}).get("mechanism", "not wrapped here")}
+            for target in patch.targets if isinstance(target.wrapper, SeamWrapper)}
         if declared:
             seams[name] = declared
     return seams
@@ -133,12 +137,13 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"device: {report['device']}")
     lines.append(f"bootstrap: {report['bootstrap']}")
     seams = report.get("state_copy_seams", {})
-    lines.append(f"state-copy seams (KDA_PATCHES_KIMI_PLAN={seams.get('KDA_PATCHES_KIMI_PLAN')}):")
+    lines.append(f"state-copy seams (KDA_PATCHES_KIMI_PLAN={seams.get('KDA_PATCHES_KIMI_PLAN')}, "
+                 f"KDA_PATCHES_ROUTING={seams.get('KDA_PATCHES_ROUTING')}):")
     for name, declared in seams.items():
         if isinstance(declared, dict):
             for key, seam in declared.items():
                 lines.append(f"  {name}: {key}: state {seam['state']}, clear {seam['clear']}"
-                             f"{' (prefill-gated)' if seam['prefill_gated'] else ''}")
+                             f"{' (prefill-gated)' if seam['prefill_gated'] else ''}, routing {seam['routing']}")
     for name, info in report["patches"].items():
         lines.append(f"patch {name} ({'enabled' if info['enabled'] else 'disabled'}):")
         for target, check in info["targets"].items():

@@ -34,3 +34,20 @@ def test_doctor_lists_every_declared_seam_with_its_clear():
         "KimiGatedDeltaNetAttention._forward": "none",
         "AscendGatedDeltaNetAttention._forward_core": "function",
     }
+
+
+def test_doctor_says_which_mechanism_each_seam_is_wrapped_with(routing, strict, monkeypatch):
+    """A seam's routing fact (recorded when the registry wrapped it) shows in doctor; the switch too."""
+    from kda_patches.doctor import describe_seams
+    from kda_patches.ledger import get_ledger
+    from kda_patches.patches import gdn_state_copy
+
+    key = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention._forward_core"
+    ledger = get_ledger()
+    monkeypatch.setattr(ledger, "_facts", {section: dict(facts) for section, facts in ledger._facts.items()})
+    ledger.set_fact(gdn_state_copy.LEDGER_PATH, f"routing {key}", {"seam": "q", "mechanism": routing})
+    seams = describe_seams()
+    assert seams["KDA_PATCHES_ROUTING"] == routing
+    assert seams["gdn_state_copy"][key]["routing"] == routing
+    unwrapped = "vllm_ascend.ops.gdn:AscendGatedDeltaNetAttention._forward_core"
+    assert seams["gdn_state_copy"][unwrapped]["routing"] == "not wrapped here"
