@@ -1,4 +1,4 @@
-"""``KDA_PATCHES_KIMI_PLAN`` parsing and the doctor's state-copy seam rows."""
+"""``KDA_PATCHES_KIMI_PLAN`` / ``KDA_PATCHES_ROUTING`` parsing and the doctor's state-copy seam rows."""
 
 from __future__ import annotations
 
@@ -11,6 +11,18 @@ def test_kimi_plan_defaults_to_fork_and_accepts_overlay():
     assert parse_flags({}).kimi_plan == "fork"
     assert parse_flags({"KDA_PATCHES_KIMI_PLAN": " Overlay "}).kimi_plan == "overlay"
     assert parse_flags({"KDA_PATCHES_KIMI_PLAN": "overlay"}).as_dict()["KDA_PATCHES_KIMI_PLAN"] == "overlay"
+
+
+def test_routing_defaults_to_rewrite_and_accepts_alias():
+    assert parse_flags({}).routing == "rewrite"
+    assert parse_flags({"KDA_PATCHES_ROUTING": " Alias "}).routing == "alias"
+    assert parse_flags({"KDA_PATCHES_ROUTING": "alias"}).as_dict()["KDA_PATCHES_ROUTING"] == "alias"
+    assert not parse_flags({"KDA_PATCHES_ROUTING": "alias"}).warnings  # a known switch
+
+
+def test_a_malformed_routing_names_the_variable_and_the_choices():
+    with pytest.raises(ValueError, match=r"KDA_PATCHES_ROUTING='twin'.*rewrite, alias"):
+        parse_flags({"KDA_PATCHES_ROUTING": "twin"})
 
 
 def test_a_malformed_kimi_plan_names_the_variable_and_the_choices():
