@@ -22,22 +22,23 @@ function in which they call the call's :class:`~kda_patches.routing.direct.Direc
 The twin has the original's globals (the module's live namespace), defaults, name and line numbers, plus one
 positional-only first parameter ``_kda_route``: ``twin(route, self, *args, **kwargs)``. A function this
 module cannot rewrite exactly -- no source, a closure (``super()``), a decorator that returned another
-object, a name-mangled identifier, a clear that is not the folded form, another index read or write of the
-cache -- is refused with the reason; the seam then routes through the alias, and the ledger fact
-``routing <target>`` of the seam's section says which mechanism each seam runs.
+object, a name-mangled identifier, a source file that no longer compiles to the loaded function's bytecode, a
+clear that is not the folded form, another index read or write of the cache -- is refused with the reason; the
+seam then routes through the alias, and the ledger fact ``routing <target>`` of the seam's section says which
+mechanism each seam runs.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
 import types
 from typing import Any
 
 from kda_patches.routing.seams import CLEAR_FUNCTION, CLEAR_NATIVE, CLEAR_NONE, Argument, Seam
 
 ROUTE_PARAMETER = "_kda_route"
+_SCOPE = "_kda_class_scope"  # the class body a method's source is parsed in
 _ROW_PRESERVING = ("contiguous", "transpose")
 _FUTURE_FLAGS = 0
 for _feature in ("annotations", "division", "generator_stop"):
@@ -283,6 +284,21 @@ def _check_remaining(tree: ast.FunctionDef, state: str) -> None:
             raise RewriteRefused(f"line {node.lineno}: the cache is updated in place with an operator")
 
 
+def check_class_scope_names(definition: ast.FunctionDef, qualname: str) -> None:
+    """Refuse names that mean something else outside the class body the function was compiled in.
+
+    Raises:
+        RewriteRefused: a private (name-mangled) identifier, or ``super`` / ``__class__`` (a closure cell).
+    """
+    for node in ast.walk(definition):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name is not None and name.startswith("__") and not name.endswith("__"):
+            raise RewriteRefused(f"line {node.lineno}: {name} is name-mangled in a class body")
+        if isinstance(node, ast.Name) and node.id in ("super", "__class__"):
+            raise RewriteRefused(f"{qualname} closes over __class__ (line {node.lineno}: {node.id}); "
+                                 "a recompiled twin cannot share its cells")
+
+
 def plan_rewrite(definition: ast.FunctionDef, seam: Seam, qualname: str) -> list[str]:
     """Rewrite a seam function's definition in place (the source-level half of the rewrite) and say what changed.
 
@@ -301,13 +317,7 @@ def plan_rewrite(definition: ast.FunctionDef, seam: Seam, qualname: str) -> list
     arguments = definition.args
     every_argument = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
                       *(a for a in (arguments.vararg, arguments.kwarg) if a is not None)]
-    for node in ast.walk(definition):
-        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
-        if name is not None and name.startswith("__") and not name.endswith("__"):
-            raise RewriteRefused(f"line {node.lineno}: {name} is name-mangled in a class body")
-        if isinstance(node, ast.Name) and node.id in ("super", "__class__"):
-            raise RewriteRefused(f"{qualname} closes over __class__ (line {node.lineno}: {node.id}); "
-                                 "a recompiled twin cannot share its cells")
+    check_class_scope_names(definition, qualname)
     if any(a.arg == ROUTE_PARAMETER for a in every_argument):
         raise RewriteRefused(f"{qualname} already has a parameter named {ROUTE_PARAMETER}")
     state = _find_state_name(seam, definition)
@@ -346,19 +356,32 @@ def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
         lines, first_line = inspect.getsourcelines(function)
     except (OSError, TypeError) as error:
         raise RewriteRefused(f"no source for {function.__qualname__}: {error}") from None
-    module = ast.parse(textwrap.dedent("".join(lines)))
-    definition = module.body[0] if len(module.body) == 1 else None
+    source = "".join(lines)
+    # a method's source is indented: parse it inside a class body, as it was compiled (dedenting the text
+    # would change its docstring and every other multi-line string constant)
+    indented = source[:1] in (" ", "\t")
+    module = ast.parse(f"class {_SCOPE}:\n{source}" if indented else source)
+    container = module.body[0] if len(module.body) == 1 else None
+    body = container.body if indented and isinstance(container, ast.ClassDef) else [container]
+    definition = body[0] if len(body) == 1 else None
     if not isinstance(definition, ast.FunctionDef) or definition.name != function.__name__:
         raise RewriteRefused(f"the source of {function.__qualname__} is not one function definition")
     if definition.decorator_list and (hasattr(function, "__wrapped__") or code.co_firstlineno != first_line):
         # a decorator that returned another object: the twin would drop what it adds
         raise RewriteRefused(f"{function.__qualname__} is wrapped by a decorator; the twin would drop it")
     definition.decorator_list = []  # each decorator returned the function itself: nothing to keep
-    ast.increment_lineno(module, first_line - 1)
+    ast.increment_lineno(module, first_line - (2 if indented else 1))
+    # the module's imports go first (not run: only compiled): CPython compiles a call of an imported module's
+    # attribute differently from other globals, and the twin must compile to the loaded function's bytecode
+    module.body[:0] = module_imports(code.co_filename)
+    check_class_scope_names(definition, function.__qualname__)  # before the bytecode comparison they would fail
+    flags = code.co_flags & _FUTURE_FLAGS
+    if not _same_code(code, _compiled_function(module, code.co_filename, flags, function.__name__)):
+        raise RewriteRefused(f"the source of {function.__qualname__} in {code.co_filename} does not compile to the "
+                             "loaded function (the file changed after import, or it is not what runs)")
     replaced = plan_rewrite(definition, seam, function.__qualname__)
     ast.fix_missing_locations(module)
-    compiled = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True)
-    twin_code = next(c for c in compiled.co_consts if isinstance(c, types.CodeType) and c.co_name == function.__name__)
+    twin_code = _compiled_function(module, code.co_filename, flags, function.__name__)
     twin = types.FunctionType(twin_code, function.__globals__, function.__name__, function.__defaults__)
     twin.__kwdefaults__ = function.__kwdefaults__
     twin.__qualname__ = function.__qualname__
@@ -368,6 +391,54 @@ def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
     twin.__dict__.update(function.__dict__)
     twin.__kda_original__ = function
     return Rewritten(twin, replaced)
+
+
+def module_imports(filename: str) -> list[ast.stmt]:
+    """Return the module-level ``import`` statements of ``filename`` (through ``if``/``try`` blocks; no
+    ``__future__`` import: those are compiler flags), as ``linecache`` holds the file (what inspect read)."""
+    import linecache
+
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except SyntaxError:
+        return []
+    found: list[ast.stmt] = []
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+                found.append(node)
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            pending[:0] = [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                           *(item for handler in getattr(node, "handlers", []) for item in handler.body)]
+    return found
+
+
+def _compiled_function(module: ast.Module, filename: str, flags: int, name: str) -> types.CodeType:
+    """Compile a module holding one function (at its top or in the :data:`_SCOPE` class) and return its code."""
+    compiled = compile(module, filename, "exec", flags=flags, dont_inherit=True)
+    for code in compiled.co_consts:
+        if isinstance(code, types.CodeType) and code.co_name == _SCOPE:
+            compiled = code
+            break
+    return next(c for c in compiled.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
+
+
+def _same_code(loaded: types.CodeType, compiled: types.CodeType) -> bool:
+    """Whether two code objects run the same bytecode on the same names and constants (nested code included)."""
+    if (loaded.co_code != compiled.co_code or loaded.co_names != compiled.co_names
+            or loaded.co_varnames != compiled.co_varnames or loaded.co_freevars != compiled.co_freevars):
+        return False
+    if len(loaded.co_consts) != len(compiled.co_consts):
+        return False
+    for a, b in zip(loaded.co_consts, compiled.co_consts, strict=True):
+        if isinstance(a, types.CodeType) or isinstance(b, types.CodeType):
+            if not (isinstance(a, types.CodeType) and isinstance(b, types.CodeType) and _same_code(a, b)):
+                return False
+        elif type(a) is not type(b) or repr(a) != repr(b):  # repr: -0.0 vs 0.0, NaN, nested tuples
+            return False
+    return True
 
 
 def predict_mechanism(definition: ast.AST, seam: Seam, qualname: str) -> dict[str, Any]:

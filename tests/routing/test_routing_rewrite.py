@@ -367,3 +367,29 @@ def test_conformance_predicts_the_mechanism_from_a_releases_source():
     refused = predict_mechanism(nodes["ClearWithOne"], SEAM, "ClearWithOne.forward")
     assert refused["mechanism"] == "alias" and "declared clear" in refused["reason"]
     assert predict_mechanism(tree.body[0], SEAM, "x")["mechanism"] == "alias"
+
+
+def test_a_source_file_changed_after_import_is_refused(tmp_path):
+    """The twin is compiled from the file; when the file no longer compiles to the loaded bytecode it would not
+    be the function that runs."""
+    import importlib.util
+    import inspect
+    import os
+
+    module, _ = load(None)
+    source = inspect.getsource(module)
+    path = tmp_path / "changed_layer.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("changed_layer", path)
+    changed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(changed)
+    function = vars(changed.Valid)["forward"]
+    assert rewrite_seam_function(function, SEAM).replaced  # unchanged file: rewritten
+    path.write_text(source.replace("final = initial.float() * 0.5 + 1\n        ssm_state[indices] = final.to(ssm_"
+                                   "state.dtype)\n        return initial.float()\n\n\nclass ClearWithOne",
+                                   "final = initial.float() * 0.25 + 1\n        ssm_state[indices] = final.to(ssm_"
+                                   "state.dtype)\n        return initial.float()\n\n\nclass ClearWithOne", 1))
+    stat = path.stat()
+    os.utime(path, (stat.st_atime, stat.st_mtime + 5))  # linecache re-reads a file whose mtime changed
+    with pytest.raises(RewriteRefused, match="does not compile to the loaded function"):
+        rewrite_seam_function(function, SEAM)
