@@ -119,7 +119,7 @@ def run_routed(wrapped: Any, args: tuple, kwargs: dict, route: CallRoute) -> Any
     return result
 
 
-def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dict, fold: bool = True) -> Any:
     """Run one call of a seam function with its state copy routed through the layer's plan.
 
     Args:
@@ -127,6 +127,8 @@ def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dic
         wrapped: the original bound function.
         instance: the layer.
         args, kwargs: the call's arguments (``self`` excluded).
+        fold: False when the function's source shows no foldable clear after its gather (the rewrite's
+            refusal): the gather then takes no flags and the fork's own clear runs.
     Returns:
         The original's return value.
     Raises:
@@ -153,7 +155,7 @@ def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dic
                       f"function (VLLM_USE_BREAKABLE_CUDAGRAPH=1 is not supported by {section})")
         return wrapped(*args, **kwargs)
     indices = read_declared(seam.indices, args, kwargs, metadata)
-    flags = None if seam.clear == CLEAR_NONE else read_declared(seam.flags, args, kwargs, metadata)
+    flags = None if seam.clear == CLEAR_NONE or not fold else read_declared(seam.flags, args, kwargs, metadata)
     route = CallRoute(seam, layer_name_of(instance), plan, state, indices, flags)
     proxy = make_alias(route)
     restore_cache = restore_flags = None

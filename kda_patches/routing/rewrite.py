@@ -48,7 +48,17 @@ for _feature in ("annotations", "division", "generator_stop"):
 
 
 class RewriteRefused(Exception):
-    """The function's source is not exactly the declared seam; the message says what differs."""
+    """The function's source is not exactly the declared seam; the message says what differs.
+
+    Attributes:
+        clear_not_folded: the refusal is that a gather is not followed by the declared clear: the alias must
+            then not fold the clear into its gather either (its fold is speculative: it hands the flags to the
+            gather before it sees the clear), and the fork's own clear runs.
+    """
+
+    def __init__(self, message: str, clear_not_folded: bool = False) -> None:
+        super().__init__(message)
+        self.clear_not_folded = clear_not_folded
 
 
 class Rewritten:
@@ -251,7 +261,8 @@ class _SeamRewriter:
             flags = _function_clear_flags(following, packed, seam.clear_function)
         if seam.clear != CLEAR_NONE and (flags is None or packed in _names_in(flags)):
             raise RewriteRefused(f"line {statement.lineno}: the gather into {packed!r} is not directly followed "
-                                 f"by the declared clear ({_describe_clear(seam, packed)}); it cannot be folded")
+                                 f"by the declared clear ({_describe_clear(seam, packed)}); it cannot be folded",
+                                 clear_not_folded=True)
         clear = [following.value.func] if flags is not None and seam.clear == CLEAR_FUNCTION else []
         replacement = _route_call("gather", ast.Name(id=self.state, ctx=ast.Load()), index,
                                   flags if flags is not None else ast.Constant(value=None), *clear)
@@ -462,15 +473,18 @@ def predict_mechanism(definition: ast.AST, seam: Seam, qualname: str) -> dict[st
         return {"mechanism": "alias", "reason": f"not rewritten: {refusal}"}
 
 
-def prepare_rewrite(rewrites: dict[Any, Any], seam: Seam, key: str, original: Any) -> str:
+def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, key: str, original: Any) -> str:
     """Build the twin of a just-wrapped seam function into ``rewrites`` (or record why it routes by alias).
 
     Called once when the registry wraps the function (``SeamWrapper.on_apply``); never raises: a refusal
     or an unexpected error leaves the seam on the routed alias, and the ledger fact
-    ``<seam section> / routing <key>`` says which mechanism runs and why.
+    ``<seam section> / routing <key>`` says which mechanism runs and why. A refusal because a gather is not
+    followed by the declared clear also puts ``original`` into ``unfolded``: its alias then gathers without the
+    flags and the fork's own clear runs (fact ``clear_folded: false``).
 
     Args:
         rewrites: the wrapper's ``{original function: twin}`` table.
+        unfolded: the wrapper's set of functions whose alias must not fold the clear.
         seam: the declaration.
         key: the target's ``module:qualname`` (the fact's name).
         original: what the registry wrapped (a class ``__dict__`` entry).
@@ -487,6 +501,9 @@ def prepare_rewrite(rewrites: dict[Any, Any], seam: Seam, key: str, original: An
             rewritten = rewrite_seam_function(original, seam)
         except RewriteRefused as refusal:
             fact = {"mechanism": "alias", "reason": f"not rewritten: {refusal}"}
+            if refusal.clear_not_folded:
+                unfolded.add(original)
+                fact["clear_folded"] = False
         except Exception as error:  # a rewrite bug must not cost the seam its routing
             fact = {"mechanism": "alias", "reason": f"rewrite failed: {type(error).__name__}: {error}"}
         else:

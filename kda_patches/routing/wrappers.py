@@ -48,11 +48,12 @@ class SeamWrapper:
     type on its class's method.
     """
 
-    __slots__ = ("rewrites", "seam")
+    __slots__ = ("rewrites", "seam", "unfolded")
 
     def __init__(self, seam: Seam) -> None:
         self.seam = seam
         self.rewrites: dict[Any, Any] = {}  # original function -> its rewritten twin
+        self.unfolded: set[Any] = set()  # originals whose source shows no foldable clear: the alias must not fold
 
     def __repr__(self) -> str:
         return f"SeamWrapper({self.seam.name!r})"
@@ -61,11 +62,12 @@ class SeamWrapper:
         """Prepare the twin of ``original`` (just wrapped as ``key``); return the mechanism its calls use."""
         from kda_patches.routing.rewrite import prepare_rewrite  # deferred: ast/inspect, only when wrapping
 
-        return prepare_rewrite(self.rewrites, self.seam, key, original)
+        return prepare_rewrite(self.rewrites, self.unfolded, self.seam, key, original)
 
     def on_revert(self, key: str, original: Any) -> None:
         """Forget the twin of ``original`` (its wrapper was removed)."""
         self.rewrites.pop(original, None)
+        self.unfolded.discard(original)
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         rewrites = self.rewrites
@@ -74,7 +76,9 @@ class SeamWrapper:
             twin = rewrites.get(getattr(wrapped, "__func__", None) or getattr(wrapped, "__wrapped__", None))
             if twin is not None:
                 return (_route_direct or _load_direct())(self.seam, twin, wrapped, instance, args, kwargs)
-        return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs)
+        fold = not self.unfolded or (getattr(wrapped, "__func__", None)
+                                     or getattr(wrapped, "__wrapped__", None)) not in self.unfolded
+        return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs, fold)
 
 
 class ClearWrapper:

@@ -167,8 +167,11 @@ def test_a_same_shaped_other_index_tensor_never_folds_the_clear(load_dummies, st
     assert grew(before, KIMI) == {"calls_seen": 3, "calls_routed": 3, "calls_bypassed": 0}
 
 
+@pytest.mark.alias_mechanism
 def test_a_fork_that_stopped_clearing_after_a_folded_gather_is_bypassed(load_dummies, lenient):
-    """Issue 12 mutant 2: folded != elided is a bypass (the fork no longer calls ``clear_ssm_states``)."""
+    """Issue 12 mutant 2: folded != elided is a bypass (the fork no longer calls ``clear_ssm_states``).
+
+    The alias's run-time proof; under the default routing the source shows the missing clear first (next test)."""
     module = load_dummies(record("routing_no_clear", ("NoClearLayer",)))
     before = counters(KIMI)
     run(module, "NoClearLayer", torch.float32, torch.int32, calls=2)
@@ -177,10 +180,26 @@ def test_a_fork_that_stopped_clearing_after_a_folded_gather_is_bypassed(load_dum
     assert "folded" in reason and "clear_ssm_states" in reason
 
 
+@pytest.mark.alias_mechanism
 def test_a_fork_that_stopped_clearing_raises_under_strict(load_dummies, strict):
     module = load_dummies(record("routing_no_clear_strict", ("NoClearLayer",)))
     with pytest.raises(StateCopyBypassed, match="KDA_PATCHES_STRICT=1"):
         run(module, "NoClearLayer", torch.float32, torch.int32, calls=1)
+
+
+@pytest.mark.rewrite_mechanism
+def test_a_fork_that_stopped_clearing_is_routed_unfolded_when_its_source_says_so(load_dummies, strict):
+    """The rewrite reads that no clear follows the gather: it refuses, and the alias then does not fold the flags
+    into its gather (its fold is speculative), so the fork's bytes come out exactly and the call is routed."""
+    module = load_dummies()
+    base_outputs, base_raw, _ = run(module, "NoClearLayer", torch.float32, torch.int32, calls=2)
+    module = load_dummies(record("routing_no_clear_unfolded", ("NoClearLayer",)))
+    before = counters(KIMI)
+    outputs, raw, _ = run(module, "NoClearLayer", torch.float32, torch.int32, calls=2)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, base_outputs, strict=True)) and torch.equal(raw, base_raw)
+    assert grew(before, KIMI) == {"calls_seen": 2, "calls_routed": 2, "calls_bypassed": 0}
+    fact = get_ledger().snapshot()["facts"][KIMI]["routing routing_dummies:NoClearLayer._run_prefill"]
+    assert fact["mechanism"] == "alias" and fact["clear_folded"] is False, fact
 
 
 def test_kimi_and_gdn_layers_share_one_startup_and_one_table(load_dummies, strict, monkeypatch):

@@ -393,3 +393,12 @@ def test_a_source_file_changed_after_import_is_refused(tmp_path):
     os.utime(path, (stat.st_atime, stat.st_mtime + 5))  # linecache re-reads a file whose mtime changed
     with pytest.raises(RewriteRefused, match="does not compile to the loaded function"):
         rewrite_seam_function(function, SEAM)
+
+
+@pytest.mark.parametrize("cls", ["ClearNotNext", "ClearReadsGathered"])
+def test_a_clear_the_rewrite_cannot_fold_is_the_forks_under_the_alias_too(world, strict, cls):
+    """Refused because the clear is not the folded form: the alias must not fold it speculatively either."""
+    baseline, patched, counts, _ = ab(world, cls, torch.float32, *batch())
+    assert same(baseline, patched)
+    assert counts == {"calls_seen": 1, "calls_routed": 1}
+    assert mechanism(cls)["clear_folded"] is False
