@@ -21,13 +21,18 @@ from typing import Any
 import torch
 
 from kda_patches.ledger import get_ledger
-from kda_patches.routing.alias import is_index_vector
 from kda_patches.routing.calls import active_call, breakable_capture_active, prefill_metadata
 from kda_patches.routing.proof import PLAN_ATTRIBUTE, layer_name_of, report_bypass, require_plan
 from kda_patches.routing.seams import KVCacheSlot, Seam
 
 _getitem = torch.Tensor.__getitem__
 _setitem = torch.Tensor.__setitem__
+_Tensor, _BOOL, _INT32, _INT64 = torch.Tensor, torch.bool, torch.int32, torch.int64  # read per call: no lookups
+
+
+def _is_vector(key: Any) -> bool:
+    """:func:`~kda_patches.routing.alias.is_index_vector`, with the names bound here."""
+    return isinstance(key, _Tensor) and ((dtype := key.dtype) is _INT32 or dtype is _INT64) and key.dim() == 1
 
 
 class DirectRoute:
@@ -68,14 +73,14 @@ class DirectRoute:
             flags: the removed clear's flags, or None (no clear was removed).
             clear: the fork's clear function as its own call would have found it (a function clear), or None.
         """
-        if state is not self.state or not is_index_vector(indices):
+        if state is not self.state or not _is_vector(indices):
             packed = _getitem(state, indices)  # not the prepared cache, or not an index vector: as written
             if flags is not None:
                 self.run_clear(packed, flags, clear)
             return packed
         self.gathers += 1
         self.vector = indices
-        if (flags is not None and isinstance(flags, torch.Tensor) and flags.dtype is torch.bool
+        if (flags is not None and isinstance(flags, _Tensor) and flags.dtype is _BOOL
                 and flags.dim() == 1 and flags.shape == indices.shape and flags.device == state.device):
             self.folded += 1
             self.elided += 1
@@ -102,8 +107,8 @@ class DirectRoute:
 
     def scatter(self, state: torch.Tensor, indices: Any, value: Any) -> None:
         """``state[indices] = value`` through the plan when ``value`` already has the cache's dtype."""
-        if (state is self.state and (indices is self.vector or is_index_vector(indices))
-                and isinstance(value, torch.Tensor) and value.dtype is state.dtype):
+        if (state is self.state and (indices is self.vector or _is_vector(indices))
+                and isinstance(value, _Tensor) and value.dtype is state.dtype):
             self.plan.scatter(state, value, indices)
             self.scatters += 1
             return
@@ -113,9 +118,9 @@ class DirectRoute:
 
     def scatter_cast(self, state: torch.Tensor, indices: Any, final: Any) -> None:
         """``state[indices] = final.to(state.dtype)`` with the cast inside the plan's copy where it prepared one."""
-        if (state is self.state and (indices is self.vector or is_index_vector(indices))
-                and isinstance(final, torch.Tensor) and final.device == state.device and final.dtype is not state.dtype
-                and final.dtype in getattr(self.plan, "final_dtypes", ())):
+        if (state is self.state and (indices is self.vector or _is_vector(indices)) and isinstance(final, _Tensor)
+                and (dtype := final.dtype) is not state.dtype and dtype in getattr(self.plan, "final_dtypes", ())
+                and final.device == state.device):
             self.plan.scatter(state, final, indices)
             self.scatters += 1
             self.casts_folded += 1
