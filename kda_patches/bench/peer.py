@@ -17,9 +17,10 @@ CPU interpreter the fork's gather does not run (its load mask is a scalar flag, 
 rejects: "mask has unsupported dtype"); the smoke run then measures native and plan, and the result and the
 output say the peer was not run and why (``peers_not_run``).
 
-Not covered yet: the fork's Kimi plans (``KDAStateCopyPlan`` / ``StridedKDAFallbackPlan`` in
-``vllm_ascend/ops/kda_state_copy_plan.py``) call ``torch.npu`` and compile on an NPU; their measurement on CUDA is
-recorded in ``shared/notes/RELEASES.md`` (H200, 2026-12-01), not produced by this command.
+The same release's Kimi plans (``KDAStateCopyPlan`` / ``StridedKDAFallbackPlan``) are measured beside them,
+loaded by :mod:`kda_patches.bench.peer_kimi` with the device namespace ported (the exact replacements are in the
+result's ``peer_ports``; kernels untouched). A peer that cannot run on the device is listed in
+``peers_not_run`` with its own error (on the CPU: the ported plans refuse a non-CUDA cache), never dropped.
 """
 
 from __future__ import annotations
@@ -66,19 +67,32 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
         0 on success, 2 when the output exists, the device refuses, or the release cannot be loaded.
     """
     from kda_patches.bench.gdn_state_copy import run_gdn_benchmark
-    from kda_patches.releases.fetch import ReleaseFetchError
+    from kda_patches.bench.peer_kimi import FOREIGN_KERNELS as KIMI_KERNELS
+    from kda_patches.bench.peer_kimi import fork_kimi_impls
+    from kda_patches.releases.fetch import ReleaseFetchError, release_dir
+    from kda_patches.releases.load import PortMismatch
+    from kda_patches.releases.matrix import parse_spec
 
     try:
-        label, impl = fork_gdn_impl(args.release)
-    except (ValueError, FileNotFoundError, ReleaseFetchError) as error:
+        label, impl = fork_gdn_impl(args.release)  # refuses anything but a vllm-ascend release first
+        peers = {label: impl}
+        dist, version = parse_spec(args.release)
+        kimi, ports = fork_kimi_impls(release_dir(dist, version), label)
+        peers.update(kimi)
+    except (ValueError, FileNotFoundError, ReleaseFetchError, PortMismatch) as error:
         print(f"kda-patches bench peer: {error}")
         return 2
-    reason = peer_unrunnable(impl, args.device)
-    if reason is not None:
-        print(f"kda-patches bench peer: {label} is NOT measured on {args.device}: {reason}")
-        return run_gdn_benchmark(args, extra_fields={"peers_not_run": {label: reason}})
-    args.foreign_kernels = FOREIGN_KERNELS
-    return run_gdn_benchmark(args, extra_impls={label: impl}, extra_fields={"peers": [label]})
+    runnable, not_run = {}, {}
+    for name, peer in peers.items():
+        reason = peer_unrunnable(peer, args.device)
+        if reason is None:
+            runnable[name] = peer
+        else:
+            not_run[name] = reason
+            print(f"kda-patches bench peer: {name} is NOT measured on {args.device}: {reason}")
+    args.foreign_kernels = (*FOREIGN_KERNELS, *KIMI_KERNELS)
+    fields = {"peers": list(runnable), "peer_ports": ports, **({"peers_not_run": not_run} if not_run else {})}
+    return run_gdn_benchmark(args, extra_impls=runnable, extra_fields=fields)
 
 
 def peer_unrunnable(impl: tuple[Any, Any], device: str) -> str | None:

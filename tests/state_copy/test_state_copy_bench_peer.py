@@ -38,13 +38,18 @@ def test_the_peer_is_the_releases_own_code_and_runs_or_says_why(tmp_path, device
     result = json.loads(output.read_text())
     impls = {record["impl"] for record in result["records"]}
     if reason is None:  # compiled Triton: measured beside the plan, its JIT launches counted apart
-        assert label in impls and result["peers"] == [label]
+        assert label in impls and label in result["peers"]
         assert result["peer_jit_entries"]["_gather_ssm_states_kernel"] > 0
         assert sum(result["compiler_entries_after_seal"].values()) == 0
         assert label in result["summary"]["peers"]
     else:
         assert "mask" in reason and device.type == "cpu"
-        assert label not in impls and result["peers_not_run"] == {label: reason}
+        assert label not in impls and result["peers_not_run"][label] == reason
+    # the fork's Kimi plans: measured, or listed with their own error -- never dropped
+    kimi = {f"{label} KDAStateCopyPlan", f"{label} StridedKDAFallbackPlan"}
+    assert kimi <= set(result["peers"]) | set(result.get("peers_not_run", {}))
+    assert set(result["peers"]) == {impl for impl in impls if impl.startswith(label)}, (result["peers"], impls)
+    assert len(result["peer_ports"]) == 4
 
 
 def test_a_release_that_is_not_vllm_ascend_is_refused(tmp_path, capsys):
@@ -82,3 +87,61 @@ def test_foreign_kernels_jit_entries_are_counted_apart(device):
         foreign_copy[(1,)](source, target, BLOCK=16)
     assert counter.foreign == {"foreign_copy": 1} and sum(counter.counts.values()) == 0
     assert torch.equal(source, target)
+
+
+def compiled_functions(code) -> dict:
+    """``{co_qualname: code}`` of every function compiled into ``code`` (nested included)."""
+    import types
+
+    found = {}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found[const.co_qualname] = const
+            found.update(compiled_functions(const))
+    return found
+
+
+def test_the_kimi_plans_are_the_releases_own_code_with_only_the_declared_port(device):
+    """Every replacement occurs in the release file; the loaded source is the file with exactly those applied;
+    the kernels are the release's own (Triton reads their source from the release file)."""
+    import inspect
+    import sys
+
+    from kda_patches.bench.peer_kimi import PLAN_FILE, PORT, fork_kimi_impls
+    from kda_patches.releases.fetch import ReleaseFetchError, release_dir
+
+    try:
+        root = release_dir("vllm-ascend", "0.30.0rc2")
+    except ReleaseFetchError:
+        pytest.skip("the GPU machine has no network: carry the release cache as .release-cache")
+    impls, applied = fork_kimi_impls(root, "fork")
+    assert sorted(impls) == ["fork KDAStateCopyPlan", "fork StridedKDAFallbackPlan"]
+    assert [line.split(": ", 1)[1].split(" -> ")[0] for line in applied[1:]] == [old for old, _, _ in PORT]
+    plan_module = sys.modules["kda_release_ported_vllm_ascend_ops_kda_state_copy_plan"]
+    expected = (root / PLAN_FILE).read_text()
+    for old, new, _ in PORT:
+        expected = expected.replace(old, new)
+    compiled = compiled_functions(compile(expected, str(root / PLAN_FILE), "exec"))
+    for cls in (plan_module.KDAStateCopyPlan, plan_module.StridedKDAFallbackPlan):
+        for name in ("prepare", "_launch", "_copy", "gather", "scatter"):
+            method = vars(cls).get(name)
+            if method is None:
+                continue
+            code = getattr(method, "__func__", method).__code__
+            assert code.co_code == compiled[code.co_qualname].co_code  # the file with the port, nothing else
+            assert "npu" not in code.co_names
+    kernel = sys.modules["kda_release_ported_vllm_ascend_ops_triton_kda_state_copy_kernel"]._kda_state_copy_kernel
+    assert inspect.getsource(kernel.fn) in (root / "vllm_ascend/ops/triton/kda_state_copy_kernel.py").read_text()
+    reason = peer_unrunnable(impls["fork KDAStateCopyPlan"], str(device))
+    if device.type == "cpu":
+        assert reason == "RuntimeError: state must be an NPU tensor"  # the ported check asks for a CUDA cache
+
+
+def test_a_port_that_no_longer_matches_the_release_fails_naming_the_text(tmp_path):
+    from kda_patches.releases.load import PortMismatch, load_ported_module
+
+    (tmp_path / "plan.py").write_text("import torch\nDEVICE = 'npu'\n")
+    module, applied = load_ported_module(tmp_path, "plan.py", (("'npu'", "'cuda'", "device"),), {})
+    assert module.DEVICE == "cuda" and applied == ["'npu' -> 'cuda' (1x): device"]
+    with pytest.raises(PortMismatch, match=r"torch\.npu\.synchronize"):
+        load_ported_module(tmp_path, "plan.py", (("torch.npu.synchronize", "torch.cuda.synchronize", "sync"),), {})
