@@ -2,9 +2,9 @@
 
 A seam function rewritten at apply time (:mod:`kda_patches.routing.rewrite`) calls its
 :class:`DirectRoute` where the fork gathered, cleared and scattered. Per call the route holds the plan and
-the cache and counts what it copied; :func:`route_direct` runs the twin and settles the call with the same
-proof as the alias route (:func:`~kda_patches.routing.proof.settle_route`: exactly one gather and one scatter
-through the plan, or ``calls_bypassed`` with the reason, raised under STRICT).
+the cache and counts what it copied; :func:`route_direct` runs the twin and settles the call by the alias
+route's rule (:func:`~kda_patches.routing.proof.settle_route`): exactly one gather and one scatter through the
+plan is ``calls_routed``, anything else ``calls_bypassed`` with the reason (raised under STRICT).
 
 Every method checks at run time what the source cannot promise: that the tensor under the cache's name *is*
 the layer's cache (the object the plan was prepared for), that the index is a 1-D int32/int64 vector, that
