@@ -22,10 +22,11 @@ function in which they call the call's :class:`~kda_patches.routing.direct.Direc
 The twin has the original's globals (the module's live namespace), defaults, name and line numbers, plus one
 positional-only first parameter ``_kda_route``: ``twin(route, self, *args, **kwargs)``. A function this
 module cannot rewrite exactly -- no source, a closure (``super()``), a decorator that returned another
-object, a name-mangled identifier, a source file that no longer compiles to the loaded function's bytecode, a
-clear that is not the folded form, another index read or write of the cache -- is refused with the reason; the
-seam then routes through the alias, and the ledger fact ``routing <target>`` of the seam's section says which
-mechanism each seam runs.
+object (unless :data:`TRANSPARENT_WRAPPERS` declares why standing in for it is exact), a name-mangled
+identifier, a source file that no longer compiles to the loaded function's bytecode, a clear that is not the
+folded form, another index read or write of the cache -- is refused with the reason; the seam then routes
+through the alias, and the ledger fact ``routing <target>`` of the seam's section says which mechanism each
+seam runs.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ for _feature in ("annotations", "division", "generator_stop"):
     import __future__
 
     _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
+
+
+# decorators whose wrapper the twin may stand in for: ``module:qualname`` of the wrapper -> why that is exact
+TRANSPARENT_WRAPPERS = {
+    "vllm.compilation.breakable_cudagraph:eager_break_during_capture.<locals>.wrapper":
+        "vLLM's eager_break_during_capture calls the function itself outside a breakable CUDA-graph capture; a "
+        "call under capture runs the wrapper as written and is reported bypassed (prefill-gated seams only)",
+}
 
 
 class RewriteRefused(Exception):
@@ -359,6 +368,13 @@ def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
     """
     if type(function) is not types.FunctionType:  # a proxy (another wrapper) passes isinstance
         raise RewriteRefused(f"{function!r} is not a plain function")
+    # the defining module of the wrapper's code (functools.wraps copies the wrapped function's __module__)
+    through = TRANSPARENT_WRAPPERS.get(f"{function.__globals__.get('__name__')}:{function.__code__.co_qualname}")
+    inner = getattr(function, "__wrapped__", None)
+    if through is not None and seam.prefill_gated and type(inner) is types.FunctionType:
+        function = inner  # the twin stands in for the wrapper outside capture (route_direct checks for capture)
+    else:
+        through = None
     code = function.__code__
     if code.co_freevars:
         raise RewriteRefused(f"{function.__qualname__} closes over {', '.join(code.co_freevars)} (e.g. super()); "
@@ -401,6 +417,8 @@ def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
     twin.__annotations__ = dict(getattr(function, "__annotations__", {}))
     twin.__dict__.update(function.__dict__)
     twin.__kda_original__ = function
+    if through is not None:
+        replaced = [f"through its decorator: {through}", *replaced]
     return Rewritten(twin, replaced)
 
 

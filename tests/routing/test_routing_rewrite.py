@@ -402,3 +402,38 @@ def test_a_clear_the_rewrite_cannot_fold_is_the_forks_under_the_alias_too(world,
     assert same(baseline, patched)
     assert counts == {"calls_seen": 1, "calls_routed": 1}
     assert mechanism(cls)["clear_folded"] is False
+
+
+def test_vllms_eager_break_wrapper_is_stood_in_for_on_a_prefill_gated_seam_only(tmp_path, monkeypatch):
+    """On CUDA, vLLM 0.33 wraps the Kimi ``_forward`` seams with ``eager_break_during_capture`` (a closure over the
+    function). Outside capture that wrapper only calls the function, so the twin of the function stands in for it
+    on a prefill-gated seam (whose route checks for capture first); any other seam stays on the alias."""
+    import importlib.util
+
+    from vllm.compilation import breakable_cudagraph
+
+    monkeypatch.setattr(breakable_cudagraph, "is_breakable_cudagraph_enabled", lambda: True)
+    module, _ = load(None)
+    path = tmp_path / "decorated_layer.py"
+    decorator_import = "from vllm.compilation.breakable_cudagraph import eager_break_during_capture\n"
+    text = inspect_source(module).replace("from __future__ import annotations\n",
+                                          f"from __future__ import annotations\n\n{decorator_import}", 1)
+    body = "    def forward(self, indices, flags):\n        BODY_RUNS"
+    path.write_text(text.replace(body, f"    @eager_break_during_capture\n{body}", 1))
+    spec = importlib.util.spec_from_file_location("decorated_layer", path)
+    decorated = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decorated)
+    wrapper = vars(decorated.Valid)["forward"]
+    assert wrapper.__code__.co_freevars and wrapper.__wrapped__  # the decorator's closure, as on the H200
+    gated = Seam("gated", SECTION, state=KVCacheSlot(1), clear=CLEAR_NATIVE, prefill_gated=True,
+                 final=FinalFrom(1, function="chunk"))
+    replaced = rewrite_seam_function(wrapper, gated).replaced
+    assert replaced[0].startswith("through its decorator: vLLM's eager_break_during_capture")
+    with pytest.raises(RewriteRefused, match="closes over"):
+        rewrite_seam_function(wrapper, SEAM)  # not prefill-gated: nothing would check for capture
+
+
+def inspect_source(module) -> str:
+    import inspect
+
+    return inspect.getsource(module)
