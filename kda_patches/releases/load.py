@@ -33,15 +33,24 @@ def load_released_module(root: pathlib.Path, relative: str) -> Any:
     name = "kda_release_" + relative.replace("/", "_").removesuffix(".py")
     if name in sys.modules:
         return sys.modules[name]
-    shims = triton_utils_shim()
-    saved = {module: sys.modules.get(module) for module in shims}
-    sys.modules.update(shims)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    run_serving(name, module, triton_utils_shim(), lambda: spec.loader.exec_module(module))
+    return module
+
+
+def run_serving(name: str, module: Any, modules: dict[str, Any], execute: Any) -> None:
+    """Register ``module`` as ``name`` and run ``execute()`` with ``modules`` in ``sys.modules`` meanwhile.
+
+    ``module`` stays registered (the Triton JIT reads a kernel's source through its module) unless ``execute``
+    raises; whatever ``sys.modules`` held under the served names is put back either way.
+    """
+    saved = {module_name: sys.modules.get(module_name) for module_name in modules}
+    sys.modules.update(modules)
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         try:
-            spec.loader.exec_module(module)
+            execute()
         except BaseException:
             sys.modules.pop(name, None)
             raise
@@ -51,7 +60,6 @@ def load_released_module(root: pathlib.Path, relative: str) -> Any:
                 sys.modules.pop(module_name, None)
             else:
                 sys.modules[module_name] = module_value
-    return module
 
 
 def triton_utils_shim() -> dict[str, Any]:
@@ -103,22 +111,8 @@ def load_ported_module(root: pathlib.Path, relative: str, replacements: tuple[tu
         text = text.replace(old, new)
         applied.append(f"{old} -> {new} ({count}x): {why}")
     name = "kda_release_ported_" + relative.replace("/", "_").removesuffix(".py")
-    modules = {**triton_utils_shim(), **modules}
-    saved = {module_name: sys.modules.get(module_name) for module_name in modules}
-    sys.modules.update(modules)
-    try:
-        module = types.ModuleType(name)
-        module.__file__ = str(path)
-        sys.modules[name] = module
-        try:
-            exec(compile(text, str(path), "exec"), module.__dict__)  # the release's own code, ported
-        except BaseException:
-            sys.modules.pop(name, None)
-            raise
-    finally:
-        for module_name, module_value in saved.items():
-            if module_value is None:
-                sys.modules.pop(module_name, None)
-            else:
-                sys.modules[module_name] = module_value
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    code = compile(text, str(path), "exec")  # the release's own code, ported
+    run_serving(name, module, {**triton_utils_shim(), **modules}, lambda: exec(code, module.__dict__))
     return module, applied

@@ -48,7 +48,7 @@ class DirectRoute:
         proxy: always None (no alias exists; the module-level gather wrapper then leaves calls alone).
     """
 
-    __slots__ = ("casts_folded", "elided", "folded", "gathers", "layer", "native_clears", "plan", "scatters", "seam",
+    __slots__ = ("casts_folded", "folded", "gathers", "layer", "native_clears", "plan", "scatters", "seam",
                  "state", "vector")
     proxy = None
     open = True  # only ever seen while its call runs (the module-level wrappers check it)
@@ -58,8 +58,13 @@ class DirectRoute:
         self.layer = layer
         self.plan = plan
         self.state = state
-        self.gathers = self.scatters = self.folded = self.elided = self.casts_folded = self.native_clears = 0
+        self.gathers = self.scatters = self.folded = self.casts_folded = self.native_clears = 0
         self.vector = None  # the last index object found to be a 1-D int32/int64 vector (the scatter reuses it)
+
+    @property
+    def elided(self) -> int:
+        """Each fold is also an elision: the folded clear was removed from the source."""
+        return self.folded
 
     @property
     def layer_name(self) -> str:
@@ -83,7 +88,6 @@ class DirectRoute:
         if (flags is not None and isinstance(flags, _Tensor) and flags.dtype is _BOOL
                 and flags.dim() == 1 and flags.shape == indices.shape and flags.device == state.device):
             self.folded += 1
-            self.elided += 1
             return self.plan.gather(state, indices, flags)
         packed = self.plan.gather(state, indices, None)
         if flags is not None:
