@@ -117,11 +117,8 @@ def test_a_plan_refusal_fails_the_call_before_any_copy(load_reference, strict):
     assert grew(before, "calls_failed") == 1 and grew(before, "calls_routed") == 0
 
 
-@pytest.mark.rewrite_mechanism
-def test_the_rewritten_body_sees_the_plain_cache(routing, load_reference, strict):
-    """Under the rewrite no alias exists: the fork's body indexes the layer's own cache object."""
-    modules = load_reference(patched=True)
-    world, layer = started_world(modules)
+def state_seen_by_the_body(modules, world, layer) -> object:
+    """Run one batch; return the object the fork's body held as ``recurrent_state`` when it called the chunk."""
     seen: dict[str, object] = {}
     ascend_module = modules["kimi_ascend_layer"]
     original = ascend_module.chunk_kda_prefill
@@ -132,11 +129,19 @@ def test_the_rewritten_body_sees_the_plain_cache(routing, load_reference, strict
 
     ascend_module.chunk_kda_prefill = spy
     try:
-        before = kimi_workload.prefill_counters()
         kimi_workload.run_batch(world, layer, one_batch(layer))
     finally:
         ascend_module.chunk_kda_prefill = original
-    assert seen["state"] is layer.kv_cache[1]
+    return seen["state"]
+
+
+@pytest.mark.rewrite_mechanism
+def test_the_rewritten_body_sees_the_plain_cache(routing, load_reference, strict):
+    """Under the rewrite no alias exists: the fork's body indexes the layer's own cache object."""
+    modules = load_reference(patched=True)
+    world, layer = started_world(modules)
+    before = kimi_workload.prefill_counters()
+    assert state_seen_by_the_body(modules, world, layer) is layer.kv_cache[1]
     assert grew(before, "calls_routed") == 1
 
 
@@ -145,20 +150,7 @@ def test_the_routed_alias_is_scoped_to_one_call(routing, load_reference, strict)
     """Outside the call the cache object is the plain tensor again; a leaked alias indexes like a plain tensor."""
     modules = load_reference(patched=True)
     world, layer = started_world(modules)
-    seen: dict[str, object] = {}
-    ascend_module = modules["kimi_ascend_layer"]
-    original = ascend_module.chunk_kda_prefill
-
-    def spy(*args, **kwargs):
-        seen["alias"] = inspect.currentframe().f_back.f_locals["recurrent_state"]
-        return original(*args, **kwargs)
-
-    ascend_module.chunk_kda_prefill = spy
-    try:
-        kimi_workload.run_batch(world, layer, one_batch(layer))
-    finally:
-        ascend_module.chunk_kda_prefill = original
-    alias, state = seen["alias"], layer.kv_cache[1]
+    alias, state = state_seen_by_the_body(modules, world, layer), layer.kv_cache[1]
     assert type(alias).__name__ == "RoutedCache" and type(state) is torch.Tensor
     assert alias.data_ptr() == state.data_ptr()
     before = kimi_workload.prefill_counters()
