@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 19 on the H200, in one or two device calls (no network there; carry .bundle/, .whl/, .release-cache/):
 #
-#   bash scripts/gpu_issue19.sh OUT_DIR layers   # route_host_costs.py, then vllm_layers_check.py (4 layers)
+#   bash scripts/gpu_issue19.sh OUT_DIR layers   # route_host_costs.py, then vllm_layers_check.py (4 layers;
+#                                                # env ROUNDS, LAYERS="kimi_k3 ..." to narrow it)
 #   bash scripts/gpu_issue19.sh OUT_DIR peer     # kda-patches bench peer (GDN kernels + Kimi plans of the fork)
 #
 # .release-cache/ needs only vllm-ascend-0.30.0rc2's marker and the four files bench peer loads
@@ -20,9 +21,10 @@ status=0
 if [ "$PART" = layers ]; then
     timeout 120 python3 scripts/gpu/route_host_costs.py --out "$OUT_DIR" >"$OUT_DIR/route_host_costs.log" 2>&1
     echo "route_host_costs exit $?"; tail -30 "$OUT_DIR/route_host_costs.log"
-    timeout 440 python3 scripts/gpu/vllm_layers_check.py --out "$OUT_DIR" --bundle .bundle/vllm-0.33.0-cp312.zip \
-        --rounds 10 --settle 1 --child-timeout-s 200 >"$OUT_DIR/vllm_layers_stdout.log" 2>&1 || status=$?
-    echo "vllm_layers_check exit $status"; grep -E "VERDICT|TIMING|DRYRUN" "$OUT_DIR/vllm_layers_stdout.log"
+    timeout 500 python3 scripts/gpu/vllm_layers_check.py --out "$OUT_DIR" --bundle .bundle/vllm-0.33.0-cp312.zip \
+        --rounds ${ROUNDS:-10} --settle 1 --burst 8 --copy-costs --child-timeout-s 200 \
+        ${LAYERS:+--layers $LAYERS} >"$OUT_DIR/vllm_layers_stdout.log" 2>&1 || status=$?
+    echo "vllm_layers_check exit $status"; grep -E "VERDICT|TIMING|DRYRUN|copy costs" "$OUT_DIR/vllm_layers_stdout.log"
 else
     timeout 500 python3 -m kda_patches.bench peer --output "$OUT_DIR/peer.json" --seed 41 --trials 20 \
         --graph-calls 50 >"$OUT_DIR/peer.log" 2>&1 || status=$?

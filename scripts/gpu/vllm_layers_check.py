@@ -74,14 +74,18 @@ class LayerKind:
         inputs: ``kda`` (``mixed_qkv, g1, g2, beta``) or ``gdn`` (``mixed_qkv, b, a``), plus ``core_attn_out``.
         folds: its seam declares its final state's source (``Seam.final``): the cast is folded.
         v1_runner: the child selects vLLM's V1 model runner (see ``RUNNER_NOTE``).
+        copy_form: how the released body copies its states, for ``--copy-costs``: ``gather_initial_states``
+            (vLLM's fused gather kernel, then ``state[indices] = final``), or None (not timed alone).
     """
 
-    __slots__ = ("cls", "config", "folds", "inputs", "method", "module", "patch", "prefix", "v1_runner")
+    __slots__ = ("cls", "config", "copy_form", "folds", "inputs", "method", "module", "patch", "prefix",
+                 "v1_runner")
 
     def __init__(self, patch: str, prefix: str, config: str, module: str, cls: str, method: str, inputs: str,
-                 folds: bool, v1_runner: bool = False) -> None:
+                 folds: bool, v1_runner: bool = False, copy_form: str | None = None) -> None:
         self.patch, self.prefix, self.config, self.module, self.cls = patch, prefix, config, module, cls
         self.method, self.inputs, self.folds, self.v1_runner = method, inputs, folds, v1_runner
+        self.copy_form = copy_form
 
 
 _GDN = "vllm.model_executor.layers.mamba.gdn"
@@ -89,7 +93,8 @@ _GDN = "vllm.model_executor.layers.mamba.gdn"
 # then needs no OlmoHybrid config class in the image's transformers
 KINDS = {
     "kimi_k3": LayerKind("kimi_prefill", "model.layers.1.self_attn", "kimi_linear", "vllm.models.kimi_k3.nvidia.kda",
-                         "KimiK3DeltaAttention", "_forward", "kda", folds=False, v1_runner=True),
+                         "KimiK3DeltaAttention", "_forward", "kda", folds=False, v1_runner=True,
+                         copy_form="gather_initial_states"),
     "qwen_gdn": LayerKind("gdn_state_copy", "model.layers.0.linear_attn", "qwen3_next",
                           f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention", "_forward_core", "gdn",
                           folds=True),
@@ -98,7 +103,7 @@ KINDS = {
                           folds=True),
     "kimi_linear_gdn": LayerKind("gdn_state_copy", "model.layers.0.self_attn", "kimi_linear",
                                  f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention", "_forward", "kda",
-                                 folds=False),
+                                 folds=False, copy_form="gather_initial_states"),
 }
 LAYERS = tuple(KINDS)
 PATCH_OF = {name: kind.patch for name, kind in KINDS.items()}
@@ -172,7 +177,8 @@ def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Name
     """Run one child (``--child LAYER``) and return its JSON result (or the failure)."""
     out = pathlib.Path(args.out) / f".child-{layer}-{'on' if enabled else 'off'}.json"
     argv = [sys.executable, __file__, "--child", layer, "--child-out", str(out), "--rounds", str(args.rounds),
-            "--settle", str(args.settle), "--mode", "on" if enabled else "off"]
+            "--settle", str(args.settle), "--burst", str(args.burst),
+            *(["--copy-costs"] if args.copy_costs else []), "--mode", "on" if enabled else "off"]
     argv += ["--dry-run"] if args.dry_run else []
     argv += ["--host-profile", *map(str, args.host_profile)] if args.host_profile and enabled else []
     started = time.perf_counter()
@@ -226,10 +232,14 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
                      f"{folds_expected}, KDA_PATCHES=0 process {cross}")
     for row in on.get("timing", []):
         if patched:
-            lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched {row['baseline_event_ms']:.3f} ms, "
-                         f"patched {row['patched_event_ms']:.3f} ms (events, median of {row['rounds']}); wall "
-                         f"{row['baseline_wall_ms']:.3f} / {row['patched_wall_ms']:.3f} ms; speedup "
-                         f"{row['baseline_event_ms'] / row['patched_event_ms']:.3f}x")
+            step = (f"in a step of {row['burst']} calls {row['baseline_step_ms']:.3f} / {row['patched_step_ms']:.3f} "
+                    f"ms per call, speedup {row['baseline_step_ms'] / row['patched_step_ms']:.3f}x; "
+                    if "baseline_step_ms" in row else "")
+            lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched / patched (events, median of "
+                         f"{row['rounds']}) {step}one cold call {row['baseline_event_ms']:.3f} / "
+                         f"{row['patched_event_ms']:.3f} ms, speedup "
+                         f"{row['baseline_event_ms'] / row['patched_event_ms']:.3f}x; cold wall "
+                         f"{row['baseline_wall_ms']:.3f} / {row['patched_wall_ms']:.3f} ms")
         else:
             lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched only {row['baseline_event_ms']:.3f} "
                          f"ms (events), wall {row['baseline_wall_ms']:.3f} ms")
@@ -684,42 +694,137 @@ def switch_variant(bench: LayerBench, overlay: Overlay | None, variant: str, set
 
 
 def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: int, new: int,
-               cached: int, settle: int = 0) -> dict[str, Any]:
+               cached: int, settle: int = 0, burst: int = 8) -> dict[str, Any]:
     """Median CUDA-event and wall time of the layer call, unpatched vs patched, order shuffled per round;
-    ``settle`` untimed calls of the variant after each switch."""
+    ``settle`` untimed calls of the variant after each switch.
+
+    Two timings per variant and round, from the same snapshot:
+
+    - ``step``: ``burst`` calls back to back on one metadata object, the way one engine step calls its layers
+      (each layer enqueues while the previous one runs), events around all of them, divided by ``burst``;
+    - ``cold``: one call from a synchronized, idle device: the host's whole enqueue latency of one call, which
+      on a host-bound small batch swings by +-30 % between calls of the same code (H200 runs 12-13).
+    """
     torch = bench.torch
     common, inputs, snapshot, variants = prefill_batch(bench, overlay, seqs, new, cached, 7)
-    samples: dict[str, dict[str, list[float]]] = {v: {"event_ms": [], "wall_ms": []} for v in variants}
+    samples: dict[str, dict[str, list[float]]] = {v: {"event_ms": [], "wall_ms": [], "step_ms": []}
+                                                   for v in variants}
     rng = random.Random(1000 + seqs)
     cuda = bench.device.type == "cuda"
+
+    def timed(metadata: Any, calls: list[dict[str, Any]]) -> tuple[float, float]:
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            wall = time.perf_counter()
+            start.record()
+        else:
+            wall = time.perf_counter()
+        for fresh in calls:
+            bench.call(metadata, inputs, fresh)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - wall) * 1e3
+        return (start.elapsed_time(end) if cuda else wall_ms), wall_ms
+
     for round_index in range(rounds + 1):  # round 0 warms both variants up (compiles), not recorded
         order = variants[:]
         rng.shuffle(order)
         for variant in order:
             switch_variant(bench, overlay, variant, settle, common, inputs, snapshot)
             metadata, fresh = restart_call(bench, common, inputs, snapshot)
-            if cuda:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                wall = time.perf_counter()
-                start.record()
-            else:
-                wall = time.perf_counter()
-            bench.call(metadata, inputs, fresh)
-            if cuda:
-                end.record()
-                torch.cuda.synchronize()
-            wall_ms = (time.perf_counter() - wall) * 1e3
+            event_ms, wall_ms = timed(metadata, [fresh])
+            metadata, fresh = restart_call(bench, common, inputs, snapshot)
+            step_ms, _ = timed(metadata, [fresh] + [bench.fresh(inputs) for _ in range(burst - 1)])
             if round_index:
                 samples[variant]["wall_ms"].append(wall_ms)
-                samples[variant]["event_ms"].append(start.elapsed_time(end) if cuda else wall_ms)
+                samples[variant]["event_ms"].append(event_ms)
+                samples[variant]["step_ms"].append(step_ms / burst)
     bench.raw.copy_(snapshot)
     row: dict[str, Any] = {"seqs": seqs, "new_tokens": new, "cached_tokens": cached, "rounds": rounds,
-                           "settle_calls": settle, "samples": samples}
+                           "settle_calls": settle, "burst": burst, "samples": samples}
     for variant in variants:
-        row[f"{variant}_event_ms"] = statistics.median(samples[variant]["event_ms"])
-        row[f"{variant}_wall_ms"] = statistics.median(samples[variant]["wall_ms"])
+        for key in ("event", "wall", "step"):
+            row[f"{variant}_{key}_ms"] = statistics.median(samples[variant][f"{key}_ms"])
     return row
+
+
+def copy_calls(fork_gather: Any, state: Any, indices: Any, flags: Any, final: Any,
+               plans: dict[str, Any]) -> dict[tuple[str, ...], Any]:
+    """The timed copy calls of :func:`time_copy_costs`: ``(op, implementation) -> call(step)``."""
+
+    def fork_scatter(step: int) -> None:
+        state[indices] = final.to(state.dtype)
+
+    calls: dict[tuple[str, ...], Any] = {("gather", "fork"): lambda step: fork_gather(state, indices, flags),
+                                         ("scatter", "fork"): fork_scatter}
+    for name, plan in plans.items():
+        calls[("gather", name)] = lambda step, plan=plan: plan.gather_eager(state, indices, flags)
+        calls[("scatter", name)] = lambda step, plan=plan: plan.scatter_eager(state, final, indices)
+    return calls
+
+
+def time_copy_costs(bench: LayerBench, trials: int) -> dict[str, Any]:
+    """The seam's copies alone on the layer's bound cache: the released body's ops against the overlay's plan.
+
+    For each timed batch size the metadata comes from vLLM's own builder (the index and flag tensors the seam
+    receives). Implementations: ``fork`` (the body's own ops, :attr:`LayerKind.copy_form`), ``plan`` (a fused
+    plan prepared as the startup hook prepares it), and two plan configurations to explain a gap: ``plan_w8``
+    (8 warps, as vLLM's gather launches) and ``plan_plain`` (no ``evict_first`` on the scatter's cache writes).
+    Every plan's result is first compared with the fork's, byte for byte. Timing: the bench's seed-000 modes
+    (eager event, wall, host enqueue, graph replay), shuffled rounds.
+    """
+    torch = bench.torch
+    from kda_patches.bench.timing import measure_rounds, median
+    from kda_patches.state_copy.plan import FusedStatePlan
+
+    form = KINDS[bench.kind].copy_form
+    if form != "gather_initial_states":
+        return {"skipped": f"copy form {form!r} is not timed alone"}
+    from vllm.model_executor.layers.mamba.ops.gather_initial_states import gather_initial_states
+
+    class PlainScatterPlan(FusedStatePlan):
+        def _scatter_hint(self, target: Any) -> bool:
+            return False
+
+    state = bench.layer.kv_cache[1]
+    snapshot = bench.raw.clone()
+    plans = {"plan": FusedStatePlan.prepare(state, MAX_NUM_SEQS).seal(),
+             "plan_w8": FusedStatePlan.prepare(state, MAX_NUM_SEQS, num_warps=8).seal(),
+             "plan_plain": PlainScatterPlan.prepare(state, MAX_NUM_SEQS).seal()}
+    report: dict[str, Any] = {"form": form, "plans": {name: plan.describe() for name, plan in plans.items()},
+                              "rows": {}}
+    for seqs in TIMED_SEQS:
+        common, _, _, _ = prefill_batch(bench, None, seqs, TIMED_LEN, TIMED_CACHED, 7)
+        metadata = bench.builder().build(0, common)
+        indices, flags = metadata.non_spec_state_indices_tensor, metadata.has_initial_state
+        final = torch.randn((seqs, *state.shape[1:]), device=state.device).to(state.dtype)
+        expected = gather_initial_states(state, indices, flags)
+        checks = {}
+        for name, plan in plans.items():
+            checks[f"gather {name}"] = bool(torch.equal(plan.gather_eager(state, indices, flags).view(torch.uint8),
+                                                        expected.view(torch.uint8)))
+            bench.raw.copy_(snapshot)
+            state[indices] = final.to(state.dtype)
+            wanted = bench.raw.clone()
+            bench.raw.copy_(snapshot)
+            plan.scatter_eager(state, final, indices)
+            checks[f"scatter {name}"] = bool(torch.equal(bench.raw, wanted))
+        bench.raw.copy_(snapshot)
+
+        calls = copy_calls(gather_initial_states, state, indices, flags, final, plans)
+        samples = measure_rounds(calls, trials, 20, bench.device, random.Random(500 + seqs))
+        bench.raw.copy_(snapshot)
+        report["rows"][str(seqs)] = {
+            "index_dtype": str(indices.dtype), "checks": checks,
+            "median_us": {"/".join(key): round(median(values), 2) for key, values in samples.items()},
+            "samples_us": {"/".join(key): values for key, values in samples.items()}}
+        shown = {key: value for key, value in report["rows"][str(seqs)]["median_us"].items()
+                 if key.endswith(("/event", "/graph", "/enqueue"))}
+        print(f"[{bench.kind}] copy costs {seqs} rows: all equal {all(checks.values())}; {json.dumps(shown)}",
+              flush=True)
+    return report
 
 
 def profile_host(bench: LayerBench, overlay: Overlay | None, seqs: int, calls: int, settle: int = 1) -> dict[str, Any]:
@@ -869,11 +974,14 @@ def run_child_main(args: argparse.Namespace) -> int:
                                                                           for s in TIMED_SEQS)
             for seqs, new, cached in shapes:
                 row = time_shape(bench, overlay if result["patched_available"] else None, seqs,
-                                 1 if args.dry_run else args.rounds, new, cached, args.settle)
+                                 1 if args.dry_run else args.rounds, new, cached, args.settle, args.burst)
                 result["timing"].append(row)
                 save()
                 print(f"[{args.child}] timing {seqs}x{new}: " + json.dumps(
                     {k: v for k, v in row.items() if k != "samples"}), flush=True)
+            if args.copy_costs and result["patched_available"]:
+                result["copy_costs"] = time_copy_costs(bench, args.rounds)
+                save()
             for seqs in args.host_profile:
                 profile = profile_host(bench, overlay if result["patched_available"] else None, seqs, 20, args.settle)
                 result.setdefault("host_profile", []).append(profile)
@@ -901,6 +1009,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per shape (after one warm-up round)")
     parser.add_argument("--settle", type=int, default=1, metavar="N",
                         help="untimed calls of a variant after each overlay switch, before its timed call")
+    parser.add_argument("--burst", type=int, default=8, metavar="K",
+                        help="calls per timed step (back to back on one metadata object, as one engine step)")
+    parser.add_argument("--copy-costs", action="store_true",
+                        help="also time the seam's copies alone, the fork's ops against the overlay's plan")
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
     parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
     parser.add_argument("--host-profile", type=int, nargs="*", default=[], metavar="SEQS",
