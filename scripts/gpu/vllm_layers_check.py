@@ -199,6 +199,21 @@ def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Name
     return result
 
 
+def timing_line(layer: str, row: dict[str, Any]) -> str:
+    """The TIMING line of one timed shape with both variants: the step figure first, then the cold call."""
+
+    def paired(key: str) -> str:
+        return f" (per-round ratios {row[key]:.3f}x)" if key in row else ""
+
+    step = (f"in a step of {row['burst']} calls {row['baseline_step_ms']:.3f} / {row['patched_step_ms']:.3f} ms per "
+            f"call, speedup {row['baseline_step_ms'] / row['patched_step_ms']:.3f}x{paired('paired_step_speedup')}; "
+            if "baseline_step_ms" in row else "")
+    return (f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched / patched (events, median of {row['rounds']}) "
+            f"{step}one cold call {row['baseline_event_ms']:.3f} / {row['patched_event_ms']:.3f} ms, speedup "
+            f"{row['baseline_event_ms'] / row['patched_event_ms']:.3f}x{paired('paired_event_speedup')}; cold wall "
+            f"{row['baseline_wall_ms']:.3f} / {row['patched_wall_ms']:.3f} ms")
+
+
 def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
     """Return the verdict lines of one layer from its patched (``on``) and unpatched (``off``) children."""
     lines = []
@@ -232,14 +247,7 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
                      f"{folds_expected}, KDA_PATCHES=0 process {cross}")
     for row in on.get("timing", []):
         if patched:
-            step = (f"in a step of {row['burst']} calls {row['baseline_step_ms']:.3f} / {row['patched_step_ms']:.3f} "
-                    f"ms per call, speedup {row['baseline_step_ms'] / row['patched_step_ms']:.3f}x; "
-                    if "baseline_step_ms" in row else "")
-            lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched / patched (events, median of "
-                         f"{row['rounds']}) {step}one cold call {row['baseline_event_ms']:.3f} / "
-                         f"{row['patched_event_ms']:.3f} ms, speedup "
-                         f"{row['baseline_event_ms'] / row['patched_event_ms']:.3f}x; cold wall "
-                         f"{row['baseline_wall_ms']:.3f} / {row['patched_wall_ms']:.3f} ms")
+            lines.append(timing_line(layer, row))
         else:
             lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched only {row['baseline_event_ms']:.3f} "
                          f"ms (events), wall {row['baseline_wall_ms']:.3f} ms")
@@ -747,6 +755,11 @@ def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: in
     for variant in variants:
         for key in ("event", "wall", "step"):
             row[f"{variant}_{key}_ms"] = statistics.median(samples[variant][f"{key}_ms"])
+    if "patched" in samples:  # both variants ran in every round: the median of the rounds' own ratios
+        for key in ("event", "step"):
+            row[f"paired_{key}_speedup"] = statistics.median(
+                base / patched for base, patched in zip(samples["baseline"][f"{key}_ms"],
+                                                        samples["patched"][f"{key}_ms"], strict=True))
     return row
 
 
@@ -803,6 +816,7 @@ def time_copy_costs(bench: LayerBench, trials: int) -> dict[str, Any]:
         expected = gather_initial_states(state, indices, flags)
         checks = {}
         for name, plan in plans.items():
+            bench.raw.copy_(snapshot)  # the previous plan's scatter check left its rows in the cache
             checks[f"gather {name}"] = bool(torch.equal(plan.gather_eager(state, indices, flags).view(torch.uint8),
                                                         expected.view(torch.uint8)))
             bench.raw.copy_(snapshot)
