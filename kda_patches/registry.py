@@ -52,6 +52,7 @@ from kda_patches.verdicts import (
     check_key,
     fingerprint_matches,
     group_verdict,
+    inert_reason,
     newer_than_all,
     parse_version,
     ranges_overlap,
@@ -101,18 +102,26 @@ class Target:
             why, e.g. "no adapter for vLLM 0.26-0.29 KV reshaping"); such a target is never applied and is
             ``not-applicable`` with reason ``inert: <text>``, which also keeps the range from looking like an
             unverified newer release. ``wrapper`` may be None.
+        chosen_by: ``(flags attribute, value)``: the target is inert (with its ``inert`` text) unless the
+            process's switch has that value, e.g. ``("gdn_plan", "overlay")``: where the fork does the job
+            itself the overlay stands aside by default and wraps only when the user chose it
+            (:func:`inert_reason`). Needs both a wrapper and an ``inert`` text.
     """
 
     __slots__ = ("module", "qualname", "wrapper", "stack", "distribution", "min_version", "max_version",
-                 "parameters", "group", "shapes", "inert")
+                 "parameters", "group", "shapes", "inert", "chosen_by")
 
     def __init__(self, module: str, qualname: str, wrapper: Wrapper | None, stack: str = "vllm",
                  distribution: str = "vllm", min_version: str | None = None, max_version: str | None = None,
                  parameters: tuple[str, ...] | None = None, group: str | None = None,
-                 shapes: tuple[str, ...] = (), inert: str | None = None) -> None:
+                 shapes: tuple[str, ...] = (), inert: str | None = None,
+                 chosen_by: tuple[str, str] | None = None) -> None:
         if wrapper is None and inert is None:
             raise ValueError(f"target {module}:{qualname} has no wrapper; declare it inert (with the reason) "
                              "or give it a wrapper")
+        if chosen_by is not None and (wrapper is None or inert is None):
+            raise ValueError(f"target {module}:{qualname} is chosen by {chosen_by[0]}={chosen_by[1]!r}: it needs "
+                             "a wrapper (when chosen) and an inert text (what stands aside otherwise)")
         self.module = module
         self.qualname = qualname
         self.wrapper = wrapper
@@ -124,6 +133,7 @@ class Target:
         self.group = group
         self.shapes = tuple(shapes)
         self.inert = inert
+        self.chosen_by = None if chosen_by is None else tuple(chosen_by)
 
     def __repr__(self) -> str:
         return f"Target({self.key!r}, {version_range(self)!r}, group={self.group!r})"
@@ -421,7 +431,7 @@ def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
             return verdict.state
         _report(patch, key, siblings[0].stack, verdict.state, verdict.reason, strict)
         return verdict.state
-    if target.inert is not None:  # unreachable: check_key never says ok for an inert target
+    if inert_reason(target) is not None:  # unreachable: check_key never says ok for an inert target
         return "not-applicable"
     try:
         parent, attribute, raw = resolve_attribute(module, target.qualname)

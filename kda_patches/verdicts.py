@@ -22,6 +22,22 @@ if TYPE_CHECKING:
     from kda_patches.registry import Patch, Target
 
 
+def inert_reason(target: Target) -> str | None:
+    """Return why ``target`` stays unwrapped in this process (its ``inert`` text), or None when it is live.
+
+    A target ``chosen_by`` a switch is live exactly when the process's flags hold the chosen value.
+    """
+    if target.inert is None:
+        return None
+    if target.chosen_by is not None:
+        from kda_patches import current_flags  # deferred: the package imports this module
+
+        attribute, value = target.chosen_by
+        if getattr(current_flags(), attribute) == value:
+            return None
+    return target.inert
+
+
 class Verdict:
     """Outcome of checking one key on one stack: ``state`` is ``ok``, ``not-applicable`` or ``skipped``.
 
@@ -175,9 +191,9 @@ def check_key(patch: Patch, key: str, found: str | None, parameters: tuple[str, 
     module, _, qualname = key.partition(":")
     if parameters is ABSENT:
         return Verdict(key, "not-applicable", f"{qualname} is not defined in {module}", target)
-    if target.inert is not None:
-        return Verdict(key, "not-applicable", f"inert: {target.inert} ({version_range(target)}, found {found})",
-                       target)
+    inert = inert_reason(target)
+    if inert is not None:
+        return Verdict(key, "not-applicable", f"inert: {inert} ({version_range(target)}, found {found})", target)
     if not fingerprint_matches(target, parameters):
         return Verdict(key, "skipped", f"signature drifted: found ({', '.join(parameters)}), expected "
                        f"({', '.join(target.parameters)}) (version {found or 'unknown'})", target)

@@ -80,6 +80,10 @@ _ASCEND_GDN = {"state": KVCacheSlot(1), "indices": MetadataField("prefill_state_
                "flags": MetadataField("prefill_has_initial_state"), "clear": CLEAR_FUNCTION,
                "clear_function": "clear_ssm_states", "prefill_gated": True}
 ASCEND_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN)
+# 0.30: the NPU branches call the fork's Triton kernels gather_ssm_states / scatter_ssm_states_ (flags, and the
+# cast of the fused branch's final state, in one pass); the CPU branch indexes the cache as 0.26-0.29 did
+ASCEND_030_SEAM = Seam("vllm-ascend 0.30 GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN,
+                       gather_function="gather_ssm_states", scatter_function="scatter_ssm_states_")
 ASCEND_FUSED_CHUNK = "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"
 # 0.27-0.29: the same seam, plus the fused variant's chunk as the final state's source (the folded cast)
 ASCEND_FOLD_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN,
@@ -90,6 +94,7 @@ wrap_olmo_forward_core = SeamWrapper(OLMO_SEAM)
 wrap_kimi_gdn_forward = SeamWrapper(KIMI_GDN_SEAM)
 wrap_ascend_forward_core = SeamWrapper(ASCEND_SEAM)
 wrap_ascend_fold_forward_core = SeamWrapper(ASCEND_FOLD_SEAM)
+wrap_ascend_030_forward_core = SeamWrapper(ASCEND_030_SEAM)
 wrap_initialize_kv_cache = StartupWrapper(LEDGER_PATH)
 
 _GDN = "vllm.model_executor.layers.mamba.gdn"
@@ -138,8 +143,20 @@ def _ascend_era(low: str, high: str) -> tuple[Target, ...]:
 
 
 ASCEND_030_INERT = ("vllm-ascend 0.30's NPU prefill paths gather and scatter GDN states through its own Triton "
-                    "kernels gather_ssm_states / scatter_ssm_states_ (flags and cast in one pass); only its CPU branch "
-                    "indexes the cache, so routing would report every NPU call bypassed")
+                    "kernels gather_ssm_states / scatter_ssm_states_ (flags and cast in one pass), so the overlay "
+                    "stands aside (KDA_PATCHES_GDN_PLAN=fork, the default); KDA_PATCHES_GDN_PLAN=overlay routes "
+                    "those two calls through the overlay's sealed plan")
+_ASCEND_030_SHAPES = ("read:self.kv_cache", "gather:gather_ssm_states(ssm_state, ...)",
+                      "scatter:scatter_ssm_states_(ssm_state, ...)")
+
+
+def _ascend_030_era(low: str, high: str) -> tuple[Target, ...]:
+    """vllm-ascend >= 0.30: the seam and the runners' startup hook, applied only under KDA_PATCHES_GDN_PLAN=overlay."""
+    return era("vllm-ascend", low, high, (
+        ("vllm_ascend.ops.gdn", "AscendGatedDeltaNetAttention._forward_core", wrap_ascend_030_forward_core,
+         FORWARD_CORE_PARAMETERS, _ASCEND_030_SHAPES),
+        *ascend_runners(wrap_initialize_kv_cache, low)), chosen_by=("gdn_plan", "overlay"),
+        stands_aside=ASCEND_030_INERT)
 
 PATCH = Patch(
     name=LEDGER_PATH,
@@ -147,9 +164,10 @@ PATCH = Patch(
     "(shared routing core and startup with kimi_prefill)",
     targets=(*_upstream_era("0.26", "0.27"), *_upstream_era("0.27", "0.30"), *_upstream_era("0.30", "0.40"),
              *_ascend_era("0.26", "0.27"), *_ascend_era("0.27", "0.28"), *_ascend_era("0.28", "0.30"),
-             *(Target("vllm_ascend.ops.gdn", qualname, None, "vllm-ascend", "vllm-ascend", "0.30", "0.40",
-                      inert=ASCEND_030_INERT)
-               for qualname in ("AscendGatedDeltaNetAttention._forward_core", "clear_ssm_states"))),
+             *_ascend_030_era("0.30", "0.40"),
+             Target("vllm_ascend.ops.gdn", "clear_ssm_states", None, "vllm-ascend", "vllm-ascend", "0.30", "0.40",
+                    inert="vllm-ascend 0.30 calls clear_ssm_states only in its CPU branch, right after the gather "
+                    "the rewritten seam folds it into (KDA_PATCHES_GDN_PLAN=overlay); nothing wraps it")),
 )
 
 

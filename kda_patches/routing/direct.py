@@ -102,10 +102,16 @@ class DirectRoute:
         else:
             _setitem(packed, (~flags, Ellipsis), 0)
 
-    def gather_function(self, function: Any, state: torch.Tensor, indices: Any, flags: Any) -> torch.Tensor:
-        """``function(state, indices, flags)`` (the fork's ``gather_initial_states``) through the plan."""
-        if state is not self.state:
-            return function(state, indices, flags)
+    def gather_function(self, function: Any, state: torch.Tensor, indices: Any, flags: Any,
+                        **keywords: Any) -> torch.Tensor:
+        """``function(state, indices, flags)`` (the fork's ``gather_initial_states`` / ``gather_ssm_states``)
+        through the plan; with ``output_dtype=`` only when that is the cache's own dtype (or None).
+
+        Anything else -- another tensor, or a gather into another dtype (the plan gathers in the cache dtype) --
+        runs the fork's function as written, uncounted, so the call is reported bypassed.
+        """
+        if state is not self.state or keywords.get("output_dtype", state.dtype) is not state.dtype:
+            return function(state, indices, flags, **keywords)
         self.gathers += 1
         return self.plan.gather(state, indices, flags)
 
@@ -119,6 +125,24 @@ class DirectRoute:
         # another dtype makes torch's own index_put raise (Kimi Linear scatters its final state uncast): the
         # plan would cast and succeed, so the call would behave differently patched
         _setitem(state, indices, value)
+
+    def scatter_function(self, function: Any, state: torch.Tensor, indices: Any, value: Any) -> None:
+        """``function(state, indices, value)`` (vllm-ascend 0.30's ``scatter_ssm_states_``) through the plan.
+
+        The fork's kernel stores ``value`` into the cache dtype in the same pass; the plan does the same where it
+        prepared ``value``'s dtype (bit for bit torch's ``.to()``, :mod:`~kda_patches.state_copy.casts`), and the
+        cast counts as folded. Another tensor, a non-vector index or an unprepared dtype runs the fork's function
+        as written, uncounted.
+        """
+        if (state is self.state and (indices is self.vector or _is_vector(indices)) and isinstance(value, _Tensor)
+                and value.device == state.device
+                and ((dtype := value.dtype) is state.dtype or dtype in getattr(self.plan, "final_dtypes", ()))):
+            self.plan.scatter(state, value, indices)
+            self.scatters += 1
+            if dtype is not state.dtype:
+                self.casts_folded += 1
+            return
+        function(state, indices, value)
 
     def scatter_cast(self, state: torch.Tensor, indices: Any, final: Any) -> None:
         """``state[indices] = final.to(state.dtype)`` with the cast inside the plan's copy where it prepared one."""

@@ -30,7 +30,8 @@ def release_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
 
-def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], ...]) -> tuple[Target, ...]:
+def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], ...],
+        chosen_by: tuple[str, str] | None = None, stands_aside: str | None = None) -> tuple[Target, ...]:
     """Return one coupled group of targets valid for ``distribution`` in ``[low, high)``.
 
     A release era is one group (named ``<distribution>-<low>``): its members -- a seam, the copy functions
@@ -41,11 +42,14 @@ def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], 
         distribution: ``vllm`` or ``vllm-ascend`` (also the stack label).
         low, high: the era's version range.
         members: ``(module, qualname, wrapper, parameters, shapes)`` per target.
+        chosen_by, stands_aside: an era the user opts into (``Target.chosen_by``): every member is inert with
+            the ``stands_aside`` text unless the switch has the chosen value.
     Returns:
         The era's targets, in the order given.
     """
     return tuple(Target(module, qualname, wrapper, distribution, distribution, low, high, parameters,
-                        f"{distribution}-{low}", shapes) for module, qualname, wrapper, parameters, shapes in members)
+                        f"{distribution}-{low}", shapes, inert=stands_aside, chosen_by=chosen_by)
+                 for module, qualname, wrapper, parameters, shapes in members)
 
 
 def upstream_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:

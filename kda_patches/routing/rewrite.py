@@ -41,6 +41,9 @@ from kda_patches.routing.seams import CLEAR_FUNCTION, CLEAR_NATIVE, CLEAR_NONE, 
 ROUTE_PARAMETER = "_kda_route"
 _SCOPE = "_kda_class_scope"  # the class body a method's source is parsed in
 _ROW_PRESERVING = ("contiguous", "transpose")
+# keywords a declared gather function may be called with: vllm-ascend 0.30's gather_ssm_states(..., output_dtype=)
+# gathers into another dtype; the route sends it to the plan only when that is the cache's own dtype
+GATHER_KEYWORDS = ("output_dtype",)
 _FUTURE_FLAGS = 0
 for _feature in ("annotations", "division", "generator_stop"):
     import __future__
@@ -160,6 +163,29 @@ def _function_clear_flags(statement: ast.stmt, packed: str, clear_function: str)
     return call.args[1]
 
 
+def _scatter_function_call(seam: Seam, node: ast.AST) -> ast.Call | None:
+    """The call of a statement ``scatter_function(S, J, V)`` (three positional arguments, ``S`` a name), or None."""
+    if seam.scatter_function is None or not isinstance(node, ast.Expr):
+        return None
+    call = node.value
+    if (isinstance(call, ast.Call) and _is_name(call.func, seam.scatter_function) and len(call.args) == 3
+            and not call.keywords and isinstance(call.args[0], ast.Name)
+            and not any(isinstance(arg, ast.Starred) for arg in call.args)):
+        return call
+    return None
+
+
+def _gather_function_call(seam: Seam, value: ast.expr, state: str) -> ast.Call | None:
+    """``G(S, I, F)`` of the declared gather function on the cache, optionally with ``output_dtype=``, or None."""
+    if not (seam.gather_function is not None and isinstance(value, ast.Call)
+            and _is_name(value.func, seam.gather_function) and len(value.args) == 3
+            and _is_name(value.args[0], state) and not any(isinstance(arg, ast.Starred) for arg in value.args)):
+        return None
+    if all(keyword.arg in GATHER_KEYWORDS for keyword in value.keywords):
+        return value
+    return None
+
+
 def _find_state_name(seam: Seam, tree: ast.FunctionDef) -> str | None:
     """The name the cache goes by: the declared argument's, else the one name both gathered and scattered.
 
@@ -172,6 +198,9 @@ def _find_state_name(seam: Seam, tree: ast.FunctionDef) -> str | None:
         return seam.state.name
     written, read = set(), set()
     for node in ast.walk(tree):
+        if _scatter_function_call(seam, node) is not None:
+            written.add(node.value.args[0].id)
+            continue
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
             continue
         target = node.targets[0]
@@ -184,7 +213,8 @@ def _find_state_name(seam: Seam, tree: ast.FunctionDef) -> str | None:
                     and isinstance(value.args[0], ast.Name)):
                 read.add(value.args[0].id)
             core, _chain = _unwrap_row_preserving(value)
-            if seam.gather_function is None and isinstance(core, ast.Subscript) and isinstance(core.value, ast.Name):
+            subscripts = seam.gather_function is None or seam.scatter_function is not None
+            if subscripts and isinstance(core, ast.Subscript) and isinstance(core.value, ast.Name):
                 read.add(core.value.id)
     names = written & read
     return names.pop() if len(names) == 1 else None
@@ -219,6 +249,12 @@ class _SeamRewriter:
                 setattr(statement, field, self.rewrite_block(block))
         for handler in getattr(statement, "handlers", ()) or ():
             handler.body = self.rewrite_block(handler.body)
+        scatter_call = _scatter_function_call(self.seam, statement)
+        if scatter_call is not None and _is_name(scatter_call.args[0], self.state):
+            statement.value = _route_call("scatter_function", scatter_call.func, *scatter_call.args)
+            self.scatters += 1
+            self.replaced.append(f"line {statement.lineno}: {self.seam.scatter_function} call")
+            return statement, False
         if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
             target = statement.targets[0]
             if isinstance(target, ast.Subscript) and _is_name(target.value, self.state):
@@ -249,12 +285,16 @@ class _SeamRewriter:
     def rewrite_gather(self, statement: ast.Assign, packed: str, following: ast.stmt | None) -> tuple[ast.stmt, bool]:
         seam = self.seam
         value = statement.value
-        if seam.gather_function is not None:
-            if (isinstance(value, ast.Call) and _is_name(value.func, seam.gather_function) and len(value.args) == 3
-                    and not value.keywords and _is_name(value.args[0], self.state)):
-                statement.value = _route_call("gather_function", value.func, *value.args)
-                self.gathers += 1
-                self.replaced.append(f"line {statement.lineno}: {seam.gather_function} call")
+        gather_call = _gather_function_call(seam, value, self.state)
+        if gather_call is not None:
+            statement.value = _route_call("gather_function", gather_call.func, *gather_call.args)
+            statement.value.keywords = gather_call.keywords
+            self.gathers += 1
+            self.replaced.append(f"line {statement.lineno}: {seam.gather_function} call"
+                                 + (" (" + ", ".join(f"{k.arg}=" for k in gather_call.keywords) + " checked per call)"
+                                    if gather_call.keywords else ""))
+            return statement, False
+        if seam.gather_function is not None and seam.scatter_function is None:
             return statement, False
         core, _chain = _unwrap_row_preserving(value)
         if not (isinstance(core, ast.Subscript) and _is_name(core.value, self.state)):
@@ -527,5 +567,9 @@ def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, ke
         else:
             rewrites[original] = rewritten.function
             fact = {"mechanism": "rewrite", "replaced": rewritten.replaced}
+    if fact["mechanism"] == "alias" and seam.scatter_function is not None:
+        fact["warning"] = (f"no alias routes {seam.gather_function} / {seam.scatter_function}: every prefill call of "
+                           "this seam runs the fork's kernels and is reported bypassed (raises under STRICT); "
+                           "it is routed only by the rewritten twin (KDA_PATCHES_ROUTING=rewrite)")
     get_ledger().set_fact(seam.section, f"routing {key}", {"seam": seam.name, **fact})
     return fact["mechanism"]

@@ -112,18 +112,21 @@ class Seam:
         clear: :data:`CLEAR_NATIVE`, :data:`CLEAR_FUNCTION` or :data:`CLEAR_NONE`.
         clear_function: module-level clear name (with :data:`CLEAR_FUNCTION`), e.g. ``clear_ssm_states``.
         gather_function: module-level gather name, e.g. ``gather_initial_states``, or None.
+        scatter_function: module-level scatter name ``F(S, J, V)``, e.g. vllm-ascend 0.30's
+            ``scatter_ssm_states_``, or None. Such a seam is routed by the rewritten twin only (no alias wraps
+            the function), and its body may also gather and scatter by indexing (the fork's CPU branch).
         prefill_gated: route only calls whose metadata has ``num_prefills > 0``.
         cache_slot: ``layer.kv_cache`` entry the worker startup prepares the plan for.
         final: :class:`FinalFrom` (the folded final-state cast) or None.
     """
 
     __slots__ = ("cache_slot", "clear", "clear_function", "final", "flags", "gather_function", "indices", "name",
-                 "prefill_gated", "section", "state")
+                 "prefill_gated", "scatter_function", "section", "state")
 
     def __init__(self, name: str, section: str, state: Argument | KVCacheSlot, indices: Any = None,
                  flags: Any = None, clear: str = CLEAR_NATIVE, clear_function: str | None = None,
                  gather_function: str | None = None, prefill_gated: bool = False, cache_slot: int = 1,
-                 final: FinalFrom | None = None) -> None:
+                 final: FinalFrom | None = None, scatter_function: str | None = None) -> None:
         if clear not in _CLEARS:
             raise ValueError(f"seam {name!r}: clear must be one of {_CLEARS}, got {clear!r}")
         if (clear == CLEAR_FUNCTION) != (clear_function is not None):
@@ -145,6 +148,7 @@ class Seam:
         self.clear = clear
         self.clear_function = clear_function
         self.gather_function = gather_function
+        self.scatter_function = scatter_function
         self.prefill_gated = prefill_gated
         self.cache_slot = cache_slot
         if final is not None and not isinstance(final, FinalFrom):
@@ -158,5 +162,6 @@ class Seam:
         """Return the declaration as a JSON-serialisable dict (ledger, doctor)."""
         return {"name": self.name, "state": repr(self.state), "indices": repr(self.indices),
                 "flags": repr(self.flags), "clear": self.clear, "clear_function": self.clear_function,
-                "gather_function": self.gather_function, "prefill_gated": self.prefill_gated,
+                "gather_function": self.gather_function, "scatter_function": self.scatter_function,
+                "prefill_gated": self.prefill_gated,
                 "final": repr(self.final) if self.final is not None else None}
