@@ -63,13 +63,14 @@ def key_targets(patch: registry.Patch) -> list[registry.Target]:
 
 
 def describe_seams() -> dict[str, Any]:
-    """Return the state-copy seam declarations per patch, the Kimi fork-plan and routing switches, and per seam
+    """Return the state-copy seam declarations per patch, the fork-plan (Kimi, GDN) and routing switches, and per seam
     the mechanism this process wraps it with (``not wrapped here`` when its module was not imported; no torch)."""
     from kda_patches.routing.wrappers import SeamWrapper
 
     flags = current_flags()
     facts = get_ledger().snapshot().get("facts", {})
-    seams: dict[str, Any] = {"KDA_PATCHES_KIMI_PLAN": flags.kimi_plan, "KDA_PATCHES_ROUTING": flags.routing}
+    seams: dict[str, Any] = {"KDA_PATCHES_KIMI_PLAN": flags.kimi_plan, "KDA_PATCHES_GDN_PLAN": flags.gdn_plan,
+                             "KDA_PATCHES_ROUTING": flags.routing}
     for name, patch in registry.all_patches().items():
         declared = {target.key: {**target.wrapper.seam.describe(), "routing": facts.get(
             target.wrapper.seam.section, {}).get(f"routing {target.key}", {}).get("mechanism", "not wrapped here")}

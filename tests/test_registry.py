@@ -467,6 +467,36 @@ def test_inert_range_is_declared_not_applicable_and_never_wrapped(tmp_path, monk
         registry.Target(name, "Engine.step", None)
 
 
+@pytest.mark.parametrize("choice", ["fork", "overlay"])
+def test_a_target_chosen_by_a_switch_is_wrapped_only_when_chosen(tmp_path, monkeypatch, choice):
+    """``chosen_by``: inert with its text unless the switch has the chosen value (where the fork does the job)."""
+    import kda_patches
+    from kda_patches.flags import Flags
+
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True, gdn_plan=choice))
+    name = make_module(tmp_path, monkeypatch, ENGINE, version="0.30.0")
+    target = registry.Target(name, "Engine.step", add_one, distribution=name, min_version="0.30",
+                             max_version="0.40", parameters=("self", "value"), inert="the fork copies itself",
+                             chosen_by=("gdn_plan", "overlay"))
+    patch = registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="chosen era", targets=(target,))
+    registry.register_patch(patch, strict=True)
+    module = importlib.import_module(name)
+    state, reason = get_ledger().patch_state(patch.name)
+    if choice == "overlay":
+        assert module.Engine().step(1) == 11 and state == "applied", reason
+    else:
+        assert module.Engine().step(1) == 10
+        assert state == "not-applicable" and reason.startswith("inert: the fork copies itself"), reason
+    registry.revert_patch(patch)
+
+
+def test_a_chosen_target_needs_a_wrapper_and_the_text_of_what_stands_aside():
+    with pytest.raises(ValueError, match="needs a wrapper"):
+        registry.Target("m", "f", None, inert="aside", chosen_by=("gdn_plan", "overlay"))
+    with pytest.raises(ValueError, match="an inert text"):
+        registry.Target("m", "f", add_one, chosen_by=("gdn_plan", "overlay"))
+
+
 def test_hook_out_of_range_imported_first_keeps_the_seam_unwrapped(tmp_path, monkeypatch, caplog):
     layer = make_named(tmp_path, monkeypatch, "layer", LAYER)
     runner = make_named(tmp_path, monkeypatch, "runner", RUNNER_027, version="0.9")

@@ -110,7 +110,8 @@ class DirectRoute:
         Anything else -- another tensor, or a gather into another dtype (the plan gathers in the cache dtype) --
         runs the fork's function as written, uncounted, so the call is reported bypassed.
         """
-        if state is not self.state or keywords.get("output_dtype", state.dtype) is not state.dtype:
+        wanted = keywords.get("output_dtype")  # None: the cache's dtype, as the fork's function reads it
+        if state is not self.state or (wanted is not None and wanted is not state.dtype):
             return function(state, indices, flags, **keywords)
         self.gathers += 1
         return self.plan.gather(state, indices, flags)

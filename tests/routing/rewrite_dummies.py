@@ -293,3 +293,50 @@ class FunctionClear(Layer):
         final = initial.float() * 0.5 + 1
         ssm_state[indices] = final.to(ssm_state.dtype)
         return initial.float()
+
+
+KERNEL_RUNS = {"gather": 0, "scatter": 0}
+
+
+def gather_rows(state, indices, flags, *, output_dtype=None, layout=None):
+    """The fork's gather kernel (vllm-ascend 0.30 ``gather_ssm_states``): flag-false rows zero, optional dtype."""
+    KERNEL_RUNS["gather"] += 1
+    packed = torch.Tensor.__getitem__(state, indices).clone()
+    packed[~flags] = 0
+    return packed if output_dtype is None else packed.to(output_dtype)
+
+
+def scatter_rows(state, indices, values):
+    """The fork's scatter kernel (``scatter_ssm_states_``): stores ``values`` cast to the cache dtype."""
+    KERNEL_RUNS["scatter"] += 1
+    torch.Tensor.__setitem__(state, indices, values.to(state.dtype))
+
+
+class KernelCopies(Layer):
+    """vllm-ascend 0.30's three prefill branches: the fork's kernels (cast by the store, or before it, or a
+    gather into another dtype), and the CPU branch that indexes the cache and clears with a function."""
+
+    def forward(self, indices, flags, branch="store_cast", gather_dtype=None):
+        ssm_state = self.kv_cache[1]
+        if branch == "store_cast":
+            initial = gather_rows(ssm_state, indices, flags)
+            final = initial.float() * 0.5 + 1
+            scatter_rows(ssm_state, indices, final)
+        elif branch == "gather_dtype":
+            initial = gather_rows(ssm_state, indices, flags, output_dtype=gather_dtype)
+            final = initial.float() * 0.5 + 1
+            scatter_rows(ssm_state, indices, final.to(ssm_state.dtype).contiguous())
+        else:
+            initial = ssm_state[indices].transpose(-1, -2).contiguous()
+            clear_rows(initial, flags)
+            final = initial.float() * 0.5 + 1
+            ssm_state[indices] = final.transpose(-1, -2).contiguous().to(ssm_state.dtype)
+        return initial.float()
+
+
+class KernelCopiesOtherKeyword(Layer):
+    def forward(self, indices, flags):
+        ssm_state = self.kv_cache[1]
+        initial = gather_rows(ssm_state, indices, flags, layout="other")
+        scatter_rows(ssm_state, indices, initial.float() * 0.5 + 1)
+        return initial.float()

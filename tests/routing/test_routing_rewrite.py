@@ -55,7 +55,11 @@ class ContractPlan:
 FUNCTION_SEAM = Seam("rewrite test function-clear seam", SECTION, state=KVCacheSlot(1), indices=Argument(0, "indices"),
                      flags=Argument(1, "flags"), clear=CLEAR_FUNCTION, clear_function="clear_rows",
                      final=FinalFrom(1, function="chunk"))
-SEAM_OF = {"FunctionClear": FUNCTION_SEAM}
+# vllm-ascend 0.30's form: the fork's own gather/scatter kernels by name, and a CPU branch that indexes
+KERNEL_SEAM = Seam("rewrite test kernel seam", SECTION, state=KVCacheSlot(1), indices=Argument(0, "indices"),
+                   flags=Argument(1, "flags"), clear=CLEAR_FUNCTION, clear_function="clear_rows",
+                   gather_function="gather_rows", scatter_function="scatter_rows")
+SEAM_OF = {"FunctionClear": FUNCTION_SEAM, "KernelCopies": KERNEL_SEAM, "KernelCopiesOtherKeyword": KERNEL_SEAM}
 
 
 def load(cls: str | None) -> tuple[object, Patch | None]:
@@ -437,3 +441,68 @@ def inspect_source(module) -> str:
     import inspect
 
     return inspect.getsource(module)
+
+
+def kernel_outcome(world, patched: bool, dtype: torch.dtype, branch: str, **options) -> tuple:
+    """``(outcome, counters delta, plan, fork kernel runs)`` of one ``KernelCopies.forward`` call."""
+    module, layer, plan = world("KernelCopies", patched, dtype)
+    if "final_dtypes" in options:
+        plan.final_dtypes = options.pop("final_dtypes")
+    runs, before = dict(module.KERNEL_RUNS), counted()
+    indices, flags = batch()
+    try:
+        result = layer.forward(indices, flags, branch, **options)
+    except Exception as error:  # the exception type is the outcome compared
+        result = type(error)
+    ran = {key: module.KERNEL_RUNS[key] - runs[key] for key in runs}
+    return (result, layer.kv_cache[1].clone()), delta(before), plan, ran
+
+
+@pytest.mark.parametrize(("branch", "options", "folded"), [
+    ("store_cast", {}, 1), ("gather_dtype", {"gather_dtype": torch.bfloat16}, 0),
+    ("gather_dtype", {"gather_dtype": None}, 0), ("index", {}, 0)])
+def test_the_forks_kernel_calls_and_its_indexing_branch_go_through_the_plan(world, strict, branch, options, folded):
+    """Every branch of the 0.30 form is routed: the kernels' calls by name, the CPU branch's index copies."""
+    baseline, _, _, ran = kernel_outcome(world, False, torch.bfloat16, branch, **options)
+    assert ran == ({"gather": 0, "scatter": 0} if branch == "index" else {"gather": 1, "scatter": 1})
+    patched, counts, plan, ran = kernel_outcome(world, True, torch.bfloat16, branch, **options)
+    assert same(baseline, patched)
+    assert ran == {"gather": 0, "scatter": 0}, "a fork kernel ran although the call was routed"
+    assert counts == {"calls_seen": 1, "calls_routed": 1, **({"casts_folded": 1} if folded else {})}
+    assert len(plan.gathered) == 1 and len(plan.sources) == 1
+    assert mechanism("KernelCopies")["mechanism"] == "rewrite", mechanism("KernelCopies")
+
+
+def test_a_kernel_gather_into_another_dtype_runs_the_forks_kernel_and_is_bypassed(world, lenient):
+    """``output_dtype`` other than the cache's: the plan gathers in the cache dtype only, so the fork's runs."""
+    baseline, _, _, _ = kernel_outcome(world, False, torch.bfloat16, "gather_dtype", gather_dtype=torch.float32)
+    patched, counts, plan, ran = kernel_outcome(world, True, torch.bfloat16, "gather_dtype",
+                                                gather_dtype=torch.float32)
+    assert same(baseline, patched) and ran["gather"] == 1 and not plan.gathered
+    assert counts == {"calls_seen": 1, "calls_bypassed": 1}
+
+
+def test_a_kernel_scatter_of_an_unprepared_dtype_runs_the_forks_kernel_and_is_bypassed(world, lenient):
+    baseline, _, _, _ = kernel_outcome(world, False, torch.bfloat16, "store_cast")
+    patched, counts, plan, ran = kernel_outcome(world, True, torch.bfloat16, "store_cast", final_dtypes=())
+    assert same(baseline, patched) and ran == {"gather": 0, "scatter": 1} and not plan.sources
+    assert counts == {"calls_seen": 1, "calls_bypassed": 1}
+
+
+def test_a_kernel_gather_with_another_keyword_is_not_the_declared_form():
+    module, _ = load(None)
+    with pytest.raises(RewriteRefused, match=r"found 0 gather\(s\) and 1 scatter\(s\)"):
+        rewrite_seam_function(vars(module.KernelCopiesOtherKeyword)["forward"], KERNEL_SEAM)
+
+
+def test_a_gather_function_seam_without_a_scatter_function_leaves_index_gathers_to_the_refusal():
+    """Kimi Linear's form (a gather function, index scatter): an index gather there is not one of its lines."""
+    module, _ = load(None)
+    seam = Seam("gather function only", SECTION, state=KVCacheSlot(1), clear=CLEAR_FUNCTION,
+                clear_function="clear_rows", gather_function="gather_rows")
+    with pytest.raises(RewriteRefused, match=r"also indexed as ssm_state\[indices\]"):
+        rewrite_seam_function(vars(module.KernelCopies)["forward"], seam)
+    replaced = rewrite_seam_function(vars(module.KernelCopies)["forward"], KERNEL_SEAM).replaced
+    assert [line.split(": ", 1)[1] for line in replaced] == [
+        "gather_rows call", "scatter_rows call", "gather_rows call (output_dtype= checked per call)",
+        "scatter_rows call", "gather with the clear folded", "clear removed (folded into the gather)", "scatter"]

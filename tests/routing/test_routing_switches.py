@@ -1,4 +1,5 @@
-"""``KDA_PATCHES_KIMI_PLAN`` / ``KDA_PATCHES_ROUTING`` parsing and the doctor's state-copy seam rows."""
+"""``KDA_PATCHES_KIMI_PLAN`` / ``KDA_PATCHES_GDN_PLAN`` / ``KDA_PATCHES_ROUTING`` parsing and the doctor's
+state-copy seam rows."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ def test_kimi_plan_defaults_to_fork_and_accepts_overlay():
     assert parse_flags({}).kimi_plan == "fork"
     assert parse_flags({"KDA_PATCHES_KIMI_PLAN": " Overlay "}).kimi_plan == "overlay"
     assert parse_flags({"KDA_PATCHES_KIMI_PLAN": "overlay"}).as_dict()["KDA_PATCHES_KIMI_PLAN"] == "overlay"
+
+
+def test_gdn_plan_defaults_to_fork_and_accepts_overlay():
+    assert parse_flags({}).gdn_plan == "fork"
+    assert parse_flags({"KDA_PATCHES_GDN_PLAN": " Overlay "}).gdn_plan == "overlay"
+    assert parse_flags({"KDA_PATCHES_GDN_PLAN": "overlay"}).as_dict()["KDA_PATCHES_GDN_PLAN"] == "overlay"
+    assert not parse_flags({"KDA_PATCHES_GDN_PLAN": "overlay"}).warnings  # a known switch
+    with pytest.raises(ValueError, match=r"KDA_PATCHES_GDN_PLAN='ours'.*fork, overlay"):
+        parse_flags({"KDA_PATCHES_GDN_PLAN": "ours"})
 
 
 def test_routing_defaults_to_rewrite_and_accepts_alias():
@@ -35,6 +45,7 @@ def test_doctor_lists_every_declared_seam_with_its_clear():
 
     seams = describe_seams()
     assert seams["KDA_PATCHES_KIMI_PLAN"] in ("fork", "overlay")
+    assert seams["KDA_PATCHES_GDN_PLAN"] in ("fork", "overlay")
     clears = {key.split(":")[1]: seam["clear"] for section in ("kimi_prefill", "gdn_state_copy")
               for key, seam in seams[section].items()}
     assert clears == {
