@@ -531,6 +531,23 @@ def predict_mechanism(definition: ast.AST, seam: Seam, qualname: str) -> dict[st
         return {"mechanism": "alias", "reason": f"not rewritten: {refusal}"}
 
 
+# twins already built, by original function: a re-application (revert, then register again: A/B switching in one
+# process) reuses the twin, already warmed up by the interpreter, as long as the function is what it was built from
+_BUILT: dict[int, tuple[Any, Any, Any, Seam, Rewritten]] = {}
+
+
+def build_twin(original: Any, seam: Seam) -> Rewritten:
+    """Return the twin of ``original`` for ``seam``: the one built before for the same function, code object,
+    defaults and declaration, else a new one (:func:`rewrite_seam_function`, which may refuse)."""
+    built = _BUILT.get(id(original))
+    if (built is not None and built[0] is original and built[1] is getattr(original, "__code__", None)
+            and built[2] is getattr(original, "__defaults__", None) and built[3] is seam):
+        return built[4]
+    rewritten = rewrite_seam_function(original, seam)
+    _BUILT[id(original)] = (original, original.__code__, original.__defaults__, seam, rewritten)
+    return rewritten
+
+
 def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, key: str, original: Any) -> str:
     """Build the twin of a just-wrapped seam function into ``rewrites`` (or record why it routes by alias).
 
@@ -556,7 +573,7 @@ def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, ke
         fact = {"mechanism": "alias", "reason": "KDA_PATCHES_ROUTING=alias"}
     else:
         try:
-            rewritten = rewrite_seam_function(original, seam)
+            rewritten = build_twin(original, seam)
         except RewriteRefused as refusal:
             fact = {"mechanism": "alias", "reason": f"not rewritten: {refusal}"}
             if refusal.clear_not_folded:

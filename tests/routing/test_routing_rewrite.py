@@ -270,17 +270,27 @@ def test_a_call_through_the_class_runs_the_twin(world, strict):
     assert delta(before) == {"calls_seen": 1, "calls_routed": 1, "casts_folded": 1} and plan.sources
 
 
-def test_revert_forgets_the_twin_and_a_new_registration_rebuilds_it():
+def test_revert_forgets_the_twin_and_a_new_registration_reuses_it_only_for_the_same_code():
+    """A/B switching in one process re-wraps the same function: its twin (warm) is reused, unless the function's
+    code object was replaced since (then the twin is built again from the source)."""
     module, patch = load("Valid")
     wrapper = patch.targets[0].wrapper
+    original = vars(module.Valid)["forward"].__wrapped__
     try:
-        assert list(wrapper.rewrites) == [vars(module.Valid)["forward"].__wrapped__]
+        assert list(wrapper.rewrites) == [original]
+        first = wrapper.rewrites[original]
     finally:
         revert_patch(patch)
     assert wrapper.rewrites == {}
     register_patch(patch)
     try:
-        assert len(wrapper.rewrites) == 1
+        assert wrapper.rewrites == {original: first}
+    finally:
+        revert_patch(patch)
+    original.__code__ = original.__code__.replace()  # an equal but new code object: not what the twin came from
+    register_patch(patch)
+    try:
+        assert list(wrapper.rewrites) == [original] and wrapper.rewrites[original] is not first
     finally:
         revert_patch(patch)
         sys.modules.pop(MODULE, None)
