@@ -2,7 +2,7 @@
 # Issue 19 on the H200, in one or two device calls (no network there; carry .bundle/, .whl/, .release-cache/):
 #
 #   bash scripts/gpu_issue19.sh OUT_DIR layers   # route_host_costs.py, then vllm_layers_check.py (4 layers;
-#                                                # env ROUNDS, LAYERS="kimi_k3 ..." to narrow it)
+#                                                # env ROUNDS, LAYERS="kimi_k3 ...", HOST_COST_RUNS)
 #   bash scripts/gpu_issue19.sh OUT_DIR peer     # kda-patches bench peer (GDN kernels + Kimi plans of the fork)
 #
 # .release-cache/ needs only vllm-ascend-0.30.0rc2's marker and the four files bench peer loads
@@ -19,8 +19,12 @@ export PYTHONPATH="$ROOT:$SITE" PYTHONUNBUFFERED=1 KDA_PATCHES_RELEASE_CACHE="$R
 unset TRITON_INTERPRET
 status=0
 if [ "$PART" = layers ]; then
-    timeout 120 python3 scripts/gpu/route_host_costs.py --out "$OUT_DIR" >"$OUT_DIR/route_host_costs.log" 2>&1
-    echo "route_host_costs exit $?"; tail -30 "$OUT_DIR/route_host_costs.log"
+    for run in $(seq "${HOST_COST_RUNS:-1}"); do  # separate processes: the host's run-to-run spread
+        mkdir -p "$OUT_DIR/host-costs-$run"
+        timeout 120 python3 scripts/gpu/route_host_costs.py --out "$OUT_DIR/host-costs-$run" \
+            >"/tmp/route_host_costs-$run.log" 2>&1
+        echo "route_host_costs run $run exit $?"; grep -E "bookkeeping" "/tmp/route_host_costs-$run.log"
+    done
     timeout 500 python3 scripts/gpu/vllm_layers_check.py --out "$OUT_DIR" --bundle .bundle/vllm-0.33.0-cp312.zip \
         --rounds ${ROUNDS:-10} --settle 1 --burst 8 --copy-costs --child-timeout-s 200 \
         ${LAYERS:+--layers $LAYERS} >"$OUT_DIR/vllm_layers_stdout.log" 2>&1 || status=$?

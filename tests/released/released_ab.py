@@ -43,16 +43,25 @@ def run_pair(script: str, args: list[str], extra: dict[str, str] | None = None,
     Raises:
         AssertionError: a child failed (its exit status and stderr tail are in the message).
     """
+    runs = run_sides(script, args, {"baseline": child_env(False, base_extra), "patched": child_env(True, extra)})
+    return runs["baseline"], runs["patched"]
+
+
+def run_sides(script: str, args: list[str], envs: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
+    """Run ``script ARGS... OUT`` once per named environment (concurrently); return ``side -> saved dict``.
+
+    Raises:
+        AssertionError: a child failed (its side, exit status and stderr tail are in the message).
+    """
     with tempfile.TemporaryDirectory(prefix="kda-released-") as folder:
-        outs = [os.path.join(folder, f"{side}.pt") for side in ("baseline", "patched")]
-        envs = [child_env(False, base_extra), child_env(True, extra)]
-        procs = [subprocess.Popen([sys.executable, str(HERE / script), *args, out], env=env, cwd=str(HERE),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for out, env in zip(outs, envs, strict=True)]
-        logs = [proc.communicate(timeout=CHILD_TIMEOUT_S)[0] for proc in procs]
-        for side, proc, log in zip(("baseline", "patched"), procs, logs, strict=True):
-            assert proc.returncode == 0, f"{side} child {script} {args} exited {proc.returncode}:\n{log[-6000:]}"
-        return tuple(torch.load(out, weights_only=False) for out in outs)  # type: ignore[return-value]
+        outs = {side: os.path.join(folder, f"{side}.pt") for side in envs}
+        procs = {side: subprocess.Popen([sys.executable, str(HERE / script), *args, outs[side]], env=env,
+                                        cwd=str(HERE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for side, env in envs.items()}
+        logs = {side: proc.communicate(timeout=CHILD_TIMEOUT_S)[0] for side, proc in procs.items()}
+        for side, proc in procs.items():
+            assert proc.returncode == 0, f"{side} child {script} {args} exited {proc.returncode}:\n{logs[side][-6000:]}"
+        return {side: torch.load(out, weights_only=False) for side, out in outs.items()}
 
 
 def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
