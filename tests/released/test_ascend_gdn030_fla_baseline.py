@@ -1,0 +1,134 @@
+"""vllm-ascend 0.30's released ``AscendGatedDeltaNetAttention._forward_core``, FLA prefill branch, baseline only.
+
+:mod:`ascend_gdn030_child` twice with ``KDA_PATCHES=0`` (STRICT, Triton interpreter) and the same fresh seed:
+the release's ``gdn.py`` takes its FLA branch for every prefill call -- the fork's Triton
+``gather_ssm_states`` (zero rows for fresh sequences), ``DeviceOperator.fla_gdn_prefill`` (stood in: the
+device call), ``scatter_ssm_states_`` of the FP32 finals cast to the cache dtype -- over the shared batch
+plan (prefill, mixed decode + prefill, decode-only, continued; INT32 / INT64 indices; FP32 / BF16 caches).
+Checked: the branch, the fork's kernels launched, both runs bitwise equal, page poison and unselected rows
+intact, and the first batch against a direct computation (causal conv, L2 norm, gates, delta rule written out
+here). The ``KDA_PATCHES=1`` side and the A/B comparison come on top of this child.
+"""
+
+from __future__ import annotations
+
+import filecmp
+
+import pytest
+import released_ab
+import torch
+import torch.nn.functional as F
+from ascend_gdn_child import build_layer
+from batch_plan import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, PREFILL_CALLS
+from runner_standin import PageSpec, bits, poison_problems
+
+CASES = [("0.30.0rc2", "float32"), ("0.30.0rc2", "bfloat16"), ("0.30.0rc1", "bfloat16")]
+STATE_INDEX = "vllm_ascend.ops.triton.mamba.state_index"
+# batch-0 tolerances: outputs are BF16 (an ulp flip is ~0.4%); finals FP32 (order of sums) or one BF16 ulp
+OUTPUT_TOLERANCE = {"atol": 1e-3, "rtol": 1e-2}
+FINAL_TOLERANCE = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 1e-5, "rtol": 1e-2}}
+WRITTEN_ROWS = {row for batch in BATCHES for row in batch[0]}  # every row a batch selects (prefill or decode)
+
+
+def state_rows(raw: torch.Tensor, spec: PageSpec) -> torch.Tensor:
+    """Return the recurrent-state view ``[N, H, V, K]`` of a raw page buffer (the runner stand-in's geometry)."""
+    conv = 3 * spec.heads * spec.head_dim * (spec.conv_width - 1)
+    page = conv + spec.heads * spec.head_dim * spec.head_dim + spec.gap
+    return raw.as_strided((spec.num_blocks, spec.heads, spec.head_dim, spec.head_dim),
+                          (page, spec.head_dim * spec.head_dim, spec.head_dim, 1), spec.offset + conv)
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim in FP32, rounded back to ``x``'s dtype (vLLM's L2 norm)."""
+    return (x.float() / (x.float().pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()).to(x.dtype)
+
+
+def direct_first_batch(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, batch 0 (fresh prefills: zero conv and recurrent states) computed directly from the seed.
+
+    The child's draws are replayed (layers via :func:`ascend_gdn_child.build_layer`, then the batch's BF16
+    ``mixed_qkv``, ``b``, ``a``); everything after is written out here, rounding to BF16 where the fork's
+    pipeline stores BF16 (conv output, L2-normed q/k, beta).
+    Returns:
+        ``[(out [T, H, V] FP32, finals [S, H, V, K] FP32), ...]`` for each layer.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    layers = [build_layer(torch.nn.Module, f"model.layers.{i}.linear_attn", generator) for i in range(LAYERS)]
+    _, flags, lengths, decodes, _ = BATCHES[0]
+    assert decodes == 0 and not any(flags)
+    tokens, projection = sum(lengths), HEADS * HEAD_DIM
+    mixed = torch.randn((tokens, 3 * projection), generator=generator).to(torch.bfloat16)
+    b = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
+    a = torch.randn((tokens, HEADS), generator=generator).to(torch.bfloat16)
+    results = []
+    for layer in layers:
+        weight = layer.conv1d.weight.float()  # [C, 1, W]
+        outs, finals, start = [], [], 0
+        for length in lengths:
+            span = slice(start, start + length)
+            x = F.pad(mixed[span].float().T[None], (CONV_WIDTH - 1, 0))
+            y = F.silu(F.conv1d(x, weight, groups=3 * projection))[0].T.to(torch.bfloat16)
+            q, k, v = (part.reshape(length, HEADS, HEAD_DIM) for part in y.split(projection, dim=-1))
+            q, k, v = l2norm(q).float() * HEAD_DIM ** -0.5, l2norm(k).float(), v.float()
+            g = -layer.A_log.float().exp() * F.softplus(a[span].float() + layer.dt_bias.float())
+            beta = b[span].float().sigmoid().to(torch.bfloat16).float()
+            state, out = torch.zeros(HEADS, HEAD_DIM, HEAD_DIM), torch.empty(length, HEADS, HEAD_DIM)
+            for t in range(length):  # S <- S * exp(g); S <- S + k (beta (v - k S)); o = q S   (S: [H, K, V])
+                state = state * g[t].exp()[:, None, None]
+                delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], state)) * beta[t][:, None]
+                state = state + torch.einsum("hk,hv->hkv", k[t], delta)
+                out[t] = torch.einsum("hk,hkv->hv", q[t], state)
+            outs.append(out)
+            finals.append(state.transpose(-1, -2))
+            start += length
+        results.append((torch.cat(outs), torch.stack(finals)))
+    return results
+
+
+def test_releases_030_share_the_fla_prefill_code() -> None:
+    """rc1 runs as rc2: the files the FLA branch executes or stands in for are identical."""
+    from kda_patches.releases.fetch import release_dir
+
+    first, second = release_dir("vllm-ascend", "0.30.0rc1"), release_dir("vllm-ascend", "0.30.0rc2")
+    for path in ("vllm_ascend/ops/gdn.py", "vllm_ascend/ops/triton/mamba/state_index.py",
+                 "vllm_ascend/ops/triton/fla/utils.py", "vllm_ascend/device/device_op.py"):
+        assert filecmp.cmp(first / path, second / path, shallow=False), path
+
+
+@pytest.mark.parametrize(("release", "cache_dtype"), CASES, ids=[f"{r}-{d}" for r, d in CASES])
+def test_released_gdn030_fla_baseline(release: str, cache_dtype: str) -> None:
+    seed = released_ab.fresh_seed()
+    env = released_ab.child_env(False)
+    runs = released_ab.run_sides("ascend_gdn030_child.py", [release, "fla", str(seed), cache_dtype],
+                                 {"first": env, "second": dict(env)})
+    run = runs["first"]
+    context = released_ab.note_run(f"vllm-ascend {release} {run['class']}._forward_core (fla, baseline)", run)
+    context += f"\nseed {seed}, {cache_dtype} cache"
+
+    assert run["branch"] == {"fla": PREFILL_CALLS, "triton": 0}, context + f"\nbranch {run['branch']}"
+    assert not run["fused"] and run["wrapped"] == "function", context
+    assert run["bound"][STATE_INDEX] == {"gather_ssm_states": "release", "scatter_ssm_states_": "release"}, context
+    launches = {"_gather_ssm_states_kernel": PREFILL_CALLS, "_scatter_ssm_states_kernel": PREFILL_CALLS}
+    assert run["kernel_launches"] == launches, context + f"\nkernel launches {run['kernel_launches']}"
+
+    problems = released_ab.compare_runs(run, runs["second"])
+    assert not problems, context + "\nnot deterministic across two runs:\n" + "\n".join(problems)
+
+    spec = PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout="SD")
+    unselected = [row for row in range(BLOCKS) if row not in WRITTEN_ROWS]
+    for name in run["snapshots"][0]:
+        problems = poison_problems(run["snapshots"][-1][name], spec, conv_rows=WRITTEN_ROWS)
+        assert not problems, context + f"\n{name}: {problems}"
+        before = bits(state_rows(run["snapshots"][0][name], spec)[unselected])
+        for step, snapshot in enumerate(run["snapshots"][1:], start=1):
+            after = bits(state_rows(snapshot[name], spec)[unselected])
+            assert torch.equal(before, after), context + f"\n{name}: unselected rows changed by batch {step - 1}"
+
+    rows = list(BATCHES[0][0])
+    for index, (name, (out, finals)) in enumerate(zip(run["snapshots"][0], direct_first_batch(seed), strict=True)):
+        torch.testing.assert_close(run["outputs"][index].float(), out, **OUTPUT_TOLERANCE,
+                                   msg=lambda m, n=name: f"{context}\n{n}, batch 0 output: {m}")
+        written = state_rows(run["snapshots"][1][name], spec)[rows]
+        assert written.dtype == spec.dtype, context
+        torch.testing.assert_close(written.float(), finals.to(spec.dtype).float(), **FINAL_TOLERANCE[cache_dtype],
+                                   msg=lambda m, n=name: f"{context}\n{n}, batch 0 final states: {m}")
