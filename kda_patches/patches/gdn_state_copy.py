@@ -21,8 +21,11 @@ Seams, per the released sources (``kda-patches conformance`` re-reads them):
   scatter go through the plan on the cache's own ``[N, H, V, K]`` layout, the fork's transposes stay its
   own copies, and the folded clear is recognised on the transposed copy, whose flag-false rows the folded
   gather already zeroed). vllm-ascend 0.30's NPU prefill paths gather and scatter through its own Triton
-  kernels (``gather_ssm_states`` / ``scatter_ssm_states_``, flags and the dtype cast in one pass); only its
-  CPU branch indexes the cache, so 0.30 is not a target (not-applicable, not drift).
+  kernels (``gather_ssm_states`` / ``scatter_ssm_states_``, flags and the dtype cast in one pass); its CPU
+  branch indexes the cache. The overlay stands aside there by default (``KDA_PATCHES_GDN_PLAN=fork``: the era
+  is inert with the reason); ``KDA_PATCHES_GDN_PLAN=overlay`` wraps the seam and the runners' startup hooks
+  (``Target.chosen_by``) and the rewritten twin sends both kernel calls and the CPU branch's index copies to
+  the overlay's plan (:data:`ASCEND_030_SEAM`).
 
 Final-state cast folded into the scatter (``Seam.final``): where the released body scatters
 ``ssm_state[idx] = last_recurrent_state.to(ssm_state.dtype)`` with the final state straight from a chunk
