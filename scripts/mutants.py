@@ -273,6 +273,23 @@ MUTANTS: tuple[Mutant, ...] = (
            "",
            ("tests/state_copy/test_state_copy_entry.py::test_kernel_needing_scratch_takes_the_launcher",),
            "D (state_copy)", "a kernel that needs global or profile scratch is launched without it"),
+    Mutant("chosen-target-always-live", "kda_patches/verdicts.py",
+           "        if getattr(current_flags(), attribute) == value:\n            return None",
+           "        return None",
+           ("tests/test_registry.py::test_a_target_chosen_by_a_switch_is_wrapped_only_when_chosen",), "G (gdn_plan)",
+           "a target chosen by a switch (vllm-ascend 0.30 GDN) is wrapped although the fork does the job"),
+    Mutant("kernel-gather-any-dtype", "kda_patches/routing/direct.py",
+           "if state is not self.state or (wanted is not None and wanted is not state.dtype):",
+           "if state is not self.state:",
+           ("tests/routing/test_routing_rewrite.py::"
+            "test_a_kernel_gather_into_another_dtype_runs_the_forks_kernel_and_is_bypassed",), "G (gdn_plan)",
+           "a gather_ssm_states(..., output_dtype=) into another dtype is sent to the plan (cache dtype only)"),
+    Mutant("kernel-scatter-any-dtype", "kda_patches/routing/direct.py",
+           "and ((dtype := value.dtype) is state.dtype or dtype in getattr(self.plan, \"final_dtypes\", ()))):",
+           "and ((dtype := value.dtype) is not None)):",
+           ("tests/routing/test_routing_rewrite.py::"
+            "test_a_kernel_scatter_of_an_unprepared_dtype_runs_the_forks_kernel_and_is_bypassed",), "G (gdn_plan)",
+           "a scatter_ssm_states_ of a final dtype the plan did not prepare is sent to the plan"),
 )
 
 
