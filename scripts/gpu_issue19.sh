@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_issue19.sh OUT_DIR layers   # route_host_costs.py, then vllm_layers_check.py (4 layers;
 #                                                # env ROUNDS, LAYERS="kimi_k3 ...", HOST_COST_RUNS)
+#   bash scripts/gpu_issue19.sh OUT_DIR host     # only route_host_costs.py (HOST_COST_RUNS processes)
 #   bash scripts/gpu_issue19.sh OUT_DIR peer     # kda-patches bench peer (GDN kernels + Kimi plans of the fork)
 #
 # .release-cache/ needs only vllm-ascend-0.30.0rc2's marker and the four files bench peer loads
@@ -18,13 +19,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$ROOT:$SITE" PYTHONUNBUFFERED=1 KDA_PATCHES_RELEASE_CACHE="$ROOT/.release-cache"
 unset TRITON_INTERPRET
 status=0
-if [ "$PART" = layers ]; then
+if [ "$PART" = layers ] || [ "$PART" = host ]; then
     for run in $(seq "${HOST_COST_RUNS:-1}"); do  # separate processes: the host's run-to-run spread
         mkdir -p "$OUT_DIR/host-costs-$run"
         timeout 120 python3 scripts/gpu/route_host_costs.py --out "$OUT_DIR/host-costs-$run" \
             >"/tmp/route_host_costs-$run.log" 2>&1
         echo "route_host_costs run $run exit $?"; grep -E "bookkeeping" "/tmp/route_host_costs-$run.log"
     done
+    [ "$PART" = host ] && exit 0
     timeout 500 python3 scripts/gpu/vllm_layers_check.py --out "$OUT_DIR" --bundle .bundle/vllm-0.33.0-cp312.zip \
         --rounds ${ROUNDS:-10} --settle 1 --burst 8 --copy-costs --child-timeout-s 200 \
         ${LAYERS:+--layers $LAYERS} >"$OUT_DIR/vllm_layers_stdout.log" 2>&1 || status=$?

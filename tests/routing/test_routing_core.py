@@ -151,6 +151,31 @@ def test_a_prefill_under_breakable_graph_capture_runs_as_written_and_is_reported
     assert layer.seen_state_types == [torch.Tensor]  # the fork's own function ran on the plain cache
 
 
+def test_breakable_capture_is_read_per_thread_from_vllms_own_capture_class():
+    """vLLM's ``BreakableCUDAGraphCapture`` keeps the active capture per thread (``_tls.active``): a capture on
+    this thread is seen, one on another thread or one not capturing is not -- read as its ``current()`` reads it."""
+    import threading
+
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    from kda_patches.routing.calls import breakable_capture_active
+
+    tls = BreakableCUDAGraphCapture._tls
+    assert BreakableCUDAGraphCapture.current() is None and not breakable_capture_active()
+    tls.active = SimpleNamespace(_capturing=True)
+    try:
+        seen_elsewhere = []
+        other = threading.Thread(target=lambda: seen_elsewhere.append(breakable_capture_active()))
+        other.start()
+        other.join()
+        assert breakable_capture_active() and seen_elsewhere == [False]
+        tls.active._capturing = False  # between segments: eager, routed normally
+        assert not breakable_capture_active()
+    finally:
+        del tls.active
+    assert not breakable_capture_active()
+
+
 def test_a_same_shaped_other_index_tensor_never_folds_the_clear(load_dummies, strict):
     """Issue 12 mutant 1: folding keys on the index tensor's identity, not its shape (the clone has equal values).
 
