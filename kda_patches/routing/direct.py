@@ -78,7 +78,8 @@ class DirectRoute:
             flags: the removed clear's flags, or None (no clear was removed).
             clear: the fork's clear function as its own call would have found it (a function clear), or None.
         """
-        if state is not self.state or not _is_vector(indices):
+        if state is not self.state or not (isinstance(indices, _Tensor) and indices.dim() == 1 and (
+                (dtype := indices.dtype) is _INT32 or dtype is _INT64)):  # _is_vector, inline: once per call
             packed = _getitem(state, indices)  # not the prepared cache, or not an index vector: as written
             if flags is not None:
                 self.run_clear(packed, flags, clear)
