@@ -87,7 +87,8 @@ class DirectRoute:
         self.gathers += 1
         self.vector = indices
         if (flags is not None and isinstance(flags, _Tensor) and flags.dtype is _BOOL
-                and flags.dim() == 1 and flags.shape == indices.shape and flags.device == state.device):
+                and flags.dim() == 1 and flags.numel() == indices.numel()  # both 1-D: the same shape
+                and flags.device == state.device):
             self.folded += 1
             return self.plan.gather(state, indices, flags)
         packed = self.plan.gather(state, indices, None)
