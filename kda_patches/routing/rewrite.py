@@ -8,7 +8,9 @@ function in which they call the call's :class:`~kda_patches.routing.direct.Direc
 
 - the **gather** ``X = S[I]`` -- optionally followed by row-preserving ``.contiguous()`` /
   ``.transpose(-1, -2)`` -- becomes ``X = _kda_route.gather(S, I, F)``; with a declared gather function,
-  ``X = G(S, I, F)`` becomes ``X = _kda_route.gather_function(G, S, I, F)``;
+  ``X = G(S, I, F)`` becomes ``X = _kda_route.gather_function(G, S, I, F)`` (keywords: only ``output_dtype=``,
+  passed on and checked per call; a seam with a gather function rewrites index gathers too only when it also
+  declares a scatter function);
 - the **clear** that directly follows a subscript gather is removed and its flags ``F`` go to the gather,
   only when it is exactly ``X[~F, ...] = 0`` / ``X[~F] = 0`` (native) or ``clear_function(X, F)``, and ``F``
   does not read ``X``; when the flags cannot be folded at run time the route runs that clear as written
@@ -17,7 +19,11 @@ function in which they call the call's :class:`~kda_patches.routing.direct.Direc
   final state (``Seam.final``, the seams whose alias folds the cast) and ``V`` is ``E.to(S.dtype)`` of a
   plain name ``E``, ``_kda_route.scatter_cast(S, J, E)`` (the plan casts inside its copy). A cast of an
   expression (vllm-ascend's ``last.transpose(-1, -2).contiguous().to(...)``) or to any other dtype stays
-  as written.
+  as written; with a declared scatter function (vllm-ascend 0.30's ``scatter_ssm_states_``), the statement
+  ``F(S, J, V)`` becomes ``_kda_route.scatter_function(F, S, J, V)``. Such a seam has no alias: when its
+  rewrite is refused, the routing fact warns that every prefill call will be reported bypassed.
+
+A re-application of the same function (revert, register again) reuses its twin (:func:`build_twin`).
 
 The twin has the original's globals (the module's live namespace), defaults, name and line numbers, plus one
 positional-only first parameter ``_kda_route``: ``twin(route, self, *args, **kwargs)``. A function this

@@ -516,3 +516,14 @@ def test_a_gather_function_seam_without_a_scatter_function_leaves_index_gathers_
     assert [line.split(": ", 1)[1] for line in replaced] == [
         "gather_rows call", "scatter_rows call", "gather_rows call (output_dtype= checked per call)",
         "scatter_rows call", "gather with the clear folded", "clear removed (folded into the gather)", "scatter"]
+
+
+@pytest.mark.alias_mechanism
+def test_a_kernel_seam_on_the_alias_is_reported_bypassed_and_its_routing_fact_warns(world, lenient):
+    """No alias routes the fork's kernel calls: on the alias every prefill runs them and is reported bypassed."""
+    baseline, _, _, _ = kernel_outcome(world, False, torch.bfloat16, "store_cast")
+    patched, counts, plan, ran = kernel_outcome(world, True, torch.bfloat16, "store_cast")
+    assert same(baseline, patched) and ran == {"gather": 1, "scatter": 1} and not plan.sources
+    assert counts == {"calls_seen": 1, "calls_bypassed": 1}
+    fact = mechanism("KernelCopies")
+    assert fact["mechanism"] == "alias" and "reported bypassed" in fact["warning"], fact
