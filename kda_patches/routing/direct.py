@@ -78,8 +78,7 @@ class DirectRoute:
             flags: the removed clear's flags, or None (no clear was removed).
             clear: the fork's clear function as its own call would have found it (a function clear), or None.
         """
-        if state is not self.state or not (isinstance(indices, _Tensor) and indices.dim() == 1 and (
-                (dtype := indices.dtype) is _INT32 or dtype is _INT64)):  # _is_vector, inline: once per call
+        if state is not self.state or not _is_vector(indices):
             packed = _getitem(state, indices)  # not the prepared cache, or not an index vector: as written
             if flags is not None:
                 self.run_clear(packed, flags, clear)
@@ -118,45 +117,48 @@ class DirectRoute:
         self.gathers += 1
         return self.plan.gather(state, indices, flags)
 
+    def scatter_through_plan(self, state: torch.Tensor, indices: Any, value: Any, casts: bool) -> bool:
+        """Scatter ``value`` through the plan when this is the prepared copy; return whether it was.
+
+        The prepared copy: the layer's cache, a 1-D int32/int64 index vector and a tensor value, in the cache's
+        dtype -- or, where ``casts`` (the store folds the cast), on the cache's device in the cache's dtype or one
+        the plan prepared (bit for bit torch's ``.to()``, :mod:`~kda_patches.state_copy.casts`; counted folded).
+        """
+        if not (state is self.state and (indices is self.vector or _is_vector(indices)) and isinstance(value, _Tensor)):
+            return False
+        dtype = value.dtype
+        if casts:
+            if value.device != state.device or (
+                    dtype is not state.dtype and dtype not in getattr(self.plan, "final_dtypes", ())):
+                return False
+        elif dtype is not state.dtype:
+            return False
+        self.plan.scatter(state, value, indices)
+        self.scatters += 1
+        if dtype is not state.dtype:
+            self.casts_folded += 1
+        return True
+
     def scatter(self, state: torch.Tensor, indices: Any, value: Any) -> None:
         """``state[indices] = value`` through the plan when ``value`` already has the cache's dtype."""
-        if (state is self.state and (indices is self.vector or _is_vector(indices))
-                and isinstance(value, _Tensor) and value.dtype is state.dtype):
-            self.plan.scatter(state, value, indices)
-            self.scatters += 1
-            return
-        # another dtype makes torch's own index_put raise (Kimi Linear scatters its final state uncast): the
-        # plan would cast and succeed, so the call would behave differently patched
-        _setitem(state, indices, value)
+        if not self.scatter_through_plan(state, indices, value, casts=False):
+            # another dtype makes torch's own index_put raise (Kimi Linear scatters its final state uncast): the
+            # plan would cast and succeed, so the call would behave differently patched
+            _setitem(state, indices, value)
 
     def scatter_function(self, function: Any, state: torch.Tensor, indices: Any, value: Any) -> None:
         """``function(state, indices, value)`` (vllm-ascend 0.30's ``scatter_ssm_states_``) through the plan.
 
-        The fork's kernel stores ``value`` into the cache dtype in the same pass; the plan does the same where it
-        prepared ``value``'s dtype (bit for bit torch's ``.to()``, :mod:`~kda_patches.state_copy.casts`), and the
-        cast counts as folded. Another tensor, a non-vector index or an unprepared dtype runs the fork's function
-        as written, uncounted.
+        The fork's kernel stores ``value`` into the cache dtype in the same pass, and so does the plan's where it
+        prepared ``value``'s dtype. Anything else runs the fork's function as written, uncounted.
         """
-        if (state is self.state and (indices is self.vector or _is_vector(indices)) and isinstance(value, _Tensor)
-                and value.device == state.device
-                and ((dtype := value.dtype) is state.dtype or dtype in getattr(self.plan, "final_dtypes", ()))):
-            self.plan.scatter(state, value, indices)
-            self.scatters += 1
-            if dtype is not state.dtype:
-                self.casts_folded += 1
-            return
-        function(state, indices, value)
+        if not self.scatter_through_plan(state, indices, value, casts=True):
+            function(state, indices, value)
 
     def scatter_cast(self, state: torch.Tensor, indices: Any, final: Any) -> None:
         """``state[indices] = final.to(state.dtype)`` with the cast inside the plan's copy where it prepared one."""
-        if (state is self.state and (indices is self.vector or _is_vector(indices)) and isinstance(final, _Tensor)
-                and (dtype := final.dtype) is not state.dtype and dtype in getattr(self.plan, "final_dtypes", ())
-                and final.device == state.device):
-            self.plan.scatter(state, final, indices)
-            self.scatters += 1
-            self.casts_folded += 1
-            return
-        self.scatter(state, indices, final.to(state.dtype))
+        if not self.scatter_through_plan(state, indices, final, casts=True):
+            self.scatter(state, indices, final.to(state.dtype))
 
     def elide_clear(self, states: Any, flags: Any) -> bool:
         """A module-level clear reached inside this call is never a folded one (those were removed)."""

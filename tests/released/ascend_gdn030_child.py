@@ -20,8 +20,8 @@ import sys
 import types
 
 import torch
-from ascend_gdn_child import build_layer, metadata_of
-from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS, run_forward_core_batches
+from ascend_gdn_child import bind_layers, metadata_of
+from batch_plan import run_forward_core_batches
 
 CHUNK_SIZE = 64  # gdn_attn_builder._GDN_CHUNK_SIZE
 
@@ -61,7 +61,7 @@ def main(release: str, variant: str, seed: int, cache_dtype: str, out: str) -> N
     from ascend_gdn_standins import GDN_MODULE, REAL_MODULES, GDNAttentionMetadata
     from ascend_standins import CLEAR_MODULE, INERT, REAL, RUNNER_MODULE
     from release_loader import ReleaseStack
-    from runner_standin import PageSpec, make_runner_module
+    from runner_standin import make_runner_module
 
     import kda_patches
     from kda_patches.releases.fetch import release_dir
@@ -80,13 +80,7 @@ def main(release: str, variant: str, seed: int, cache_dtype: str, out: str) -> N
     prepare_chunk_indices = sys.modules[CLEAR_MODULE].prepare_chunk_indices
 
     cls = gdn.AscendGatedDeltaNetAttention
-    generator = torch.Generator().manual_seed(seed)
-    layers = {f"model.layers.{i}.linear_attn": build_layer(cls, f"model.layers.{i}.linear_attn", generator)
-              for i in range(LAYERS)}
-    runner = runner_module.NPUModelRunner(layers, MAX_NUM_SEQS, seed)
-    config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout="SD")
-              for name in layers}
-    runner.initialize_kv_cache(config)
+    layers, runner, generator = bind_layers(cls, runner_module.NPUModelRunner, seed, cache_dtype)
     outputs, snapshots = run_forward_core_batches(
         layers, runner.raw_caches, lambda batch: fla_metadata_of(batch, GDNAttentionMetadata, prepare_chunk_indices),
         generator)

@@ -18,6 +18,7 @@ import types
 
 import torch
 from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS, run_forward_core_batches
+from runner_standin import PageSpec
 
 
 def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
@@ -39,6 +40,23 @@ def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Mo
         object.__setattr__(layer, key, value)
     layer.conv1d = conv
     return layer
+
+
+def bind_layers(cls: type, runner_class: type, seed: int, cache_dtype: str
+                ) -> tuple[dict[str, torch.nn.Module], object, torch.Generator]:
+    """Build the release's layers from ``seed`` and bind their poisoned hybrid pages through the stand-in runner.
+
+    Its ``initialize_kv_cache`` is the one the overlay's startup hook wraps (the plans are prepared there).
+    Returns:
+        ``(layers by name, the runner, the generator)``; the batches draw from the same generator next.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    layers = {f"model.layers.{i}.linear_attn": build_layer(cls, f"model.layers.{i}.linear_attn", generator)
+              for i in range(LAYERS)}
+    runner = runner_class(layers, MAX_NUM_SEQS, seed)
+    runner.initialize_kv_cache({name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH,
+                                               conv_layout="SD") for name in layers})
+    return layers, runner, generator
 
 
 def metadata_of(batch: tuple, metadata_class: type) -> tuple[object, int]:
@@ -68,7 +86,7 @@ def main(release: str, variant: str, seed: int, cache_dtype: str, out: str) -> N
     import ascend_gdn_standins as standins
     from ascend_standins import CLEAR_MODULE, INERT, REAL, RUNNER_MODULE
     from release_loader import ReleaseStack
-    from runner_standin import PageSpec, make_runner_module
+    from runner_standin import make_runner_module
 
     import kda_patches
     from kda_patches.releases.fetch import release_dir
@@ -84,13 +102,7 @@ def main(release: str, variant: str, seed: int, cache_dtype: str, out: str) -> N
     gdn = importlib.import_module(standins.GDN_MODULE)
 
     cls = gdn.AscendGatedDeltaNetAttention
-    generator = torch.Generator().manual_seed(seed)
-    layers = {f"model.layers.{i}.linear_attn": build_layer(cls, f"model.layers.{i}.linear_attn", generator)
-              for i in range(LAYERS)}
-    runner = runner_module.NPUModelRunner(layers, MAX_NUM_SEQS, seed)
-    config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout="SD")
-              for name in layers}
-    runner.initialize_kv_cache(config)
+    layers, runner, generator = bind_layers(cls, runner_module.NPUModelRunner, seed, cache_dtype)
     metadata_class = standins.GDNAttentionMetadata
     outputs, snapshots = run_forward_core_batches(layers, runner.raw_caches,
                                                   lambda batch: metadata_of(batch, metadata_class), generator)
