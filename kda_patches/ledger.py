@@ -92,6 +92,21 @@ class Ledger:
         if self.status_dir and time.monotonic() - self._last_flush > _FLUSH_INTERVAL_S:
             self.flush()
 
+    def count_routed(self, path: str, casts_folded: bool) -> None:
+        """Count one routed call of ``path``: ``calls_seen`` and ``calls_routed``, and ``casts_folded`` if it
+        folded its cast (:meth:`count_each` with those keys, unrolled: this runs once per routed layer call)."""
+        counters = self._counters.get(path)
+        if counters is None:
+            counters = self._counters.setdefault(path, {})
+        get = counters.get
+        counters["calls_seen"] = get("calls_seen", 0) + 1
+        counters["calls_routed"] = get("calls_routed", 0) + 1
+        if casts_folded:
+            counters["casts_folded"] = get("casts_folded", 0) + 1
+        self._dirty = True
+        if self.status_dir and time.monotonic() - self._last_flush > _FLUSH_INTERVAL_S:
+            self.flush()
+
     def set_fact(self, section: str, key: str, value: Any) -> None:
         """Record a JSON-serialisable fact under ``section`` (bootstrap steps, plan kinds, ...)."""
         with self._lock:

@@ -140,6 +140,7 @@ GUARD_TESTS = "tests/routing/test_routing_guards.py"
 REWRITE = "kda_patches/routing/rewrite.py"
 DIRECT = "kda_patches/routing/direct.py"
 REWRITE_TESTS = "tests/routing/test_routing_rewrite.py"
+DIRECT_TESTS = "tests/routing/test_routing_direct.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- issue 19: the rewritten twin's guards, and the alias's transpose tag -----------------------------
@@ -154,15 +155,45 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{REWRITE_TESTS}::test_a_cast_to_anything_but_the_cache_dtype_is_not_folded",), "E (routing)",
            "S[J] = final.to(other.dtype) is folded into a scatter that casts to the cache's dtype"),
     Mutant("direct-route-any-cache-object", DIRECT,
-           "        if state is not self.state or not _is_vector(indices):\n            packed = _getitem(",
-           "        if not _is_vector(indices):\n            packed = _getitem(",
+           "        if state is not self.state:\n            return gather_as_written(",
+           "        if False:\n            return gather_as_written(",
            (f"{REWRITE_TESTS}::test_another_tensor_under_the_cache_name_is_copied_natively_and_reported",),
            "E (routing)", "a gather from another tensor under the cache's name goes through the cache's plan"),
     Mutant("direct-fold-any-flags-shape", DIRECT,
-           "                and flags.dim() == 1 and flags.numel() == indices.numel()",
-           "                and flags.shape[0] == indices.shape[0]",
+           "flags.dtype is _BOOL and flags.dim() == 1\n            and flags.numel() == indices.numel()",
+           "flags.dtype is _BOOL\n            and flags.shape[0] == indices.shape[0]",
            (f"{REWRITE_TESTS}::test_flags_the_plan_cannot_take_are_cleared_as_the_fork_wrote",), "E (routing)",
            "a 2-D clear mask is handed to the plan's gather as if it were one flag per row"),
+    Mutant("direct-remembered-pair-any-indices", DIRECT,
+           "if indices is checked[0] and flags is checked[1] and state.device == checked[2]:",
+           "if flags is checked[1] and state.device == checked[2]:",
+           (f"{DIRECT_TESTS}::test_a_remembered_foldable_pair_is_folded_again_only_for_the_same_indices_flags_and_"
+            "device[rewrite-the same flags with other indices]",), "E (routing)",
+           "the remembered foldable flags are handed to the plan with another, longer index vector"),
+    Mutant("direct-remembered-pair-any-flags", DIRECT,
+           "if indices is checked[0] and flags is checked[1] and state.device == checked[2]:",
+           "if indices is checked[0] and state.device == checked[2]:",
+           (f"{DIRECT_TESTS}::test_a_remembered_foldable_pair_is_folded_again_only_for_the_same_indices_flags_and_"
+            "device[rewrite-the same indices with other flags]",), "E (routing)",
+           "int64 flags beside a remembered index vector are handed to the plan's gather as if they were foldable"),
+    Mutant("direct-remembered-pair-any-device", DIRECT,
+           "if indices is checked[0] and flags is checked[1] and state.device == checked[2]:",
+           "if indices is checked[0] and flags is checked[1]:",
+           (f"{DIRECT_TESTS}::test_a_remembered_foldable_pair_is_folded_again_only_for_the_same_indices_flags_and_"
+            "device[rewrite-the same pair into a cache on another device]",), "E (routing)",
+           "flags remembered for a CPU cache are folded into the gather from a cache on another device"),
+    Mutant("direct-remembers-unfoldable-pairs", DIRECT,
+           "    global _checked_pair\n    if (",
+           "    global _checked_pair\n    _checked_pair = (indices, flags, flags.device if isinstance(flags, _Tensor) "
+           "else None)\n    if (",
+           (f"{DIRECT_TESTS}::test_a_pair_the_plan_cannot_take_is_never_remembered",), "E (routing)",
+           "a pair is remembered before it is found foldable"),
+    Mutant("direct-cast-scatter-checks-the-device", DIRECT,
+           "        elif casts and value.dtype in getattr(self.plan, \"final_dtypes\", ()):",
+           "        elif casts and value.dtype in getattr(self.plan, \"final_dtypes\", ()) "
+           "and value.device == state.device:",
+           (f"{DIRECT_TESTS}::test_a_cast_scatter_of_a_source_on_another_device_is_handed_to_the_plan",), "E (routing)",
+           "a cast source on another device is cast by torch first, so the plan never sees the source it refuses"),
     Mutant("alias-folds-what-the-source-shows-unfoldable", "kda_patches/routing/wrappers.py",
            "        fold = not self.unfolded or (getattr(wrapped, \"__func__\", None)",
            "        fold = True or (getattr(wrapped, \"__func__\", None)",

@@ -8,10 +8,11 @@ plan is ``calls_routed``, anything else ``calls_bypassed`` with the reason (rais
 
 Every method checks at run time what the source cannot promise: that the tensor under the cache's name *is*
 the layer's cache (the object the plan was prepared for), that the index is a 1-D int32/int64 vector, that
-the flags can be folded (the conditions of :func:`~kda_patches.routing.alias.foldable_flags`), and that a
+the flags can be folded (:func:`foldable`; the pair every layer of a step reads is checked once), and that a
 folded cast's source is a dtype the plan prepared. Whatever fails a check runs exactly as the fork wrote it
 (torch indexing, the fork's clear, ``.to()``) and, for a copy, is left uncounted, so the call is reported
-bypassed.
+bypassed. What the plan itself checks before it launches (the cache's signature, a source's device) it
+refuses, loudly; the route does not check it twice.
 """
 
 from __future__ import annotations
@@ -35,40 +36,63 @@ def _is_vector(key: Any) -> bool:
     return isinstance(key, _Tensor) and ((dtype := key.dtype) is _INT32 or dtype is _INT64) and key.dim() == 1
 
 
+_checked_pair: tuple[Any, Any, Any] = (None, None, None)  # see foldable()
+
+
+def foldable(flags: Any, indices: torch.Tensor, state: torch.Tensor) -> bool:
+    """Return whether the plan's gather can take ``flags`` for the 1-D index vector ``indices`` into ``state``.
+
+    Foldable flags are a 1-D torch.bool tensor with one flag per index, on the cache's device (the conditions
+    of :func:`~kda_patches.routing.alias.foldable_flags`). A foldable pair is remembered (strong references, so
+    identity cannot be reused) with the cache's device: every layer of one step reads the same metadata
+    tensors, and a tensor's dtype, length and device do not change in place (``resize_`` / ``set_`` /
+    ``.data =`` on attention metadata would; the plan checks both again before it launches, and refuses).
+    """
+    global _checked_pair
+    if (isinstance(flags, _Tensor) and flags.dtype is _BOOL and flags.dim() == 1
+            and flags.numel() == indices.numel()  # both 1-D: the same shape
+            and (device := flags.device) == state.device):
+        _checked_pair = (indices, flags, device)
+        return True
+    return False
+
+
+def gather_as_written(state: Any, indices: Any, flags: Any, clear: Any) -> Any:
+    """``state[indices]`` and the removed clear, exactly as the fork wrote them (nothing goes to the plan)."""
+    packed = _getitem(state, indices)
+    if flags is not None:
+        run_clear(packed, flags, clear)
+    return packed
+
+
+def run_clear(packed: torch.Tensor, flags: Any, clear: Any) -> None:
+    """Run the fork's removed clear as written: ``clear(packed, flags)``, or ``packed[~flags, ...] = 0``."""
+    if clear is not None:
+        clear(packed, flags)
+    else:
+        _setitem(packed, (~flags, Ellipsis), 0)
+
+
 class DirectRoute:
     """One rewritten call's plan, cache and tallies (same counters as :class:`~kda_patches.routing.alias.CallRoute`).
 
     Attributes:
-        seam, layer, plan, state: the declaration, the layer, its published plan, its cache tensor.
+        plan, state: the layer's published plan and its cache tensor.
         gathers / scatters: copies that went through the plan.
-        folded / elided: gathers that took the clear's flags (the clear was removed from the source, so each
-            fold is also an elision).
         casts_folded: scatters that cast inside the plan's copy.
-        native_clears: clears run as written because the flags could not be folded.
+        vector: the last index object found to be a 1-D int32/int64 vector (the scatter reuses the answer).
         proxy: always None (no alias exists; the module-level gather wrapper then leaves calls alone).
     """
 
-    __slots__ = ("casts_folded", "folded", "gathers", "layer", "native_clears", "plan", "scatters", "seam",
-                 "state", "vector")
+    __slots__ = ("casts_folded", "gathers", "plan", "scatters", "state", "vector")
     proxy = None
     open = True  # only ever seen while its call runs (the module-level wrappers check it)
 
-    def __init__(self, seam: Seam, layer: Any, plan: Any, state: torch.Tensor) -> None:
-        self.seam = seam
-        self.layer = layer
+    def __init__(self, plan: Any, state: torch.Tensor) -> None:
         self.plan = plan
         self.state = state
-        self.gathers = self.scatters = self.folded = self.casts_folded = self.native_clears = 0
-        self.vector = None  # the last index object found to be a 1-D int32/int64 vector (the scatter reuses it)
-
-    @property
-    def elided(self) -> int:
-        """Each fold is also an elision: the folded clear was removed from the source."""
-        return self.folded
-
-    @property
-    def layer_name(self) -> str:
-        return layer_name_of(self.layer)
+        self.gathers = self.scatters = self.casts_folded = 0
+        self.vector = None
 
     def gather(self, state: torch.Tensor, indices: Any, flags: Any, clear: Any = None) -> torch.Tensor:
         """``state[indices]`` and the removed clear: ``[~flags, ...] = 0``, or ``clear(packed, flags)`` if given.
@@ -78,30 +102,25 @@ class DirectRoute:
             flags: the removed clear's flags, or None (no clear was removed).
             clear: the fork's clear function as its own call would have found it (a function clear), or None.
         """
-        if state is not self.state or not _is_vector(indices):
-            packed = _getitem(state, indices)  # not the prepared cache, or not an index vector: as written
-            if flags is not None:
-                self.run_clear(packed, flags, clear)
-            return packed
+        if state is not self.state:
+            return gather_as_written(state, indices, flags, clear)  # another tensor under the cache's name
+        if flags is not None:
+            checked = _checked_pair
+            if indices is checked[0] and flags is checked[1] and state.device == checked[2]:
+                self.gathers += 1  # the pair every layer of this step reads: found foldable at its first layer
+                self.vector = indices
+                return self.plan.gather(state, indices, flags)
+        if not _is_vector(indices):
+            return gather_as_written(state, indices, flags, clear)
         self.gathers += 1
         self.vector = indices
-        if (flags is not None and isinstance(flags, _Tensor) and flags.dtype is _BOOL
-                and flags.dim() == 1 and flags.numel() == indices.numel()  # both 1-D: the same shape
-                and flags.device == state.device):
-            self.folded += 1
+        if flags is None:
+            return self.plan.gather(state, indices, None)
+        if foldable(flags, indices, state):
             return self.plan.gather(state, indices, flags)
         packed = self.plan.gather(state, indices, None)
-        if flags is not None:
-            self.run_clear(packed, flags, clear)
+        run_clear(packed, flags, clear)
         return packed
-
-    def run_clear(self, packed: torch.Tensor, flags: Any, clear: Any) -> None:
-        """Run the fork's clear as written (the flags could not be folded)."""
-        self.native_clears += 1
-        if clear is not None:
-            clear(packed, flags)
-        else:
-            _setitem(packed, (~flags, Ellipsis), 0)
 
     def gather_function(self, function: Any, state: torch.Tensor, indices: Any, flags: Any,
                         **keywords: Any) -> torch.Tensor:
@@ -120,23 +139,22 @@ class DirectRoute:
     def scatter_through_plan(self, state: torch.Tensor, indices: Any, value: Any, casts: bool) -> bool:
         """Scatter ``value`` through the plan when this is the prepared copy; return whether it was.
 
-        The prepared copy: the layer's cache, a 1-D int32/int64 index vector and a tensor value, in the cache's
-        dtype -- or, where ``casts`` (the store folds the cast), on the cache's device in the cache's dtype or one
-        the plan prepared (bit for bit torch's ``.to()``, :mod:`~kda_patches.state_copy.casts`; counted folded).
+        The prepared copy: the layer's cache, a 1-D int32/int64 index vector and a tensor value in the cache's
+        dtype -- or, where ``casts`` (the store folds the cast), in a dtype the plan prepared (bit for bit
+        torch's ``.to()``, :mod:`~kda_patches.state_copy.casts`; counted folded). A value on another device is
+        the plan's to refuse (a ``RuntimeError`` before anything is written, as torch's own index_put raises).
         """
-        if not (state is self.state and (indices is self.vector or _is_vector(indices)) and isinstance(value, _Tensor)):
+        if state is not self.state or not (indices is self.vector or _is_vector(indices)) \
+                or not isinstance(value, _Tensor):
             return False
-        dtype = value.dtype
-        if casts:
-            if value.device != state.device or (
-                    dtype is not state.dtype and dtype not in getattr(self.plan, "final_dtypes", ())):
-                return False
-        elif dtype is not state.dtype:
-            return False
-        self.plan.scatter(state, value, indices)
-        self.scatters += 1
-        if dtype is not state.dtype:
+        if value.dtype is state.dtype:
+            self.plan.scatter(state, value, indices)
+        elif casts and value.dtype in getattr(self.plan, "final_dtypes", ()):
+            self.plan.scatter(state, value, indices)
             self.casts_folded += 1
+        else:
+            return False
+        self.scatters += 1
         return True
 
     def scatter(self, state: torch.Tensor, indices: Any, value: Any) -> None:
@@ -219,7 +237,7 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
     if plan is None or not isinstance(state, torch.Tensor) or state.dim() != 4 or (
             seam.prefill_gated and breakable_capture_active()):
         return run_unroutable(seam, wrapped, instance, args, kwargs, state)
-    route = DirectRoute(seam, instance, plan, state)
+    route = DirectRoute(plan, state)
     active.route = route
     try:
         result = twin(route, instance, *args, **kwargs)
@@ -230,17 +248,13 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
         raise
     active.route = None
     if route.gathers == 1 and route.scatters == 1:
-        get_ledger().count_each(seam.section, _ROUTED_FOLDED if route.casts_folded else _ROUTED)
+        get_ledger().count_routed(seam.section, route.casts_folded)
         return result
     if not (route.gathers or route.scatters) and seam.prefill_gated and prefill_metadata(instance) is None:
         return result  # decode-only, speculative-only or no forward context: the copy lines did not run
     get_ledger().count(seam.section, "calls_seen")
-    report_bypass(seam.section, route.layer_name, route.problem() or "unknown")
+    report_bypass(seam.section, layer_name_of(instance), route.problem() or "unknown")
     return result
-
-
-_ROUTED = ("calls_seen", "calls_routed")
-_ROUTED_FOLDED = ("calls_seen", "calls_routed", "casts_folded")
 
 
 def run_unroutable(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dict, state: Any) -> Any:

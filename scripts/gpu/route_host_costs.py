@@ -263,7 +263,7 @@ def rewrite_layers(module: Any, layer: Any, plan: Any, loop: Any, calls: int) ->
     bare = BareRoute()
     variants = {
         "twin, bare route": lambda self, *a: twin(bare, self, *a),
-        "twin, DirectRoute": lambda self, *a: twin(direct.DirectRoute(seam, self, plan, self.kv_cache[1]), self, *a),
+        "twin, DirectRoute": lambda self, *a: twin(direct.DirectRoute(plan, self.kv_cache[1]), self, *a),
         "route_direct": lambda self, *a: direct.route_direct(seam, twin, None, self, a, {}),
         "full call": lambda self, *a: self._forward_core(*a)}
     best: dict[str, float] = {}
