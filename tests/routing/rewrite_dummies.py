@@ -252,6 +252,20 @@ class RebindsTheCache(Layer):
         return initial.float()
 
 
+class CallsItselfFirst(Layer):
+    """Runs its own seam once, nested, before its copy (a nested seam call runs as written, uncounted)."""
+
+    def forward(self, indices, flags, nested=False):
+        if not nested:
+            self.forward(indices[:1], flags[:1], nested=True)
+        ssm_state = self.kv_cache[1]
+        initial = ssm_state[indices]
+        initial[~flags, ...] = 0
+        final = initial.float() * 0.5 + 1
+        ssm_state[indices] = final.to(ssm_state.dtype)
+        return initial.float()
+
+
 class PrefillBranch(Layer):
     """Copies only when asked to (``flags is not None``): a call without the copy runs nothing of it."""
 

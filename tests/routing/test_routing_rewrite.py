@@ -238,6 +238,13 @@ def test_flags_the_plan_cannot_take_are_cleared_as_the_fork_wrote(world, lenient
         assert counts == {"calls_seen": 1, "calls_routed": 1}, counts
 
 
+def test_a_nested_seam_call_runs_as_written_and_the_outer_call_routes(world, strict):
+    baseline, patched, counts, plan = ab(world, "CallsItselfFirst", torch.bfloat16, *batch())
+    assert same(baseline, patched)
+    assert counts == {"calls_seen": 1, "calls_routed": 1, "casts_folded": 1}
+    assert len(plan.gathered) == len(plan.sources) == 1  # the nested call's copies were torch's own
+
+
 def test_a_call_that_copies_nothing_is_bypassed(world, lenient):
     _, layer, _ = world("PrefillBranch", True)
     before = counted()
