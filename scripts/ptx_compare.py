@@ -1,11 +1,14 @@
 """Compile the state-copy cast kernels of two source trees for CUDA sm_90 (no GPU needed) and compare the PTX.
 
-    python scripts/ptx_compare.py BEFORE_TREE AFTER_TREE [--out FILE.json]
+    python scripts/ptx_compare.py BEFORE_TREE AFTER_TREE [--out FILE.json] [--plans BENCH.json]
 
 Each tree is a folder holding ``kda_patches/`` (e.g. ``git archive COMMIT kda_patches | tar -x -C DIR``).
 Per kernel variant it reports the PTX instruction count, a hash of the instruction text and the per-opcode
 counts of both trees, run in separate interpreters. Identical PTX means identical device code on that
 Triton; it is evidence about a kernel change, not a benchmark (the H200 measures time).
+
+With ``--plans``, the kernels compiled are instead every fused plan variant recorded in a state-copy benchmark
+JSON (``plans.<shape>/<cache>:<final>.constexprs``), each at the constexprs that plan launched it with.
 """
 
 from __future__ import annotations
@@ -23,6 +26,27 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kda_patches.state_copy import kernels
 P = 12 * 128 * 128
+DTYPES = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
+
+
+def recorded_cases(path):
+    """The fused variants of a benchmark JSON's plans: label -> (kernel, cache, packed, index, constexprs)."""
+    names = [p.name for p in kernels.copy_rows_kernel.params if p.is_constexpr]
+    cases = {}
+    for key, plan in json.load(open(path))["plans"].items():
+        cache = key.split("/")[1].split(":")[0]
+        for variant, values in plan["constexprs"].items():
+            kind, op, index = variant.split("/")[:3]
+            if kind != "fused":
+                continue
+            packed = variant.split("/")[3] if op == "scatter" else cache
+            consts = {name: (value == "True" if value in ("True", "False") else int(value))
+                      for name, value in zip(names, values)}
+            cases[f"{key} {variant}"] = (kernels.copy_rows_kernel, DTYPES[cache], DTYPES[packed],
+                                         "*i32" if index == "int32" else "*i64", consts)
+    return cases
+
+
 CASES = {
     "fused scatter fp32->bf16": (kernels.copy_rows_kernel, "*bf16", "*fp32", dict(NUM_ROWS=1024, ROW_STRIDE=P + 8192,
         PAYLOAD=P, BLOCK=2048, EVEN=True, SCATTER=True, STREAM=True, SRC=0, DST=1, NAN_RULE=0, NAN_BITS=0x7FC0)),
@@ -35,9 +59,13 @@ CASES = {
     "fallback cast fp32->fp16": (kernels.scatter_cast_items_kernel, "*fp16", "*fp32", dict(NUM_ROWS=1024,
         ROW_STRIDE=P + 8192, PAYLOAD=P, TILES=P // 8192, BLOCK=8192, SRC=0, DST=2, NAN_RULE=1, NAN_BITS=0)),
 }
+if len(sys.argv) > 2:
+    CASES = recorded_cases(sys.argv[2])
+else:
+    CASES = {label: (kernel, cache, packed, "*i32", consts) for label, (kernel, cache, packed, consts) in CASES.items()}
 out = {}
-for label, (kernel, cache, packed, consts) in CASES.items():
-    sig = {"cache_ptr": cache, "packed_ptr": packed, "index_ptr": "*i32", "flag_ptr": "*i1"}
+for label, (kernel, cache, packed, index, consts) in CASES.items():
+    sig = {"cache_ptr": cache, "packed_ptr": packed, "index_ptr": index, "flag_ptr": "*i1"}
     sig.update({name: "constexpr" for name in consts})
     ptx = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4}).asm["ptx"]
@@ -49,8 +77,9 @@ print(json.dumps({"triton": triton.__version__, "kernels": out}))
 '''
 
 
-def compile_tree(tree: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, tree], capture_output=True, text=True, check=True,
+def compile_tree(tree: str, plans: str | None = None) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, tree, *([plans] if plans else [])], capture_output=True,
+                          text=True, check=True,
                           env={"PATH": "/usr/bin:/bin", "TRITON_DEFAULT_FP_FUSION": "1"})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -60,8 +89,9 @@ def main() -> int:
     parser.add_argument("before")
     parser.add_argument("after")
     parser.add_argument("--out")
+    parser.add_argument("--plans", help="a state-copy benchmark JSON: compile its plans' fused variants")
     args = parser.parse_args()
-    before, after = compile_tree(args.before), compile_tree(args.after)
+    before, after = compile_tree(args.before, args.plans), compile_tree(args.after, args.plans)
     rows = []
     for label, old in before["kernels"].items():
         new = after["kernels"][label]
