@@ -188,7 +188,11 @@ def run_engine(model: str, result: dict[str, Any]) -> None:
     result["stage"] = "LLM()"
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               attention_backend="TRITON_ATTN", compilation_config={"custom_ops": ["none"]}, max_model_len=1024,
-              max_num_seqs=8, max_num_batched_tokens=256, gpu_memory_utilization=0.3, seed=0)
+              max_num_seqs=8, max_num_batched_tokens=256, gpu_memory_utilization=0.3, seed=0,
+              # FLA's Triton chunk, as in vllm_layers_check: on SM90 "auto" picks FlashInfer's GDN prefill, which
+              # the bundle lacks (probe run 2 stopped there, importing flashinfer.gdn_prefill)
+              additional_config={"gdn_prefill_backend": "triton", "kda_prefill_backend": "triton",
+                                 "kda_decode_backend": "triton"})
     result["stage"] = "generate"
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
