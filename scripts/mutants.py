@@ -321,8 +321,8 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_kernel_gather_into_another_dtype_runs_the_forks_kernel_and_is_bypassed",), "G (gdn_plan)",
            "a gather_ssm_states(..., output_dtype=) into another dtype is sent to the plan (cache dtype only)"),
     Mutant("kernel-scatter-any-dtype", "kda_patches/routing/direct.py",
-           "dtype is not state.dtype and dtype not in getattr(self.plan, \"final_dtypes\", ())):",
-           "False):",
+           "        elif casts and value.dtype in getattr(self.plan, \"final_dtypes\", ()):",
+           "        elif casts:",
            ("tests/routing/test_routing_rewrite.py::"
             "test_a_kernel_scatter_of_an_unprepared_dtype_runs_the_forks_kernel_and_is_bypassed",), "G (gdn_plan)",
            "a scatter_ssm_states_ of a final dtype the plan did not prepare is sent to the plan"),
