@@ -141,6 +141,10 @@ REWRITE = "kda_patches/routing/rewrite.py"
 DIRECT = "kda_patches/routing/direct.py"
 REWRITE_TESTS = "tests/routing/test_routing_rewrite.py"
 DIRECT_TESTS = "tests/routing/test_routing_direct.py"
+# the direct route's remembered-pair condition and its test (one case per part of the condition)
+REMEMBERED = "flags is not None and indices is checked[0] and flags is checked[1] and state.device == checked[2]"
+REMEMBERED_TEST = (f"{DIRECT_TESTS}::test_a_remembered_foldable_pair_is_folded_again_only_for_the_same_indices_"
+                   "flags_and_device")
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- issue 19: the rewritten twin's guards, and the alias's transpose tag -----------------------------
@@ -165,22 +169,16 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{REWRITE_TESTS}::test_flags_the_plan_cannot_take_are_cleared_as_the_fork_wrote",), "E (routing)",
            "a 2-D clear mask is handed to the plan's gather as if it were one flag per row"),
     Mutant("direct-remembered-pair-any-indices", DIRECT,
-           "if indices is checked[0] and flags is checked[1] and state.device == checked[2]:",
-           "if flags is checked[1] and state.device == checked[2]:",
-           (f"{DIRECT_TESTS}::test_a_remembered_foldable_pair_is_folded_again_only_for_the_same_indices_flags_and_"
-            "device[rewrite-the same flags with other indices]",), "E (routing)",
+           REMEMBERED, REMEMBERED.replace("indices is checked[0] and ", ""),
+           (f"{REMEMBERED_TEST}[rewrite-the same flags with other indices]",), "E (routing)",
            "the remembered foldable flags are handed to the plan with another, longer index vector"),
     Mutant("direct-remembered-pair-any-flags", DIRECT,
-           "if indices is checked[0] and flags is checked[1] and state.device == checked[2]:",
-           "if indices is checked[0] and state.device == checked[2]:",
-           (f"{DIRECT_TESTS}::test_a_remembered_foldable_pair_is_folded_again_only_for_the_same_indices_flags_and_"
-            "device[rewrite-the same indices with other flags]",), "E (routing)",
+           REMEMBERED, REMEMBERED.replace(" and flags is checked[1]", ""),
+           (f"{REMEMBERED_TEST}[rewrite-the same indices with other flags]",), "E (routing)",
            "int64 flags beside a remembered index vector are handed to the plan's gather as if they were foldable"),
     Mutant("direct-remembered-pair-any-device", DIRECT,
-           "if indices is checked[0] and flags is checked[1] and state.device == checked[2]:",
-           "if indices is checked[0] and flags is checked[1]:",
-           (f"{DIRECT_TESTS}::test_a_remembered_foldable_pair_is_folded_again_only_for_the_same_indices_flags_and_"
-            "device[rewrite-the same pair into a cache on another device]",), "E (routing)",
+           REMEMBERED, REMEMBERED.replace(" and state.device == checked[2]", ""),
+           (f"{REMEMBERED_TEST}[rewrite-the same pair into a cache on another device]",), "E (routing)",
            "flags remembered for a CPU cache are folded into the gather from a cache on another device"),
     Mutant("direct-remembers-unfoldable-pairs", DIRECT,
            "    global _checked_pair\n    if (",

@@ -104,22 +104,17 @@ class DirectRoute:
         """
         if state is not self.state:
             return gather_as_written(state, indices, flags, clear)  # another tensor under the cache's name
-        if flags is not None:
-            checked = _checked_pair
-            if indices is checked[0] and flags is checked[1] and state.device == checked[2]:
-                self.gathers += 1  # the pair every layer of this step reads: found foldable at its first layer
-                self.vector = indices
-                return self.plan.gather(state, indices, flags)
-        if not _is_vector(indices):
+        checked = _checked_pair  # the pair every layer of this step reads, found foldable at its first layer
+        remembered = flags is not None and indices is checked[0] and flags is checked[1] and state.device == checked[2]
+        if not (remembered or _is_vector(indices)):
             return gather_as_written(state, indices, flags, clear)
         self.gathers += 1
         self.vector = indices
-        if flags is None:
-            return self.plan.gather(state, indices, None)
-        if foldable(flags, indices, state):
+        if remembered or (flags is not None and foldable(flags, indices, state)):
             return self.plan.gather(state, indices, flags)
         packed = self.plan.gather(state, indices, None)
-        run_clear(packed, flags, clear)
+        if flags is not None:
+            run_clear(packed, flags, clear)
         return packed
 
     def gather_function(self, function: Any, state: torch.Tensor, indices: Any, flags: Any,

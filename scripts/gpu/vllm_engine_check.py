@@ -87,6 +87,9 @@ def cuda_view_of(cpu_tensor: Any) -> Any:
     return torch.as_tensor(view, device="cuda")
 
 
+STAND_IN_FUNCTIONS = {"get_cuda_view_from_cpu_tensor": cuda_view_of}  # OP_STAND_INS' implementations
+
+
 class OpRecorder:
     """Records every miss of a ``torch.ops._C`` lookup; answers the declared stand-ins (module docstring)."""
 
@@ -127,7 +130,7 @@ class OpRecorder:
         caller = traceback.extract_stack(limit=3)[0]  # [the looking-up frame, lookup, stand_in (here)]
         self.looked_up.setdefault(name, f"{caller.filename.split('site-packages/')[-1]}:{caller.lineno}")
         if name in OP_STAND_INS:
-            return cuda_view_of
+            return STAND_IN_FUNCTIONS[name]
         return LookedUpOp(name) if name in OP_LOOKUP_ONLY else None
 
 
@@ -165,10 +168,10 @@ def write_model_dir(root: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def child_env(site: pathlib.Path, runner: str, enabled: bool, status_dir: pathlib.Path) -> dict[str, str]:
+def child_env(site: pathlib.Path, hook: pathlib.Path, runner: str, enabled: bool, status_dir: pathlib.Path
+              ) -> dict[str, str]:
     """The environment of one engine process: bundle, stand-in hook, runner choice, overlay switches."""
     env = dict(os.environ)
-    hook = write_stand_in_hook(site.with_name(site.name + "-engine-standins"))
     env["PYTHONPATH"] = os.pathsep.join([str(hook), str(ROOT), str(site), *filter(None, [env.get("PYTHONPATH")])])
     env.pop("TRITON_INTERPRET", None)
     env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_STATUS_DIR=str(status_dir),
@@ -236,6 +239,7 @@ def run_parent(args: argparse.Namespace) -> int:
         return 0
     site = vllm_layers_check.SITE_DIR
     report["bundle"] = vllm_layers_check.unpack_bundle(pathlib.Path(args.bundle), site)
+    hook = write_stand_in_hook(site.with_name(site.name + "-engine-standins"))
     for runner in args.runners:
         for mode in args.modes:
             enabled = mode == "on"
@@ -245,7 +249,7 @@ def run_parent(args: argparse.Namespace) -> int:
                     "--child-out", str(child_out), "--out", str(out)]
             started = time.perf_counter()
             try:
-                done = subprocess.run(argv, env=child_env(site, runner, enabled, status_dir), capture_output=True,
+                done = subprocess.run(argv, env=child_env(site, hook, runner, enabled, status_dir), capture_output=True,
                                       text=True, timeout=args.child_timeout_s)
                 code, tail = done.returncode, (done.stdout + done.stderr)[-4000:]
             except subprocess.TimeoutExpired as expired:
