@@ -2,18 +2,26 @@
 
     python scripts/compare_bench.py --before A1.json A2.json --after B1.json B2.json [--impl plan] [--metric graph]
 
-Each file is the output of ``kda-patches bench gdn-state-copy`` or ``bench state-copy`` (the same command
-line, run alternately before/after in one session so host and device drift fall on both). Per summary
-row it takes the median over the files of each side, prints after/before and flags rows more than
-``--tolerance`` (default 2 %) slower. Exit status 1 when any row is flagged.
+Each file (plain ``.json``, or ``.json.xz`` as committed under docs/results) is the output of ``kda-patches
+bench gdn-state-copy`` or ``bench state-copy`` (the same command line, run alternately before/after in one
+session so host and device drift fall on both). Per summary row it takes the median over the files of each
+side, prints after/before and flags rows more than ``--tolerance`` (default 2 %) slower. Exit status 1 when
+any row is flagged.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
+import pathlib
 import statistics
 import sys
+
+# Loaded by file path: importing the kda_patches package would activate the overlay (and need wrapt).
+_SPEC = importlib.util.spec_from_file_location(
+    "results_io", pathlib.Path(__file__).resolve().parents[1] / "kda_patches" / "results_io.py")
+results_io = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(results_io)
 
 
 def row_key(row: dict) -> tuple:
@@ -29,8 +37,7 @@ def row_values(row: dict, impl: str, metric: str) -> float | None:
 def collect(paths: list[str], impls: list[str], metric: str) -> dict[tuple, list[float]]:
     values: dict[tuple, list[float]] = {}
     for path in paths:
-        with open(path, encoding="utf-8") as handle:
-            rows = json.load(handle)["summary"]["rows"]
+        rows = results_io.read_json(path)["summary"]["rows"]
         for row in rows:
             for impl in impls:
                 value = row_values(row, impl, metric)

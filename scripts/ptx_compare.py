@@ -8,7 +8,8 @@ counts of both trees, run in separate interpreters. Identical PTX means identica
 Triton; it is evidence about a kernel change, not a benchmark (the H200 measures time).
 
 With ``--plans``, the kernels compiled are instead every fused plan variant recorded in a state-copy benchmark
-JSON (``plans.<shape>/<cache>:<final>.constexprs``), each at the constexprs that plan launched it with.
+JSON, plain or ``.json.xz`` (``plans.<shape>/<cache>:<final>.constexprs``), each at the constexprs that plan
+launched it with.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 
 CHILD = r'''
-import collections, hashlib, json, sys
+import collections, hashlib, json, lzma, sys
 sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
@@ -33,7 +34,9 @@ def recorded_cases(path):
     """The fused variants of a benchmark JSON's plans: label -> (kernel, cache, packed, index, constexprs)."""
     names = [p.name for p in kernels.copy_rows_kernel.params if p.is_constexpr]
     cases = {}
-    for key, plan in json.load(open(path))["plans"].items():
+    with (lzma.open if path.endswith(".xz") else open)(path, "rt", encoding="utf-8") as handle:
+        plans = json.load(handle)["plans"]
+    for key, plan in plans.items():
         cache = key.split("/")[1].split(":")[0]
         for variant, values in plan["constexprs"].items():
             kind, op, index = variant.split("/")[:3]

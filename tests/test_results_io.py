@@ -6,6 +6,7 @@ import json
 import lzma
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -66,3 +67,14 @@ def test_committed_results_are_compressed_and_readable():
     assert compressed
     for name in compressed:
         assert isinstance(read_json(ROOT / name), dict), name
+
+
+def test_compare_bench_reads_the_committed_compressed_runs():
+    runs = ROOT / "docs" / "results" / "ascend-compile" / "h200-ab-run2"
+    if not (runs / "gdn_before_1.json.xz").is_file():
+        pytest.skip("the committed A/B runs are not in this tree")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_bench.py"), "--before",
+                           str(runs / "gdn_before_1.json.xz"), "--after", str(runs / "gdn_after_1.json.xz"),
+                           str(runs / "gdn_after_2.json.xz")], capture_output=True, text=True, timeout=120)
+    assert done.returncode in (0, 1), done.stderr
+    assert done.stdout.splitlines()[-1].endswith("of 72 rows more than 2% slower")
