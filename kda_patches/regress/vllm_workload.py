@@ -5,10 +5,15 @@
 
 Prompts file: one JSON object per line (blank lines are skipped), each with exactly one of
 ``"prompt_token_ids": [int, ...]`` or ``"prompt": "text"`` (text needs the model's tokenizer),
-and optionally ``"max_tokens": int`` (default: the ``max_tokens`` parameter) and ``"name": str``.
-Sampling is greedy; every request reaches the scheduler in the same step
-(:func:`~kda_patches.regress.workloads.generate_together`), so the outputs are reproducible
-across processes and are compared token by token.
+and optionally ``"max_tokens": int`` (default: the ``max_tokens`` parameter), ``"name": str`` and
+``"round": int`` (default 1). Sampling is greedy; rounds run one after another, and every request of a
+round reaches the scheduler in the same step (:func:`~kda_patches.regress.workloads.generate_together`),
+so the outputs are reproducible across processes and are compared token by token. A later round can
+reuse what an earlier one cached (prefix caching): each record states its ``cached_prompt_tokens``.
+
+``logprobs``: ``true`` compares the chosen token's logprob per position; an integer ``K`` also compares the
+top-``K`` candidates (token id and logprob) per position. The engine's preemption count (vLLM's
+``vllm:num_preemptions`` metric; needs ``disable_log_stats=false``) is part of the outputs when available.
 
 Parameters other than ``model``, ``prompts``, ``max_tokens``, ``ignore_eos`` and ``logprobs``
 are ``vllm.LLM`` engine arguments; :func:`validate_params` checks them against the installed
@@ -27,7 +32,7 @@ from typing import Any
 
 WORKLOAD_PARAMS = ("model", "prompts", "max_tokens", "ignore_eos", "logprobs")
 DEFAULT_MAX_TOKENS = 16
-PROMPT_KEYS = ("prompt_token_ids", "prompt", "max_tokens", "name")
+PROMPT_KEYS = ("prompt_token_ids", "prompt", "max_tokens", "name", "round")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -44,12 +49,14 @@ class PromptLine:
         prompt: ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}`` (vLLM's prompt dicts).
         max_tokens: tokens to generate, or None for the workload default.
         name: the line's name (default ``line<N>``).
+        round: the round it is sent in (1 first); rounds run one after another.
     """
 
     line: int
     prompt: dict[str, Any]
     max_tokens: int | None
     name: str
+    round: int = 1
 
 
 def parse_prompt_line(number: int, text: str) -> PromptLine:
@@ -89,7 +96,10 @@ def parse_prompt_line(number: int, text: str) -> PromptLine:
     name = record.get("name", f"line{number}")
     if not isinstance(name, str):
         raise WorkloadInputError(f"line {number}: 'name' must be a string")
-    return PromptLine(line=number, prompt=prompt, max_tokens=max_tokens, name=name)
+    round_number = record.get("round", 1)
+    if not isinstance(round_number, int) or isinstance(round_number, bool) or round_number < 1:
+        raise WorkloadInputError(f"line {number}: 'round' must be a positive integer, got {round_number!r}")
+    return PromptLine(line=number, prompt=prompt, max_tokens=max_tokens, name=name, round=round_number)
 
 
 def read_prompts(path: str) -> list[PromptLine]:
@@ -169,7 +179,8 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
         The parameters with ``model`` and ``prompts`` made absolute.
     Raises:
         WorkloadInputError: the model directory is missing or has no ``config.json``, the prompts
-            file is not valid JSON lines (line number named), a token id is outside the model's
+            file is not valid JSON lines (line number named), ``logprobs`` is not true/false/K, a token id is
+            outside the model's
             vocabulary, text prompts lack a tokenizer, or an engine argument is unknown.
     """
     for name in ("model", "prompts"):
@@ -184,6 +195,7 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
         raise WorkloadInputError(f"model directory {model!r} has no config.json")
     prompts_path = os.path.abspath(os.path.expanduser(params["prompts"]))
     prompts = read_prompts(prompts_path)
+    logprob_count(params.get("logprobs"))
     engine_args = {key: value for key, value in params.items() if key not in WORKLOAD_PARAMS}
     check_engine_args(engine_args, engine_arg_names())
     vocab = read_vocab_size(model)
@@ -215,19 +227,59 @@ def describe_engine(llm: Any) -> dict[str, Any]:
             "multiprocessing": bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)}
 
 
-def describe_output(item: PromptLine, output: Any, logprobs: bool) -> dict[str, Any]:
-    """Return the compared record of one request: token ids exact, text and finish reason too."""
+def logprob_count(logprobs: Any) -> int | None:
+    """Return vLLM's ``SamplingParams.logprobs`` for the workload's ``logprobs`` parameter.
+
+    ``False``/``None`` -> None (no logprobs); ``True`` -> 0 (the chosen token only); an integer ``K >= 1`` -> K.
+
+    Raises:
+        WorkloadInputError: anything else (a negative or non-integer value).
+    """
+    if logprobs is None or logprobs is False:
+        return None
+    if logprobs is True:
+        return 0
+    if isinstance(logprobs, int) and logprobs >= 1:
+        return logprobs
+    raise WorkloadInputError(f"--param logprobs must be true, false or a positive integer K (top-K), got "
+                             f"{logprobs!r}")
+
+
+def describe_output(item: PromptLine, output: Any, logprobs: Any) -> dict[str, Any]:
+    """Return the compared record of one request: token ids exact, text and finish reason too.
+
+    With ``logprobs`` the chosen token's logprob per position; with an integer ``K`` also ``top_logprobs``: per
+    position the ``K`` best candidates as ``[token_id, logprob]``, best first (ties by token id).
+    """
     completion = output.outputs[0]
-    record: dict[str, Any] = {"name": item.name, "line": item.line, "prompt_len": len(output.prompt_token_ids),
+    record: dict[str, Any] = {"name": item.name, "line": item.line, "round": item.round,
+                              "prompt_len": len(output.prompt_token_ids),
                               "cached_prompt_tokens": int(output.num_cached_tokens or 0),
                               "token_ids": [int(token) for token in completion.token_ids],
                               "finish_reason": completion.finish_reason}
     if completion.text:
         record["text"] = completion.text
-    if logprobs:
-        record["logprobs"] = [float(entry[token].logprob) for token, entry
-                              in zip(completion.token_ids, completion.logprobs or [], strict=False)]
+    count = logprob_count(logprobs)
+    if count is not None:
+        entries = list(zip(completion.token_ids, completion.logprobs or [], strict=False))
+        record["logprobs"] = [float(entry[token].logprob) for token, entry in entries]
+        if count:
+            record["top_logprobs"] = [
+                sorted(([int(candidate), float(value.logprob)] for candidate, value in entry.items()
+                        if value.rank is not None and value.rank <= count), key=lambda pair: (-pair[1], pair[0]))
+                for _, entry in entries]
     return record
+
+
+def read_preemptions(llm: Any) -> int | None:
+    """Return the engine's ``vllm:num_preemptions`` counter, or None where vLLM collects no metrics."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # metrics off (disable_log_stats) or not offered by this vLLM: reported as unknown
+        return None
+    values = [getattr(metric, "value", None) for metric in metrics if getattr(metric, "name", "")
+              == "vllm:num_preemptions"]
+    return int(sum(values)) if values and None not in values else None
 
 
 def file_sha256(path: str) -> str:
@@ -240,7 +292,8 @@ def file_sha256(path: str) -> str:
 
 
 def run_vllm_prompts(model: str, prompts: str, max_tokens: int = DEFAULT_MAX_TOKENS, ignore_eos: bool = False,
-                     logprobs: bool = False, cache_dir: str | None = None, **engine_args: Any) -> dict[str, Any]:
+                     logprobs: bool | int = False, cache_dir: str | None = None, **engine_args: Any
+                     ) -> dict[str, Any]:
     """Serve ``model`` with ``vllm.LLM(**engine_args)`` and generate greedily for every line of ``prompts``.
 
     Args:
@@ -248,13 +301,15 @@ def run_vllm_prompts(model: str, prompts: str, max_tokens: int = DEFAULT_MAX_TOK
         prompts: the JSON-lines prompts file.
         max_tokens: tokens per request where a line gives no ``max_tokens``.
         ignore_eos: keep generating past EOS (fixed output lengths).
-        logprobs: also compare the chosen tokens' logprobs (floats: ``--rtol``/``--atol`` apply).
+        logprobs: also compare the chosen tokens' logprobs (``true``) or the top-K candidates (``K``) (floats:
+            ``--rtol``/``--atol`` apply).
         cache_dir: the runner's cache dir (unused here; named so it never reaches ``vllm.LLM``).
         engine_args: passed to ``vllm.LLM`` (vLLM's own defaults otherwise); ``skip_tokenizer_init``
             defaults to True when the model has no tokenizer files (then only token-id prompts are
             accepted); the effective arguments are part of the outputs.
     Returns:
-        ``{"model", "prompts", "engine", "engine_args", "requests": [...]}``.
+        ``{"model", "prompts", "engine", "engine_args", "engine_stats", "requests": [...]}``, requests in file
+        order whatever their rounds.
     """
     from kda_patches.regress.workloads import generate_together, shutdown_engine
 
@@ -264,12 +319,20 @@ def run_vllm_prompts(model: str, prompts: str, max_tokens: int = DEFAULT_MAX_TOK
         engine_args.setdefault("skip_tokenizer_init", True)
     from vllm import LLM, SamplingParams
 
+    count = logprob_count(logprobs)
     llm = LLM(model=model, **engine_args)
     sampling = [SamplingParams(temperature=0.0, max_tokens=item.max_tokens or max_tokens, ignore_eos=ignore_eos,
-                               logprobs=0 if logprobs else None) for item in items]
+                               logprobs=count) for item in items]
+    outputs: list[Any] = [None] * len(items)
     try:
         engine = describe_engine(llm)
-        outputs = generate_together(llm, [item.prompt for item in items], sampling, "vllm")
+        for round_number in sorted({item.round for item in items}):
+            chosen = [index for index, item in enumerate(items) if item.round == round_number]
+            done = generate_together(llm, [items[index].prompt for index in chosen],
+                                     [sampling[index] for index in chosen], f"vllm-round{round_number}")
+            for index, output in zip(chosen, done, strict=True):
+                outputs[index] = output
+        engine_stats = {"preemptions": read_preemptions(llm)}
     finally:
         shutdown_engine(llm)
     with open(os.path.join(model, "config.json"), "rb") as handle:
@@ -278,5 +341,5 @@ def run_vllm_prompts(model: str, prompts: str, max_tokens: int = DEFAULT_MAX_TOK
                if name.endswith((".safetensors", ".bin", ".pt"))}
     return {"model": {"dir": model, "config_sha256": config_sha, "weight_files": weights},
             "prompts": {"file": prompts, "sha256": file_sha256(prompts), "count": len(items)},
-            "engine": engine, "engine_args": engine_args,
+            "engine": engine, "engine_args": engine_args, "engine_stats": engine_stats,
             "requests": [describe_output(item, output, logprobs) for item, output in zip(items, outputs, strict=True)]}

@@ -18,10 +18,14 @@ Usage (here, on the CPU machine; the result is gitignored and never committed)::
 
     python scripts/gpu/vllm_bundle.py build                       # -> .bundle/vllm-0.33.0-cp312.zip (H200)
     python scripts/gpu/vllm_bundle.py build --python-version 3.11 # same bundle for this machine's dry run
+    python scripts/gpu/vllm_bundle.py carry                       # -> .bundle/carry/run1, run2, ...
 
-The GPU side (``vllm_layers_check.py``) unpacks the zip and installs the wheels with
-``pip install --no-index --no-deps --target``. No ``vllm._C`` (or any other compiled vLLM extension) is in the
-bundle: paths that need one fail there, and the check script names them.
+The GPU side (``gpu_harness.unpack_bundle``) unpacks the zip and installs the wheels with
+``pip install --no-index --no-deps --target``. The zip holds no compiled vLLM extension; ``carry`` adds vLLM's
+real compiled op library (:data:`LIBRARY_MEMBER` of the same wheel, xz-compressed, 92.6 -> 63.7 MB) and cuts
+library and bundle into pieces that fill consecutive device calls beside the working tree
+(``gpu_harness.write_carry``): carry ``.bundle/carry/run1``, then ``run2``, ... in back-to-back calls, each
+command starting with ``python3 scripts/gpu/gpu_harness.py stage .bundle/carry/runN``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import lzma
 import os
 import pathlib
 import subprocess
@@ -66,11 +71,15 @@ WHEELS: tuple[tuple[str, str], ...] = (
     ("partial-json-parser==0.2.1.1.post7", "vllm.entrypoints tool parsers"),
     ("compressed-tensors==0.17.0", "vllm.model_executor.layers.quantization (linear layers)"),
     ("loguru==0.7.3", "compressed-tensors"),
+    ("wrapt==2.5.2", "kda_patches itself (the overlay's one dependency; the image's wrapt may be older than 2)"),
 )
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux1_x86_64",
              "manylinux_2_5_x86_64")
 MAX_BUNDLE_BYTES = 48 << 20  # the call carries 64 MiB in all, the working tree included
+LIBRARY_MEMBER = "vllm/_C_stable_libtorch.abi3.so"
+LIBRARY_ARTIFACT = f"vllm-{VLLM_VERSION}-_C_stable_libtorch.abi3.so.xz"
+CALL_MARGIN = 2 << 20  # slack for files written between planning and the call
 
 
 def bundle_name(python_version: str) -> str:
@@ -171,14 +180,81 @@ def build(dest: pathlib.Path, python_version: str) -> dict:
     return manifest
 
 
+def compress_library(dest: pathlib.Path) -> tuple[pathlib.Path, str]:
+    """Download the ``vllm`` wheel, xz-compress its :data:`LIBRARY_MEMBER` into ``dest``; return (file, sha256).
+
+    The sha256 is of the library itself, checked on the GPU machine after decompression.
+
+    Raises:
+        RuntimeError: pip failed.
+    """
+    target = dest / LIBRARY_ARTIFACT
+    with tempfile.TemporaryDirectory(prefix="kda-wheel-") as scratch:
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", scratch,
+                f"vllm=={VLLM_VERSION}"]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"pip download vllm=={VLLM_VERSION} failed:\n{done.stderr[-3000:]}")
+        wheel = next(pathlib.Path(scratch).glob("vllm-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            library = archive.read(LIBRARY_MEMBER)
+    sha = hashlib.sha256(library).hexdigest()
+    partial = target.with_suffix(".partial")
+    partial.write_bytes(lzma.compress(library, preset=6))
+    os.replace(partial, target)
+    return target, sha
+
+
+def tree_bytes() -> int:
+    """Return the bytes of the working tree a device call carries (tracked + untracked files git does not ignore)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    return sum((ROOT / name.decode()).stat().st_size for name in listed if name and (ROOT / name.decode()).is_file())
+
+
+def carry(dest: pathlib.Path, python_version: str) -> dict:
+    """Build (or reuse) the bundle and the compressed library; write ``dest/carry/run<N>`` for consecutive calls.
+
+    Returns:
+        The carry manifest, with ``tree_bytes`` (the working tree each call also carries).
+    """
+    bundle = dest / bundle_name(python_version)
+    if not bundle.is_file():
+        build(dest, python_version)
+    library, library_sha = (dest / LIBRARY_ARTIFACT, None) if (dest / LIBRARY_ARTIFACT).is_file() else (None, None)
+    sha_file = dest / (LIBRARY_ARTIFACT + ".sha256")
+    if library is None or not sha_file.is_file():
+        library, library_sha = compress_library(dest)
+        sha_file.write_text(library_sha + "\n")
+    library_sha = sha_file.read_text().strip()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import gpu_harness
+
+    tree = tree_bytes()
+    manifest = gpu_harness.write_carry({LIBRARY_ARTIFACT: library, bundle.name: bundle}, dest / "carry",
+                                       gpu_harness.CALL_BYTES - tree - CALL_MARGIN, {LIBRARY_ARTIFACT: library_sha})
+    manifest["tree_bytes"] = tree
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``build [--python-version X.Y] [--dest DIR]``."""
+    """Command line: ``build|carry [--python-version X.Y] [--dest DIR]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build_parser = commands.add_parser("build", help="download and zip the bundle (CPU machine, needs the registry)")
     build_parser.add_argument("--python-version", default="3.12", help="CPython of the wheels (H200: 3.12)")
     build_parser.add_argument("--dest", type=pathlib.Path, default=DEFAULT_DEST, help="folder (gitignored)")
+    carry_parser = commands.add_parser("carry", help="bundle + compiled library in pieces for consecutive calls")
+    carry_parser.add_argument("--python-version", default="3.12", help="CPython of the wheels (H200: 3.12)")
+    carry_parser.add_argument("--dest", type=pathlib.Path, default=DEFAULT_DEST, help="folder (gitignored)")
     args = parser.parse_args(argv)
+    if args.command == "carry":
+        manifest = carry(args.dest, args.python_version)
+        for run in range(1, manifest["runs"] + 1):
+            pieces = [p for a in manifest["artifacts"].values() for p in a["pieces"] if p["run"] == run]
+            print(f"run{run}: {len(pieces)} pieces, {sum(p['bytes'] for p in pieces) / 2**20:.1f} MiB + tree "
+                  f"{manifest['tree_bytes'] / 2**20:.1f} MiB -> carry .bundle/carry/run{run}")
+        return 0
     manifest = build(args.dest, args.python_version)
     wheel_bytes = sum(w["bytes"] for w in manifest["wheels"])
     print(f"{manifest['path']}: {manifest['bundle_bytes'] / 2**20:.1f} MiB; vllm {VLLM_VERSION} .py files "

@@ -1,26 +1,27 @@
-"""vLLM 0.33's whole engine on the GPU (issue 18), probe stage: how far ``LLM.generate`` gets, overlay off and on.
+"""vLLM 0.33's whole engine on the H200 (issue 26): an A/B that can fail, per model, runner and engine mode.
 
-The GPU machine has torch 2.11 and no vLLM; the bundle of ``scripts/gpu/vllm_bundle.py`` brings vLLM 0.33's
-``.py`` files without its compiled extensions (built for torch 2.14). This script starts the real engine on a tiny
-dummy-weight Qwen3.5 GDN hybrid (written here) in fresh processes -- per model runner (V1:
-``VLLM_USE_V2_MODEL_RUNNER=0``; V2) with ``KDA_PATCHES=0``, then ``KDA_PATCHES=1`` + ``KDA_PATCHES_STRICT=1`` --
-and reports per process the stage it reached, the token ids it generated and the overlay's ledger counters, or
-the first failure with its traceback.
+Each *case* (:data:`CASES`) is one ``kda-patches regress --workload vllm`` -- fresh processes, the baseline twice
+(``KDA_PATCHES=0``; a baseline that differs from itself is ``BASELINE UNSTABLE``), then ``KDA_PATCHES=1`` +
+``KDA_PATCHES_STRICT=1``, every process's ledger -- on a tiny model of one family (:data:`MODELS`) with vLLM's real
+compiled op library (carried by ``gpu_harness``) and seeded random weights at a realistic scale
+(:func:`reinit_weights`: std 0.02 matrices, unit norms, HF-style decay parameters, drawn per parameter name from a
+fixed seed on the CPU, so every process serves the same bytes). Compared: token ids, the chosen token's logprob and
+the top-5 candidates at every position, exactly; cached prompt tokens and the preemption count too. The prompts
+(:func:`write_prompts`) make the state copy matter: chunked prefills (later chunks start from the state the earlier
+ones left), short requests decoding beside them (mixed batches), and a second round that continues a first-round
+prompt (a prefix-cache hit, with prefix caching on). One case per model shrinks the KV cache to force preemptions.
 
-What is stood in, and how (every stand-in is listed in the JSON with where it was looked up):
+The *negative control* is the same A/B with the plan's scatter deliberately wrong in the patched processes
+(:data:`MUTANTS`, applied by this script's stand-in hook): it must come out DIFFERENT, or the A/B proves nothing.
 
-- the two modules of ``vllm_layers_check.STOOD_IN`` (the compiled op library's import and FA's package), and
-  its capability queries (answer False);
-- the ``torch.ops._C`` ops of :data:`OP_LOOKUP_ONLY` (looked up where the engine builds a layer, never called on
-  the paths run here: *calling* one raises ``StoodInOpCalled`` naming it) and :data:`OP_STAND_INS` (with the op's
-  semantics). Every other missing op still raises AttributeError -- ``hasattr`` probes keep their answer, which
-  vLLM uses to choose compiled paths -- and :class:`OpRecorder` records each miss with its call site, so a probe
-  run names what is looked up next.
+Stand-ins (``gpu_harness.stood_in_record``): FlashAttention's compiled package only, when the library is carried.
+Missing ``torch.ops._C`` lookups are recorded with their call site (:class:`OpRecorder`); without the library the
+declared op stand-ins of :data:`OP_STAND_INS` / :data:`OP_LOOKUP_ONLY` answer.
 
-Usage: ``python scripts/gpu/vllm_engine_check.py --out DIR [--bundle ZIP] [--runners v1 v2] [--modes off on]
-[--dry-run]``.
-``--dry-run`` writes the model directory and the stand-in list and starts nothing (no vLLM needed: CPU tests).
-Writes ``DIR/vllm_engine.json``; prints one ``ENGINE`` line per runner and mode.
+Usage (GPU machine, after ``gpu_harness.py stage`` joined the carried pieces):
+``python3 scripts/gpu/vllm_engine_check.py --out DIR [--cases NAME ...] [--parallel N]``;
+``--dry-run`` (any machine) writes the model configs, the prompts and the case plan and starts nothing.
+Writes ``DIR/vllm_engine.json``; prints one ``ENGINE`` line per case.
 """
 
 from __future__ import annotations
@@ -29,21 +30,103 @@ import argparse
 import json
 import os
 import pathlib
+import random
 import subprocess
 import sys
 import time
 import traceback
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from typing import Any
 
 SCRIPT_DIR = pathlib.Path(__file__).resolve().parent
 ROOT = SCRIPT_DIR.parents[1]
 sys.path.insert(0, str(SCRIPT_DIR))
-import vllm_layers_check  # noqa: E402  (the bundle and its module stand-ins are shared)
+import gpu_harness  # noqa: E402  (carry, stand-ins, caches)
 
 sys.path.remove(str(SCRIPT_DIR))
 
 RUNNERS = {"v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER
-PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23] * 20, [31] * 300]  # fresh prefills, one chunked
+WEIGHT_SEED = 20261203
+PROMPT_SEED = 2612
+VOCAB = 1024
+TOP_LOGPROBS = 5
+SEEDED_WEIGHTS_ENV = "KDA_ENGINE_SEEDED_WEIGHTS"
+MUTANT_ENV = "KDA_ENGINE_MUTANT"
+
+_QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 1024,
+            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+            "linear_num_key_heads": 4, "linear_num_value_heads": 12, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "intermediate_size": 2048,
+            "vocab_size": VOCAB, "torch_dtype": "bfloat16", "max_position_embeddings": 4096,
+            "full_attention_interval": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "layer_types": ["linear_attention", "full_attention"] * 2}
+
+
+def _kimi(full_rank_gate: bool) -> dict[str, Any]:
+    """Kimi Linear config, every layer KDA (its full-attention layers are MLA, whose prefill needs FlashAttention)."""
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 1536,
+            "num_hidden_layers": 3, "num_attention_heads": 12, "intermediate_size": 2048, "vocab_size": VOCAB,
+            "torch_dtype": "bfloat16", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "linear_attn_config": {"head_dim": 128, "num_heads": 12, "short_conv_kernel_size": 4,
+                                   "use_full_rank_gate": full_rank_gate, "kda_layers": [1, 2, 3],
+                                   "full_attn_layers": [], "gate_lower_bound": -5.0}}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A tiny model family: its config, the patch that routes its state copies, engine arguments it needs."""
+
+    config: dict[str, Any]
+    patch: str
+    runners: tuple[str, ...]
+    note: str
+
+
+MODELS = {
+    "qwen3_5": ModelSpec(_QWEN3_5, "gdn_state_copy", ("v1", "v2"),
+                         "dense Qwen3.5 GDN hybrid, GDN heads of Qwen3.6-27B at TP4 (12 value x 128 x 128)"),
+    "kimi_k3": ModelSpec(_kimi(True), "kimi_prefill", ("v1",),
+                         "KimiLinearForCausalLM with the full-rank gate: vLLM builds KimiK3DeltaAttention; V1 runner "
+                         "(its metadata builder computes aligned state indices itself)"),
+    "kimi_linear": ModelSpec(_kimi(False), "gdn_state_copy", ("v1", "v2"),
+                             "KimiLinearForCausalLM without the full-rank gate: KimiLinearGatedDeltaNetAttention"),
+}
+NOT_RUN = {"qwen3_next": "its MoE layers call vLLM's separately compiled MoE library (vllm/_moe_C_stable_libtorch, "
+                         "45.6 MB more to carry); not carried in this round"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine A/B: a model, a runner, prefix caching, eager or compiled, optionally a mutant or a small cache."""
+
+    name: str
+    model: str
+    runner: str
+    prefix_caching: bool
+    eager: bool
+    mutant: str | None = None
+    kv_blocks: int | None = None
+
+    @property
+    def expected(self) -> str:
+        """The verdict the case must reach: ``different`` for a negative control, ``equal`` otherwise."""
+        return "different" if self.mutant else "equal"
+
+
+CASES = (
+    Case("qwen3_5-v2-prefix-eager", "qwen3_5", "v2", True, True),
+    Case("qwen3_5-v2-prefix-eager-NEGATIVE", "qwen3_5", "v2", True, True, mutant="scatter-halved"),
+    Case("qwen3_5-v1-noprefix-compiled", "qwen3_5", "v1", False, False),
+    Case("qwen3_5-v2-prefix-compiled", "qwen3_5", "v2", True, False),
+    Case("qwen3_5-v1-prefix-eager-preempt", "qwen3_5", "v1", True, True, kv_blocks=12),
+    Case("kimi_k3-v1-prefix-eager", "kimi_k3", "v1", True, True),
+    Case("kimi_linear-v1-noprefix-eager", "kimi_linear", "v1", False, True),
+)
+MUTANTS = {"scatter-halved": "every final state the plan scatters is halved first (a wrong store): the cache "
+                             "then holds states the unpatched engine never wrote"}
 OP_LOOKUP_ONLY = {
     "silu_and_mul": "SiluAndMul.__init__ (layers/activation.py) stores it on CUDA; with custom_ops none its native "
     "forward runs",
@@ -55,19 +138,22 @@ OP_STAND_INS = {
 }
 
 
+# ---------------------------------------------------------------- in every engine process (the stand-in hook)
+
+
 class StoodInOpCalled(RuntimeError):
     """vLLM called a compiled op that is only stood in for its lookup."""
 
 
 class LookedUpOp:
-    """What ``torch.ops._C.<name>`` returns for an op the bundle lacks: recorded; raises when called."""
+    """What ``torch.ops._C.<name>`` returns for an op declared lookup-only: recorded; raises when called."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise StoodInOpCalled(f"torch.ops._C.{self.name} was called, and it is only stood in for its lookup (vLLM's "
-                              "compiled extensions are not in the bundle): this call site needs a real stand-in")
+                              "compiled library is not carried): this call site needs a real stand-in")
 
 
 def cuda_view_of(cpu_tensor: Any) -> Any:
@@ -79,7 +165,6 @@ def cuda_view_of(cpu_tensor: Any) -> Any:
     typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.int32: "<i4", torch.int64: "<i8",
                torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1"}[cpu_tensor.dtype]
     size = cpu_tensor.element_size()
-
     view = type("PinnedView", (), {})()
     view.__cuda_array_interface__ = {"shape": tuple(cpu_tensor.shape), "typestr": typestr, "version": 3,
                                      "data": (cpu_tensor.data_ptr(), False),
@@ -91,11 +176,16 @@ STAND_IN_FUNCTIONS = {"get_cuda_view_from_cpu_tensor": cuda_view_of}  # OP_STAND
 
 
 class OpRecorder:
-    """Records every miss of a ``torch.ops._C`` lookup; answers the declared stand-ins (module docstring)."""
+    """Records every miss of a ``torch.ops._C`` lookup; without the real library answers the declared stand-ins.
 
-    def __init__(self) -> None:
+    Args:
+        library: vLLM's real compiled library is loaded: then no op is stood in, misses are only recorded.
+    """
+
+    def __init__(self, library: bool = False) -> None:
         self.looked_up: dict[str, str] = {}
         self.original: Any = None
+        self.library = library
 
     def install(self) -> None:
         import torch._ops
@@ -129,6 +219,8 @@ class OpRecorder:
         """Record the miss of ``torch.ops._C.<name>``; return its declared stand-in, or None (the miss stands)."""
         caller = traceback.extract_stack(limit=3)[0]  # [the looking-up frame, lookup, stand_in (here)]
         self.looked_up.setdefault(name, f"{caller.filename.split('site-packages/')[-1]}:{caller.lineno}")
+        if self.library:
+            return None
         if name in OP_STAND_INS:
             return STAND_IN_FUNCTIONS[name]
         return LookedUpOp(name) if name in OP_LOOKUP_ONLY else None
@@ -137,150 +229,329 @@ class OpRecorder:
 RECORDER = OpRecorder()
 
 
+def seeded_values(name: str, shape: tuple[int, ...], seed: int) -> Any:
+    """Return the CPU float32 values :func:`reinit_weights` gives the parameter ``name`` of ``shape``.
+
+    Matrices and convolutions: normal, std 0.02 (HF's ``initializer_range``); norm weights: ones; biases: zeros;
+    ``A_log``: log of uniform(1, 16) (GDN/KDA decay rates, as HF initializes them); ``dt_bias``: ones; any other
+    vector: normal, std 0.02. The generator is seeded by ``seed`` and the name, so the values do not depend on the
+    order parameters are visited in.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "A_log" or name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log()
+    if "dt_bias" in name:
+        return torch.ones(shape)
+    if len(shape) >= 2:
+        return torch.randn(shape, generator=generator) * 0.02
+    if "norm" in name:
+        return torch.ones(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    return torch.randn(shape, generator=generator) * 0.02
+
+
+def reinit_weights(model: Any, seed: int) -> int:
+    """Overwrite every parameter of ``model`` with :func:`seeded_values`; return how many were written."""
+    import torch
+
+    count = 0
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(seeded_values(name, tuple(parameter.shape), seed).to(parameter.dtype))
+            count += 1
+    return count
+
+
+def _seed_after_dummy_load(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    model = args[0] if args else kwargs["model"]
+    reinit_weights(model, int(os.environ[SEEDED_WEIGHTS_ENV]))
+    return result
+
+
+def _halve_before_scatter(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    state, packed, *rest = args
+    return wrapped(state, packed * 0.5, *rest, **kwargs)
+
+
 def install_engine_stand_ins() -> None:
-    """The module stand-ins of ``vllm_layers_check`` plus the op recorder (the generated sitecustomize calls it)."""
-    vllm_layers_check.install_stand_ins()
+    """What the generated sitecustomize runs in every engine process: stand-ins, op recorder, weights, mutant.
+
+    ``KDA_ENGINE_SEEDED_WEIGHTS=SEED``: vLLM's dummy loader's weights are overwritten by :func:`reinit_weights`.
+    ``KDA_ENGINE_MUTANT=scatter-halved``: the overlay's plan scatters halved final states (negative control; the
+    baseline has no plan, so only the patched run is wrong).
+    """
+    import wrapt
+
+    gpu_harness.install_stand_ins()
+    RECORDER.library = gpu_harness.library_present()
     RECORDER.install()
+    if os.environ.get(SEEDED_WEIGHTS_ENV):
+        wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
+            module, "DummyModelLoader.load_weights", _seed_after_dummy_load),
+            "vllm.model_executor.model_loader.dummy_loader")
+    mutant = os.environ.get(MUTANT_ENV)
+    if mutant:
+        if mutant not in MUTANTS:
+            raise ValueError(f"{MUTANT_ENV}={mutant!r}: known mutants {sorted(MUTANTS)}")
+        wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
+            module, "StateCopyPlan.scatter", _halve_before_scatter), "kda_patches.state_copy.plan")
 
 
-def write_stand_in_hook(folder: pathlib.Path) -> pathlib.Path:
-    """Write ``folder/sitecustomize.py`` installing :func:`install_engine_stand_ins` in every process."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(
-        "# written by kda_patches scripts/gpu/vllm_engine_check.py: stand-ins for vLLM's compiled extensions\n"
-        f"import sys\nsys.path.insert(0, {str(SCRIPT_DIR)!r})\nimport vllm_engine_check\n"
-        f"sys.path.remove({str(SCRIPT_DIR)!r})\nvllm_engine_check.install_engine_stand_ins()\n")
-    return folder
+# ---------------------------------------------------------------- the plan of a run (parent)
 
 
-def write_model_dir(root: pathlib.Path) -> pathlib.Path:
-    """Write a tiny dense Qwen3.5 GDN hybrid's ``config.json`` (4 layers, linear/full attention alternating)."""
-    config = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 1024,
-              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-              "linear_num_key_heads": 4, "linear_num_value_heads": 12, "linear_key_head_dim": 128,
-              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "intermediate_size": 2048,
-              "vocab_size": 1024, "torch_dtype": "bfloat16", "max_position_embeddings": 4096,
-              "full_attention_interval": 2, "rms_norm_eps": 1e-6,
-              "layer_types": ["linear_attention", "full_attention"] * 2}
-    path = root / "qwen3_5_tiny"
+def write_model_dir(model: str, root: pathlib.Path) -> pathlib.Path:
+    """Write ``root/<model>/config.json`` of :data:`MODELS` and return the directory."""
+    path = root / model
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(MODELS[model].config))
     return path
 
 
-def child_env(site: pathlib.Path, hook: pathlib.Path, runner: str, enabled: bool, status_dir: pathlib.Path
-              ) -> dict[str, str]:
-    """The environment of one engine process: bundle, stand-in hook, runner choice, overlay switches."""
+def write_prompts(path: pathlib.Path, seed: int = PROMPT_SEED) -> list[dict[str, Any]]:
+    """Write the prompts file (JSON lines, token ids below :data:`VOCAB`) and return its records.
+
+    Round 1 (one step): two long prompts prefilled in chunks of the 256-token budget, a middle one, and short ones
+    that decode while the long ones still prefill. Round 2: the first long prompt plus 150 new tokens (with prefix
+    caching its prefill starts from a cached state) and a fresh prompt.
+    """
+    generator = random.Random(seed)
+
+    def draw(length: int) -> list[int]:
+        return [generator.randrange(2, VOCAB) for _ in range(length)]
+
+    long_prompt = draw(1100)
+    records = [{"name": "r1-long-1100", "prompt_token_ids": long_prompt, "max_tokens": 16},
+               {"name": "r1-long-700", "prompt_token_ids": draw(700), "max_tokens": 16},
+               {"name": "r1-mid-130", "prompt_token_ids": draw(130), "max_tokens": 24}]
+    records += [{"name": f"r1-short-{length}", "prompt_token_ids": draw(length), "max_tokens": 32}
+                for length in (5, 17, 33, 60)]
+    records += [{"name": "r2-continues-r1-long", "prompt_token_ids": long_prompt + draw(150), "max_tokens": 16,
+                 "round": 2},
+                {"name": "r2-fresh-300", "prompt_token_ids": draw(300), "max_tokens": 16, "round": 2}]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return records
+
+
+def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) -> dict[str, Any]:
+    """Return the ``--param`` values of a case: the workload's and vLLM's engine arguments."""
+    params: dict[str, Any] = {
+        "model": str(model_dir), "prompts": str(prompts), "max_tokens": 16, "ignore_eos": True,
+        "logprobs": TOP_LOGPROBS, "load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
+        "max_model_len": 2048, "max_num_seqs": 16, "max_num_batched_tokens": 256, "enable_chunked_prefill": True,
+        "enable_prefix_caching": case.prefix_caching, "enforce_eager": case.eager, "seed": 0,
+        # a fixed KV budget: no memory profiling (other engines share the GPU), the same block count every process
+        "gpu_memory_utilization": 0.07, "kv_cache_memory_bytes": 2 << 30, "disable_log_stats": False,
+        "attention_backend": "TRITON_ATTN",
+        # FLA's Triton chunk kernels: on SM90 "auto" picks FlashInfer's GDN prefill, which is not carried
+        "additional_config": {"gdn_prefill_backend": "triton", "kda_prefill_backend": "triton",
+                              "kda_decode_backend": "triton"}}
+    if case.kv_blocks:
+        params["num_gpu_blocks_override"] = case.kv_blocks
+    return params
+
+
+def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, str]:
+    """The environment of a case's ``regress``: bundle, stand-in hook, caches, runner, seeded weights, mutant."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(hook), str(ROOT), str(site), *filter(None, [env.get("PYTHONPATH")])])
     env.pop("TRITON_INTERPRET", None)
-    env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_STATUS_DIR=str(status_dir),
-               VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner], VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1",
-               VLLM_DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    env.pop(MUTANT_ENV, None)
+    env.update(gpu_harness.compile_cache_env())
+    env.update({SEEDED_WEIGHTS_ENV: str(WEIGHT_SEED), "VLLM_USE_V2_MODEL_RUNNER": RUNNERS[case.runner],
+                "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    if case.mutant:
+        env[MUTANT_ENV] = case.mutant
     return env
 
 
-def run_engine(model: str, result: dict[str, Any]) -> None:
-    """Child body: the overlay (when switched on) before vLLM, then ``LLM`` and ``generate`` on :data:`PROMPTS`."""
-    import kda_patches  # noqa: F401  (activates the overlay, as the sitecustomize/.pth entry does)
-
-    result["stage"] = "import vllm"
-    from vllm import LLM, SamplingParams
-
-    result["stage"] = "LLM()"
-    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-              attention_backend="TRITON_ATTN", compilation_config={"custom_ops": ["none"]}, max_model_len=1024,
-              max_num_seqs=8, max_num_batched_tokens=256, gpu_memory_utilization=0.3, seed=0,
-              # FLA's Triton chunk, as in vllm_layers_check: on SM90 "auto" picks FlashInfer's GDN prefill, which
-              # the bundle lacks (probe run 2 stopped there, importing flashinfer.gdn_prefill)
-              additional_config={"gdn_prefill_backend": "triton", "kda_prefill_backend": "triton",
-                                 "kda_decode_backend": "triton"})
-    result["stage"] = "generate"
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    result["tokens"] = [list(output.outputs[0].token_ids) for output in outputs]
-    result["stage"] = "done"
+def regress_argv(case: Case, params: dict[str, Any], work: pathlib.Path) -> list[str]:
+    """The ``kda-patches regress`` command line of a case (baseline twice; a negative control once)."""
+    argv = [sys.executable, "-m", "kda_patches", "regress", "--workload", "vllm", "--json", "--work-dir", str(work),
+            "--baseline-runs", "1" if case.mutant else "2", "--timeout", "400",
+            "--expect", f"{MODELS[case.model].patch}:calls_routed"]
+    for key, value in params.items():
+        argv += ["--param", f"{key}={json.dumps(value)}"]
+    return argv
 
 
-def run_child_main(args: argparse.Namespace) -> int:
-    """One engine process: run, record the stage reached, the failure, the lookups; write the JSON."""
-    result: dict[str, Any] = {"runner": args.runner, "mode": args.mode, "stage": "start"}
+def validate_cases(names: list[str] | None) -> list[Case]:
+    """Return the cases named (all by default), each checked against its model's runners.
+
+    Raises:
+        ValueError: an unknown case name, or a case on a runner its model cannot use.
+    """
+    by_name = {case.name: case for case in CASES}
+    unknown = [name for name in names or [] if name not in by_name]
+    if unknown:
+        raise ValueError(f"unknown case(s) {unknown}; known: {sorted(by_name)}")
+    chosen = [by_name[name] for name in names] if names else list(CASES)
+    for case in chosen:
+        if case.runner not in MODELS[case.model].runners:
+            raise ValueError(f"case {case.name}: model {case.model} runs on {MODELS[case.model].runners}, not "
+                             f"{case.runner} ({MODELS[case.model].note})")
+        if case.mutant and case.mutant not in MUTANTS:
+            raise ValueError(f"case {case.name}: unknown mutant {case.mutant!r}; known {sorted(MUTANTS)}")
+    return chosen
+
+
+# ---------------------------------------------------------------- judging a case
+
+
+def routed_and_seen(counters: dict[str, Any], patch: str) -> tuple[int, int]:
+    """Return (calls_routed, calls_seen) of ``patch`` from a run's summed counters."""
+    own = counters.get(patch, {})
+    return int(own.get("calls_routed", 0)), int(own.get("calls_seen", 0))
+
+
+def judge_case(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
+    """Return (passed, why) for one case's regress report.
+
+    A case passes when its verdict is the expected one (``equal``; ``different`` for a negative control), and -- on
+    an equal case -- the patched run routed every seam call it saw, at least one (``calls_routed == calls_seen >
+    0`` for the model's patch). A negative control must also have routed calls: a mutant that never ran proves
+    nothing.
+    """
+    verdict = report.get("verdict", "error")
+    routed, seen = routed_and_seen(report.get("patched_counter_totals") or {}, MODELS[case.model].patch)
+    if verdict != case.expected:
+        return False, f"verdict {verdict}, expected {case.expected}"
+    if seen == 0 or routed == 0:
+        return False, f"{MODELS[case.model].patch} routed {routed} of {seen} seen: the state copy never ran"
+    if not case.mutant and routed != seen:
+        return False, f"{MODELS[case.model].patch} routed {routed} of {seen} seen (a bypassed call)"
+    return True, f"{verdict}; {MODELS[case.model].patch} routed {routed} == seen {seen}"
+
+
+def summarize_outputs(work: pathlib.Path) -> dict[str, Any]:
+    """Digests and facts of the kept outputs: per side the sha256 of the requests, cached tokens, preemptions."""
+    import hashlib
+
+    summary: dict[str, Any] = {}
+    for side in sorted(p for p in work.iterdir() if (p / "outputs.json").is_file()) if work.is_dir() else []:
+        outputs = json.loads((side / "outputs.json").read_text())["outputs"]
+        requests = outputs.get("requests", [])
+        summary[side.name] = {
+            "requests_sha256": hashlib.sha256(json.dumps(requests, sort_keys=True).encode()).hexdigest(),
+            "tokens": {r["name"]: r["token_ids"] for r in requests},
+            "cached_prompt_tokens": {r["name"]: r["cached_prompt_tokens"] for r in requests},
+            "engine_stats": outputs.get("engine_stats"), "engine": outputs.get("engine")}
+    return summary
+
+
+def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path], prompts: pathlib.Path,
+             hook: pathlib.Path, site: pathlib.Path, timeout_s: float) -> dict[str, Any]:
+    """Run one case's regress to the end and return its record (report, judgment, digests, wall time)."""
+    work = pathlib.Path(gpu_harness.TMP) / "kda-engine-work" / case.name
+    params = engine_params(case, model_dirs[case.model], prompts)
+    started = time.perf_counter()
+    record: dict[str, Any] = {"case": asdict(case), "model_note": MODELS[case.model].note, "params": params}
     try:
-        run_engine(args.model, result)
-    except BaseException as error:  # recorded, not swallowed: the parent's verdict reports it
-        result["error"] = f"{type(error).__name__}: {error}"[:2000]
-        result["traceback"] = traceback.format_exc()[-6000:]
-    installed = sys.modules.get("vllm_engine_check")  # the sitecustomize's instance; this one runs as __main__
-    result["ops_looked_up"] = dict((installed.RECORDER if installed else RECORDER).looked_up)
-    pathlib.Path(args.child_out).write_text(json.dumps(result, default=str))
-    return 0
+        done = subprocess.run(regress_argv(case, params, work), env=case_env(case, hook, site), capture_output=True,
+                              text=True, timeout=timeout_s, cwd=ROOT)
+        record["exit_code"] = done.returncode
+        try:
+            record["report"] = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            record["report"] = {"verdict": "error", "errors": [f"regress printed no JSON: {done.stderr[-3000:]}"]}
+    except subprocess.TimeoutExpired:
+        record["report"] = {"verdict": "error", "errors": [f"regress ran past {timeout_s:.0f} s"]}
+    record["wall_s"] = round(time.perf_counter() - started, 1)
+    record["passed"], record["why"] = judge_case(case, record["report"])
+    record["outputs"] = summarize_outputs(work)
+    logs = {}
+    for side in ("baseline", "baseline2", "patched"):
+        log = work / side / "run.log"
+        if log.is_file():
+            logs[side] = log.read_text(errors="replace")[-5000:]
+    record["log_tails"] = logs
+    return record
 
 
-def read_counters(status_dir: pathlib.Path) -> dict[str, Any]:
-    """Sum the counters of every ledger the engine's processes wrote."""
-    from kda_patches.ledger import read_ledger_dir, sum_counters
-
-    return sum_counters(read_ledger_dir(str(status_dir))) if status_dir.is_dir() else {}
+def engine_line(record: dict[str, Any]) -> str:
+    """One ``ENGINE`` line of a case's record."""
+    case, report = record["case"], record["report"]
+    runs = report.get("runs", {})
+    walls = "/".join(f"{(runs.get(side) or {}).get('wall_s') or 0:.0f}" for side in ("baseline", "baseline2",
+                                                                                    "patched"))
+    patched = record["outputs"].get("patched", {})
+    hit = patched.get("cached_prompt_tokens", {}).get("r2-continues-r1-long")
+    stats = patched.get("engine_stats") or {}
+    errors = "; ".join(report.get("errors", []))[:400]
+    return (f"ENGINE {case['name']}: {'PASS' if record['passed'] else 'FAIL'} ({record['why']}); prefix hit "
+            f"{hit} tokens; preemptions {stats.get('preemptions')}; wall s base/base2/patched {walls}"
+            + (f"; errors: {errors}" if errors else ""))
 
 
 def run_parent(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = write_model_dir(out)
-    report: dict[str, Any] = {"model": json.loads((model / "config.json").read_text()), "prompts": PROMPTS,
-                              "stood_in": {**vllm_layers_check.stood_in_record(), **{
-                                  f"torch.ops._C.{name}": why for name, why in {**OP_LOOKUP_ONLY,
-                                                                                **OP_STAND_INS}.items()}},
-                              "runs": []}
+    cases = validate_cases(args.cases)
+    model_dirs = {name: write_model_dir(name, out / "models") for name in sorted({c.model for c in cases})}
+    prompts = out / "prompts.jsonl"
+    write_prompts(prompts)
+    site = gpu_harness.SITE_DIR
+    report: dict[str, Any] = {"vllm": "0.33.0", "models": {name: asdict(spec) for name, spec in MODELS.items()},
+                              "not_run": NOT_RUN, "mutants": MUTANTS, "weight_seed": WEIGHT_SEED,
+                              "cases": [asdict(c) for c in cases], "runs": []}
     if args.dry_run:
+        report["stood_in"] = gpu_harness.stood_in_record(library=False)
+        report["plan"] = {c.name: regress_argv(c, engine_params(c, model_dirs[c.model], prompts),
+                                               pathlib.Path("WORK")) for c in cases}
         (out / "vllm_engine.json").write_text(json.dumps(report, indent=1))
-        print(f"DRYRUN model {model}; {len(report['stood_in'])} stand-ins declared; no engine started")
+        print(f"DRYRUN {len(cases)} cases, models {sorted(model_dirs)}; no engine started")
         return 0
-    site = vllm_layers_check.SITE_DIR
-    report["bundle"] = vllm_layers_check.unpack_bundle(pathlib.Path(args.bundle), site)
-    hook = write_stand_in_hook(site.with_name(site.name + "-engine-standins"))
-    for runner in args.runners:
-        for mode in args.modes:
-            enabled = mode == "on"
-            status_dir = out / f"ledgers-{runner}-{mode}"
-            child_out = out / f".child-{runner}-{mode}.json"
-            argv = [sys.executable, __file__, "--child", "--runner", runner, "--mode", mode, "--model", str(model),
-                    "--child-out", str(child_out), "--out", str(out)]
-            started = time.perf_counter()
-            try:
-                done = subprocess.run(argv, env=child_env(site, hook, runner, enabled, status_dir), capture_output=True,
-                                      text=True, timeout=args.child_timeout_s)
-                code, tail = done.returncode, (done.stdout + done.stderr)[-4000:]
-            except subprocess.TimeoutExpired as expired:
-                code, tail = "timeout", str(expired.stdout or "")[-4000:]
-            run = json.loads(child_out.read_text()) if child_out.is_file() else {"stage": "no result"}
-            run.update(returncode=code, wall_s=round(time.perf_counter() - started, 1), output_tail=tail,
-                       counters=read_counters(status_dir))
-            report["runs"].append(run)
-            print(f"ENGINE qwen3_5_tiny {runner} KDA_PATCHES={int(enabled)}: reached {run['stage']}"
-                  + (f"; {run['error'][:300]}" if run.get("error") else f"; tokens {run.get('tokens')}")
-                  + f"; gdn_state_copy {run['counters'].get('gdn_state_copy', {})}", flush=True)
+    staged = gpu_harness.stage_pieces(pathlib.Path(args.carried), gpu_harness.STAGE_DIR) if args.carried else None
+    stage = gpu_harness.STAGE_DIR
+    manifest = json.loads((stage / gpu_harness.MANIFEST).read_text())
+    bundle = next(stage / name for name in manifest["artifacts"] if name.endswith(".zip"))
+    library_name = next((name for name in manifest["artifacts"] if name.endswith(".so.xz")), None)
+    report["bundle"] = gpu_harness.unpack_bundle(bundle, site)
+    if library_name and (stage / library_name).is_file():
+        gpu_harness.install_library(stage / library_name, manifest["artifacts"][library_name]["unpacked_sha256"],
+                                    site)
+    library = gpu_harness.library_present(site)
+    report["compiled_library"] = "vLLM's real _C_stable_libtorch" if library else "ABSENT: op stand-ins declared"
+    report["stood_in"] = gpu_harness.stood_in_record(library)
+    if not library:
+        report["stood_in"].update({f"torch.ops._C.{name}": why for name, why in {**OP_LOOKUP_ONLY,
+                                                                                 **OP_STAND_INS}.items()})
+    report["staged"] = staged and {key: staged[key] for key in ("have", "missing")}
+    hook = gpu_harness.write_stand_in_hook(site.with_name(site.name + "-engine-hook"), "vllm_engine_check",
+                                           "install_engine_stand_ins")
+    print(f"compiled library: {report['compiled_library']}; {len(cases)} cases, {args.parallel} at a time",
+          flush=True)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = [pool.submit(run_case, case, out, model_dirs, prompts, hook, site, args.case_timeout_s)
+                   for case in cases]
+        for future in futures:
+            record = future.result()
+            report["runs"].append(record)
+            print(engine_line(record), flush=True)
             (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))
-    return 0
+    return 0 if all(record["passed"] for record in report["runs"]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--bundle", default=str(vllm_layers_check.BUNDLE_DIR / "vllm-0.33.0-cp312.zip"))
-    parser.add_argument("--runners", nargs="+", choices=sorted(RUNNERS), default=["v1", "v2"])
-    parser.add_argument("--modes", nargs="+", choices=["off", "on"], default=["off", "on"],
-                        help="KDA_PATCHES=0 (off) and/or =1 (on), in this order")
+    parser.add_argument("--cases", nargs="+", help=f"default: all {len(CASES)}")
+    parser.add_argument("--carried", help="a run folder of vllm_bundle.py carry to stage first")
+    parser.add_argument("--parallel", type=int, default=4, help="cases at a time (each its own engines)")
+    parser.add_argument("--case-timeout-s", type=float, default=500)
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--child-timeout-s", type=float, default=240)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--runner", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    return run_child_main(args) if args.child else run_parent(args)
+    try:
+        validate_cases(args.cases)
+    except ValueError as error:
+        parser.error(str(error))
+    return run_parent(args)
 
 
 if __name__ == "__main__":

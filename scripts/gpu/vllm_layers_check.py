@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import importlib.machinery
 import json
 import os
 import pathlib
@@ -54,12 +53,15 @@ import sys
 import tempfile
 import time
 import traceback
-import zipfile
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import gpu_harness  # noqa: E402  (the shared carry, stand-in and cache machinery)
+
+sys.path.remove(str(pathlib.Path(__file__).resolve().parent))
 BUNDLE_DIR = ROOT / ".bundle"
-SITE_DIR = pathlib.Path(tempfile.gettempdir()) / "kda-vllm-bundle"
+SITE_DIR = gpu_harness.SITE_DIR
 
 
 class LayerKind:
@@ -128,33 +130,6 @@ QUICK_CASES = (
 
 
 # ---------------------------------------------------------------- parent: bundle, children, verdicts
-
-def unpack_bundle(bundle: pathlib.Path, site: pathlib.Path) -> dict[str, Any]:
-    """Unzip the bundle into ``site`` and install its wheels there (no index, no deps); return its manifest.
-
-    Raises:
-        RuntimeError: the bundle is missing or pip failed.
-    """
-    if not bundle.is_file():
-        raise RuntimeError(f"no bundle at {bundle}: build it with `python scripts/gpu/vllm_bundle.py build` on the "
-                           "CPU machine and carry it (run(carry=['.bundle/...zip']))")
-    scratch = site.with_name(site.name + "-zip")
-    with zipfile.ZipFile(bundle) as archive:
-        archive.extractall(scratch)
-    manifest = json.loads((scratch / "manifest.json").read_text())
-    site.mkdir(parents=True, exist_ok=True)
-    for entry in (scratch / "site").iterdir():
-        target = site / entry.name
-        if not target.exists():
-            entry.rename(target)
-    wheels = sorted(str(w) for w in (scratch / "wheels").glob("*.whl"))
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], capture_output=True,
-                          text=True)
-    if done.returncode:
-        raise RuntimeError(f"installing the bundle's wheels failed:\n{done.stderr[-3000:]}")
-    return manifest
-
 
 def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool) -> dict[str, str]:
     """Return the environment of one child: bundle + project on the path (+ the stand-in hook on GPU), switches."""
@@ -273,7 +248,7 @@ def run_parent(args: argparse.Namespace) -> int:
         "python": platform.python_version(), "machine": platform.machine()}, "dry_run": args.dry_run, "layers": {}}
     with open(out / "vllm_layers.log", "w") as log:
         started = time.perf_counter()
-        report["bundle"] = unpack_bundle(bundle, pathlib.Path(args.site))
+        report["bundle"] = gpu_harness.unpack_bundle(bundle, pathlib.Path(args.site))
         report["bundle"]["unpack_s"] = round(time.perf_counter() - started, 1)
         report["source_sha256"] = source_hash()
         print(f"bundle {bundle.name} unpacked in {report['bundle']['unpack_s']} s", file=log, flush=True)
@@ -301,93 +276,19 @@ def run_parent(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- child: one layer, vLLM's own code
 
 
-STOOD_IN = {
-    "vllm._C_stable_libtorch": "vLLM's compiled custom-op library (92 MB .so in the wheel, built for torch 2.14): "
-    "vllm/platforms/cuda.py imports it unconditionally to register torch.ops._C.*; the Triton paths run here call "
-    "none of those ops (a call would fail with a missing-op error, not silently)",
-    "vllm.vllm_flash_attn": "package __init__ raises ImportError without the compiled FA2/FA3 extensions (~480 MB); "
-    "vllm.v1.worker.utils imports it through vllm.model_executor.layers.attention. Stood in by the package's own "
-    "flash_attn_interface module (FA2_AVAILABLE = FA3_AVAILABLE = False there): no attention kernel runs here",
-}
-
-
-class StandInFinder:
-    """Meta-path finder that supplies :data:`STOOD_IN` modules when vLLM imports them (GPU processes only).
-
-    Installed by the ``sitecustomize.py`` the parent writes next to the bundle, so every child and every process
-    vLLM itself starts (its model-registry inspection subprocess) gets the same stand-ins. Lazy: nothing is
-    imported until vLLM asks for one of the names.
-    """
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        """Return a spec for the stood-in names, None for everything else."""
-        if fullname not in STOOD_IN:
-            return None
-        if fullname == "vllm._C_stable_libtorch":
-            return importlib.machinery.ModuleSpec(fullname, self)
-        if fullname == "vllm.vllm_flash_attn" and path:
-            spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-            spec.submodule_search_locations = [os.path.join(next(iter(path)), "vllm_flash_attn")]
-            return spec
-        return None
-
-    def create_module(self, spec: Any) -> Any:
-        """Default module creation."""
-        return None
-
-    def exec_module(self, module: Any) -> None:
-        """Fill the stand-in: capability queries for ``_C_stable_libtorch``; FA's own interface names otherwise."""
-        import importlib
-
-        module.__doc__ = f"kda_patches vllm_layers_check stand-in: {STOOD_IN[module.__name__]}"
-        if module.__name__ == "vllm._C_stable_libtorch":
-            stand_in_capability_queries()
-            return
-        interface = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface")
-        for name in dir(interface):
-            if not name.startswith("__"):
-                setattr(module, name, getattr(interface, name))
-
-
 def install_stand_ins() -> None:
-    """Put :class:`StandInFinder` first on ``sys.meta_path`` (idempotent); called from the generated sitecustomize."""
-    if not any(isinstance(finder, StandInFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, StandInFinder())
+    """The harness's stand-ins (called by the generated sitecustomize in every GPU process)."""
+    gpu_harness.install_stand_ins()
 
 
 def write_stand_in_hook(folder: pathlib.Path) -> pathlib.Path:
     """Write ``folder/sitecustomize.py`` that installs the stand-ins in every process with ``folder`` on its path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    script_dir = str(pathlib.Path(__file__).resolve().parent)
-    (folder / "sitecustomize.py").write_text(
-        "# written by kda_patches scripts/gpu/vllm_layers_check.py: stand-ins for vLLM's compiled extensions\n"
-        f"import sys\nsys.path.insert(0, {script_dir!r})\nimport vllm_layers_check\n"
-        f"sys.path.remove({script_dir!r})\nvllm_layers_check.install_stand_ins()\n")
-    return folder
+    return gpu_harness.write_stand_in_hook(folder, "gpu_harness", "install_stand_ins")
 
 
 def stood_in_record() -> dict[str, str]:
-    """Return every stand-in and why (for the results)."""
-    return {**STOOD_IN, **{f"torch.ops._C.{name}": "capability query called at import time; answers False "
-                           "(unsupported), so vLLM picks no CUTLASS/compiled path" for name in CAPABILITY_QUERIES}}
-
-
-CAPABILITY_QUERIES = ("cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_block_fp8",
-                      "cutlass_group_gemm_supported")
-
-
-def stand_in_capability_queries() -> None:
-    """Define the ``torch.ops._C`` capability queries vLLM calls while importing, each answering False."""
-    import torch
-
-    library = torch.library.Library("_C", "FRAGMENT")  # kept alive by the module-level list below
-    for name in CAPABILITY_QUERIES:
-        library.define(f"{name}(int cuda_device_capability) -> bool")
-        library.impl(name, lambda cuda_device_capability: False, "CompositeExplicitAutograd")
-    _LIBRARIES.append(library)
-
-
-_LIBRARIES: list[Any] = []
+    """Return every stand-in and why (for the results): depends on whether the real library was carried."""
+    return gpu_harness.stood_in_record(gpu_harness.library_present(SITE_DIR))
 
 
 def write_model_dir(layer: str, root: pathlib.Path) -> pathlib.Path:
@@ -956,8 +857,7 @@ def run_child_main(args: argparse.Namespace) -> int:
         limit_autotune()  # before vLLM imports its kernels; baseline and patched keep the same config
         if not args.dry_run:
             facts["stood_in"] = stood_in_record()
-            facts["stand_in_finder_installed"] = any(isinstance(f, StandInFinder) or type(f).__name__ ==
-                                                     "StandInFinder" for f in sys.meta_path)
+            facts["stand_in_finder_installed"] = any(type(f).__name__ == "StandInFinder" for f in sys.meta_path)
         import torch
 
         device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")

@@ -1,0 +1,365 @@
+"""The GPU harness both vLLM scripts share: carrying vLLM to the H200, its compiled library, stand-ins, caches.
+
+The H200 machine has torch 2.11 + triton 3.6, no vLLM and no network, and one call carries at most 64 MiB, the
+working tree included. What vLLM needs there travels as *artifacts* (the bundle zip of ``vllm_bundle.py build``
+and vLLM's real compiled op library ``vllm/_C_stable_libtorch.abi3.so``, xz-compressed), cut into *pieces* that
+fill consecutive calls (:func:`plan_carry` / :func:`write_carry`, run here). On the machine, each call's command
+starts with ``python3 scripts/gpu/gpu_harness.py stage CARRIED_DIR``: :func:`stage_pieces` keeps the pieces under
+``/tmp`` (it survives while the machine is warm, ~30 s between calls) and joins an artifact once all its pieces are
+there, checking the sha256 of every piece, of the whole, and of the unpacked library.
+
+:func:`install_stand_ins` (run in every GPU process through the ``sitecustomize.py`` :func:`write_stand_in_hook`
+writes) supplies only what cannot run there: FlashAttention's compiled package, and -- only when the real library
+is absent -- the library's import and its capability queries. Which of the two ran is :func:`stood_in_record`.
+:func:`compile_cache_env` points Triton, Inductor and vLLM at one cache directory, so the engine processes of a
+run (and of consecutive runs on a warm machine) compile each kernel once.
+
+CLI (on the GPU machine): ``python3 scripts/gpu/gpu_harness.py stage DIR [--stage-dir D]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import importlib.machinery
+import json
+import lzma
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+TMP = pathlib.Path(tempfile.gettempdir())
+STAGE_DIR = TMP / "kda-stage"
+SITE_DIR = TMP / "kda-vllm-bundle"
+CACHE_ROOT = TMP / "kda-compile-cache"
+LIBRARY_FILE = "_C_stable_libtorch.abi3.so"  # in the wheel's vllm/ folder
+CALL_BYTES = 64 << 20  # what one device call carries, the working tree included
+MANIFEST = "carry-manifest.json"
+
+
+class CarryError(RuntimeError):
+    """A piece or an artifact is missing, damaged, or does not fit a call."""
+
+
+def sha256_of(path: pathlib.Path) -> str:
+    """Return the hex sha256 of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- carrying: artifacts -> pieces -> calls
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one artifact, carried by call ``run`` (1-based)."""
+
+    artifact: str
+    index: int
+    offset: int
+    size: int
+    run: int
+
+    @property
+    def file(self) -> str:
+        return f"{self.artifact}.piece{self.index:02d}"
+
+
+def plan_carry(sizes: dict[str, int], capacity: int) -> list[Piece]:
+    """Cut artifacts into pieces that fill consecutive calls of ``capacity`` bytes each, in the given order.
+
+    Args:
+        sizes: artifact name -> bytes (dict order is carrying order).
+        capacity: bytes one call may carry besides the working tree.
+    Returns:
+        The pieces, each with the call that carries it; the fewest calls the sizes allow.
+    Raises:
+        CarryError: ``capacity`` is not positive.
+    """
+    if capacity <= 0:
+        raise CarryError(f"no room left in a call ({capacity} bytes): the working tree alone fills the "
+                         f"{CALL_BYTES >> 20} MiB a call carries; carry less (compress docs/results)")
+    pieces, run, room = [], 1, capacity
+    for artifact, size in sizes.items():
+        offset, index = 0, 0
+        while offset < size or (size == 0 and index == 0):
+            if room == 0:
+                run, room = run + 1, capacity
+            take = min(room, size - offset)
+            pieces.append(Piece(artifact, index, offset, take, run))
+            offset, index, room = offset + take, index + 1, room - take
+            if size == 0:
+                break
+    return pieces
+
+
+def write_carry(artifacts: dict[str, pathlib.Path], dest: pathlib.Path, capacity: int,
+                unpacked_sha256: dict[str, str] | None = None) -> dict[str, Any]:
+    """Write ``dest/run<N>/`` folders holding each call's pieces and the manifest; return the manifest.
+
+    Args:
+        artifacts: name -> file, in carrying order.
+        dest: folder to fill (its ``run*`` folders are replaced).
+        capacity: bytes per call besides the working tree.
+        unpacked_sha256: for a compressed artifact, the sha256 of its decompressed content.
+    """
+    pieces = plan_carry({name: path.stat().st_size for name, path in artifacts.items()}, capacity)
+    for old in dest.glob("run*"):
+        shutil.rmtree(old)
+    manifest: dict[str, Any] = {"capacity": capacity, "runs": max(p.run for p in pieces), "artifacts": {}}
+    for name, path in artifacts.items():
+        manifest["artifacts"][name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path),
+                                       "unpacked_sha256": (unpacked_sha256 or {}).get(name), "pieces": []}
+    with_data = {name: path.read_bytes() for name, path in artifacts.items()}
+    for piece in pieces:
+        folder = dest / f"run{piece.run}"
+        folder.mkdir(parents=True, exist_ok=True)
+        data = with_data[piece.artifact][piece.offset:piece.offset + piece.size]
+        (folder / piece.file).write_bytes(data)
+        manifest["artifacts"][piece.artifact]["pieces"].append(
+            {"file": piece.file, "run": piece.run, "offset": piece.offset, "bytes": piece.size,
+             "sha256": hashlib.sha256(data).hexdigest()})
+    for folder in sorted(dest.glob("run*")):
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def stage_pieces(carried: pathlib.Path, stage: pathlib.Path = STAGE_DIR) -> dict[str, Any]:
+    """Keep the pieces ``carried`` brought in ``stage``; join every artifact whose pieces are all there.
+
+    Args:
+        carried: one ``run<N>`` folder of :func:`write_carry`, as it arrived on the machine.
+        stage: where pieces wait for the next call and joined artifacts are written.
+    Returns:
+        ``{"have": [...], "missing": [...], "joined": {artifact: path}}`` (``missing`` lists pieces still to come).
+    Raises:
+        CarryError: no manifest, a piece's sha256 differs, or a joined artifact's sha256 differs.
+    """
+    source = carried / MANIFEST
+    if not source.is_file():
+        raise CarryError(f"{carried} has no {MANIFEST}: carry a run folder written by vllm_bundle.py carry")
+    manifest = json.loads(source.read_text())
+    stage.mkdir(parents=True, exist_ok=True)
+    previous = stage / MANIFEST
+    if previous.is_file() and json.loads(previous.read_text())["artifacts"] != manifest["artifacts"]:
+        for stale in stage.iterdir():  # pieces of another carry plan must not mix with these
+            if stale.is_file():
+                stale.unlink()
+    shutil.copyfile(source, previous)
+    have, missing, joined = [], [], {}
+    for name, artifact in manifest["artifacts"].items():
+        for piece in artifact["pieces"]:
+            arrived, kept = carried / piece["file"], stage / piece["file"]
+            if arrived.is_file() and not kept.is_file():
+                if sha256_of(arrived) != piece["sha256"]:
+                    raise CarryError(f"piece {piece['file']} arrived damaged (sha256 differs from the manifest)")
+                shutil.copyfile(arrived, kept)
+            (have if kept.is_file() else missing).append(piece["file"])
+        target = stage / name
+        if target.is_file() and sha256_of(target) == artifact["sha256"]:
+            joined[name] = str(target)
+        elif all((stage / piece["file"]).is_file() for piece in artifact["pieces"]):
+            partial = target.with_name(target.name + ".joining")
+            with open(partial, "wb") as out:
+                for piece in artifact["pieces"]:
+                    out.write((stage / piece["file"]).read_bytes())
+            if sha256_of(partial) != artifact["sha256"]:
+                partial.unlink()
+                raise CarryError(f"{name}: the joined pieces' sha256 differs from the manifest")
+            os.replace(partial, target)
+            joined[name] = str(target)
+    return {"have": have, "missing": missing, "joined": joined, "artifacts": manifest["artifacts"]}
+
+
+def install_library(compressed: pathlib.Path, expected_sha256: str, site: pathlib.Path = SITE_DIR) -> pathlib.Path:
+    """Decompress vLLM's compiled library into ``site/vllm/`` and check it is the wheel's own file.
+
+    Raises:
+        CarryError: the decompressed library's sha256 is not ``expected_sha256``.
+    """
+    target = site / "vllm" / LIBRARY_FILE
+    if target.is_file() and sha256_of(target) == expected_sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    with lzma.open(compressed) as source, open(partial, "wb") as out:
+        shutil.copyfileobj(source, out, 1 << 22)
+    if sha256_of(partial) != expected_sha256:
+        partial.unlink()
+        raise CarryError(f"{LIBRARY_FILE}: decompressed sha256 differs from the wheel's ({expected_sha256[:12]}...)")
+    os.replace(partial, target)
+    return target
+
+
+def unpack_bundle(bundle: pathlib.Path, site: pathlib.Path = SITE_DIR) -> dict[str, Any]:
+    """Unzip the bundle into ``site`` and install its wheels there (no index, no deps); return its manifest.
+
+    Raises:
+        CarryError: the bundle is missing or pip failed.
+    """
+    import subprocess
+    import zipfile
+
+    if not bundle.is_file():
+        raise CarryError(f"no bundle at {bundle}: build it with `python scripts/gpu/vllm_bundle.py carry` on the "
+                         "CPU machine and carry its run folders (gpu_harness.py stage)")
+    scratch = site.with_name(site.name + "-zip")
+    with zipfile.ZipFile(bundle) as archive:
+        archive.extractall(scratch)
+    manifest = json.loads((scratch / "manifest.json").read_text())
+    site.mkdir(parents=True, exist_ok=True)
+    for entry in (scratch / "site").iterdir():
+        target = site / entry.name
+        if not target.exists():
+            entry.rename(target)
+    wheels = sorted(str(w) for w in (scratch / "wheels").glob("*.whl"))
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise CarryError(f"installing the bundle's wheels failed:\n{done.stderr[-3000:]}")
+    return manifest
+
+
+def library_present(site: pathlib.Path = SITE_DIR) -> bool:
+    """Return whether vLLM's real compiled library is in the unpacked bundle."""
+    return (site / "vllm" / LIBRARY_FILE).is_file()
+
+
+# ---------------------------------------------------------------- stand-ins (only what cannot run there)
+
+STOOD_IN = {
+    "vllm._C_stable_libtorch": "vLLM's compiled custom-op library, only when its real file is not carried (92 MB "
+    "in the wheel; it loads on the H200's torch 2.11): vllm/platforms/cuda.py imports it unconditionally to "
+    "register torch.ops._C.*",
+    "vllm.vllm_flash_attn": "package __init__ raises ImportError without the compiled FA2/FA3 extensions (~480 MB); "
+    "vllm.v1.worker.utils imports it through vllm.model_executor.layers.attention. Stood in by the package's own "
+    "flash_attn_interface module (FA2_AVAILABLE = FA3_AVAILABLE = False there): no FlashAttention kernel runs",
+}
+CAPABILITY_QUERIES = ("cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_block_fp8",
+                      "cutlass_group_gemm_supported")
+_LIBRARIES: list[Any] = []
+
+
+def stood_in_names(library: bool) -> tuple[str, ...]:
+    """Return the modules stood in: FlashAttention's package always, the library's import only without it."""
+    return tuple(name for name in STOOD_IN if not (library and name == "vllm._C_stable_libtorch"))
+
+
+class StandInFinder:
+    """Meta-path finder that supplies the stood-in modules when vLLM imports them (GPU processes only).
+
+    Installed by the ``sitecustomize.py`` of :func:`write_stand_in_hook`, so every process vLLM starts gets the
+    same stand-ins. The library's import is stood in only when its file is absent next to the ``vllm`` package.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        """Return a spec for a stood-in name, None for everything else (the real module then loads)."""
+        if fullname == "vllm._C_stable_libtorch":
+            package = sys.modules.get("vllm")
+            folders = list(getattr(package, "__path__", []) or [])
+            if any(os.path.isfile(os.path.join(folder, LIBRARY_FILE)) for folder in folders):
+                return None
+            return importlib.machinery.ModuleSpec(fullname, self)
+        if fullname == "vllm.vllm_flash_attn" and path:
+            spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            spec.submodule_search_locations = [os.path.join(next(iter(path)), "vllm_flash_attn")]
+            return spec
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        """Default module creation."""
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        """Fill the stand-in: capability queries for the library; FA's own interface names otherwise."""
+        module.__doc__ = f"kda_patches gpu_harness stand-in: {STOOD_IN[module.__name__]}"
+        if module.__name__ == "vllm._C_stable_libtorch":
+            stand_in_capability_queries()
+            return
+        interface = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface")
+        for name in dir(interface):
+            if not name.startswith("__"):
+                setattr(module, name, getattr(interface, name))
+
+
+def stand_in_capability_queries() -> None:
+    """Define the ``torch.ops._C`` capability queries vLLM calls while importing, each answering False."""
+    import torch
+
+    library = torch.library.Library("_C", "FRAGMENT")  # kept alive by _LIBRARIES
+    for name in CAPABILITY_QUERIES:
+        library.define(f"{name}(int cuda_device_capability) -> bool")
+        library.impl(name, lambda cuda_device_capability: False, "CompositeExplicitAutograd")
+    _LIBRARIES.append(library)
+
+
+def install_stand_ins() -> None:
+    """Put :class:`StandInFinder` first on ``sys.meta_path`` (idempotent)."""
+    if not any(isinstance(finder, StandInFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, StandInFinder())
+
+
+def write_stand_in_hook(folder: pathlib.Path, module: str, function: str) -> pathlib.Path:
+    """Write ``folder/sitecustomize.py`` that calls ``scripts/gpu/<module>.<function>()`` in every process.
+
+    Args:
+        folder: put on ``PYTHONPATH`` of the processes that need the stand-ins.
+        module: a module of ``scripts/gpu`` (imported by name with that folder on the path for the import only).
+        function: its stand-in installer.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    script_dir = str(pathlib.Path(__file__).resolve().parent)
+    (folder / "sitecustomize.py").write_text(
+        "# written by kda_patches scripts/gpu/gpu_harness.py: stand-ins for what cannot run on the GPU machine\n"
+        f"import sys\nsys.path.insert(0, {script_dir!r})\nimport {module}\n"
+        f"sys.path.remove({script_dir!r})\n{module}.{function}()\n")
+    return folder
+
+
+def stood_in_record(library: bool) -> dict[str, str]:
+    """Return every module stood in and why, for the results (the capability queries only without the library)."""
+    record = {name: STOOD_IN[name] for name in stood_in_names(library)}
+    if not library:
+        record.update({f"torch.ops._C.{name}": "capability query called at import time; answers False "
+                       "(unsupported), so vLLM picks no CUTLASS/compiled path" for name in CAPABILITY_QUERIES})
+    return record
+
+
+# ---------------------------------------------------------------- compile caches
+
+
+def compile_cache_env(root: pathlib.Path = CACHE_ROOT) -> dict[str, str]:
+    """Return the variables that put Triton's, Inductor's and vLLM's compile caches under ``root``.
+
+    Every engine process of a run (and of the next call while the machine is warm) then reuses kernels compiled
+    once, instead of compiling vLLM's Triton kernels again (minutes per cold process).
+    """
+    return {"TRITON_CACHE_DIR": str(root / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "VLLM_CACHE_ROOT": str(root / "vllm")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``stage DIR``: keep the carried pieces, join what is complete, print one ``STAGE`` line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    stage_parser = commands.add_parser("stage", help="keep this call's pieces; join complete artifacts")
+    stage_parser.add_argument("carried", type=pathlib.Path)
+    stage_parser.add_argument("--stage-dir", type=pathlib.Path, default=STAGE_DIR)
+    args = parser.parse_args(argv)
+    state = stage_pieces(args.carried, args.stage_dir)
+    print(f"STAGE {len(state['have'])} pieces here, {len(state['missing'])} to come; joined: "
+          f"{', '.join(sorted(state['joined'])) or 'none yet'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
