@@ -299,7 +299,7 @@ def install_engine_stand_ins() -> None:
         if mutant not in MUTANTS:
             raise ValueError(f"{MUTANT_ENV}={mutant!r}: known mutants {sorted(MUTANTS)}")
         wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
-            module, "StateCopyPlan.scatter", _halve_before_scatter), "kda_patches.state_copy.plan")
+            module, "StateCopyPlan.scatter_eager", _halve_before_scatter), "kda_patches.state_copy.plan")
 
 
 # ---------------------------------------------------------------- the plan of a run (parent)
