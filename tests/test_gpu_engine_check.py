@@ -1,5 +1,6 @@
-"""``scripts/gpu/vllm_engine_check.py`` on the CPU (issue 18): its dry run, and the op recorder's rules -- a missing
-compiled op stays missing unless declared, a declared lookup-only op refuses to run, and torch's lookup comes back.
+"""``scripts/gpu/vllm_engine_check.py`` on the CPU (issues 18, 26): its dry run, the op recorder's rules -- a missing
+compiled op stays missing unless declared, a declared lookup-only op refuses to run (never with the real library),
+and torch's lookup comes back -- and every rule a case is judged by, the seeded weights, the prompts and the mutant.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm
 def load_script():
     spec = importlib.util.spec_from_file_location("vllm_engine_check_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
@@ -32,17 +34,21 @@ def recorder():
     recorder.uninstall()
 
 
-def test_the_dry_run_writes_the_model_and_lists_every_stand_in(tmp_path):
+def test_the_dry_run_writes_models_prompts_and_the_plan_and_starts_nothing(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--dry-run"], capture_output=True,
                           text=True, check=True)
     assert "DRYRUN" in done.stdout
     report = json.loads((tmp_path / "vllm_engine.json").read_text())
-    config = json.loads((tmp_path / "qwen3_5_tiny" / "config.json").read_text())
-    assert report["model"] == config and config["layer_types"].count("linear_attention") == 2
     module = load_script()
-    declared = {f"torch.ops._C.{name}" for name in {**module.OP_LOOKUP_ONLY, **module.OP_STAND_INS}}
-    assert declared <= set(report["stood_in"]) and all(report["stood_in"].values())
-    assert "runs" in report and report["runs"] == []  # nothing was started
+    for name, spec in module.MODELS.items():
+        assert json.loads((tmp_path / "models" / name / "config.json").read_text()) == spec.config
+    assert set(report["plan"]) == {case.name for case in module.CASES}
+    for case in module.CASES:
+        argv = report["plan"][case.name]
+        assert argv[argv.index("--baseline-runs") + 1] == ("1" if case.mutant else "2")
+        assert f"{module.MODELS[case.model].patch}:calls_routed" in argv
+    assert report["runs"] == [] and "vllm.vllm_flash_attn" in report["stood_in"]
+    assert set(report["throughput_plan"]) == set(module.THROUGHPUT_SHAPES)
 
 
 def test_an_undeclared_missing_op_stays_missing_and_is_recorded(recorder):
@@ -77,3 +83,155 @@ def test_a_cuda_view_of_unpinned_memory_is_refused():
     module = load_script()
     with pytest.raises(RuntimeError, match="pinned"):
         module.cuda_view_of(torch.zeros(4, dtype=torch.int32))
+
+
+def test_with_the_real_library_no_op_is_stood_in(monkeypatch):
+    module = load_script()
+    recorder = module.OpRecorder(library=True)
+    monkeypatch.setitem(module.OP_LOOKUP_ONLY, "kda_test_lookup_only", "a test declaration")
+    assert recorder.stand_in("kda_test_lookup_only") is None and "kda_test_lookup_only" in recorder.looked_up
+    assert recorder.stand_in("get_cuda_view_from_cpu_tensor") is None
+    assert module.OpRecorder(library=False).stand_in("get_cuda_view_from_cpu_tensor") is module.cuda_view_of
+
+
+# ---------------------------------------------------------------- judging a case: each rule alone decides
+
+PASSING_REPORT = {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {"calls_routed": 6,
+                                                                                  "calls_seen": 6}}}
+
+
+def passing_outputs(module, hit=800, preemptions=2):
+    return {"patched": {"cached_prompt_tokens": {module.CONTINUATION: hit},
+                        "engine_stats": {"preemptions": preemptions}}}
+
+
+def case(module, **changes):
+    base = {"name": "t", "model": "qwen3_5", "runner": "v2", "prefix_caching": True, "eager": True}
+    return module.Case(**{**base, **changes})
+
+
+def test_an_equal_case_with_every_call_routed_passes():
+    module = load_script()
+    passed, why = module.judge_case(case(module), PASSING_REPORT, passing_outputs(module))
+    assert passed and "routed 6 == seen 6" in why
+
+
+def test_a_verdict_other_than_expected_fails():
+    module = load_script()
+    assert not module.judge_case(case(module), dict(PASSING_REPORT, verdict="different"), passing_outputs(module))[0]
+    negative = case(module, mutant="scatter-halved")
+    assert not module.judge_case(negative, PASSING_REPORT, passing_outputs(module))[0]
+    assert module.judge_case(negative, dict(PASSING_REPORT, verdict="different"), passing_outputs(module))[0]
+
+
+def test_a_case_whose_state_copy_never_ran_fails_negative_control_included():
+    module = load_script()
+    idle = {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {"calls_seen": 0}}}
+    assert not module.judge_case(case(module), idle, passing_outputs(module))[0]
+    negative = case(module, mutant="scatter-halved")
+    assert not module.judge_case(negative, dict(idle, verdict="different"), passing_outputs(module))[0]
+
+
+def test_a_bypassed_call_fails_an_equal_case():
+    module = load_script()
+    bypassed = {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {"calls_routed": 5,
+                                                                                 "calls_seen": 6}}}
+    passed, why = module.judge_case(case(module), bypassed, passing_outputs(module))
+    assert not passed and "bypassed" in why
+
+
+def test_prefix_caching_without_a_cache_hit_fails():
+    module = load_script()
+    assert not module.judge_case(case(module), PASSING_REPORT, passing_outputs(module, hit=0))[0]
+    assert module.judge_case(case(module, prefix_caching=False), PASSING_REPORT, passing_outputs(module, hit=0))[0]
+
+
+def test_a_small_cache_without_a_preemption_fails():
+    module = load_script()
+    small = case(module, kv_blocks=7)
+    assert not module.judge_case(small, PASSING_REPORT, passing_outputs(module, preemptions=0))[0]
+    assert not module.judge_case(small, PASSING_REPORT, passing_outputs(module, preemptions=None))[0]
+    assert module.judge_case(small, PASSING_REPORT, passing_outputs(module, preemptions=1))[0]
+    assert module.judge_case(case(module), PASSING_REPORT, passing_outputs(module, preemptions=0))[0]
+
+
+def test_a_case_on_a_runner_its_model_cannot_use_is_refused():
+    module = load_script()
+    assert "v2" not in module.MODELS["kimi_k3"].runners
+    module.CASES = (*module.CASES, case(module, name="kimi-v2", model="kimi_k3", runner="v2"))
+    with pytest.raises(ValueError, match="kimi_k3 runs on"):
+        module.validate_cases(["kimi-v2"])
+    with pytest.raises(ValueError, match="unknown case"):
+        module.validate_cases(["no-such-case"])
+
+
+def test_the_preempting_cases_cap_the_model_length_their_small_cache_must_hold(tmp_path):
+    module = load_script()
+    prompts = tmp_path / "p.jsonl"
+    records = module.write_prompts(prompts)
+    longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in records)
+    params = module.engine_params(case(module, kv_blocks=7), tmp_path, prompts)
+    assert params["num_gpu_blocks_override"] == 7 and longest <= params["max_model_len"]
+    assert "num_gpu_blocks_override" not in module.engine_params(case(module), tmp_path, prompts)
+
+
+# ---------------------------------------------------------------- prompts, weights, mutant
+
+
+def test_round_two_continues_a_chunked_round_one_prompt(tmp_path):
+    module = load_script()
+    records = module.write_prompts(tmp_path / "p.jsonl")
+    by_name = {r["name"]: r for r in records}
+    continued, source = by_name[module.CONTINUATION], by_name["r1-long-1100"]
+    assert continued["round"] == 2 and continued["prompt_token_ids"][:1100] == source["prompt_token_ids"]
+    assert all(0 <= t < module.VOCAB for r in records for t in r["prompt_token_ids"])
+    assert any(len(r["prompt_token_ids"]) > 256 for r in records if r.get("round", 1) == 1)  # chunked prefill
+    lines = (tmp_path / "p.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == records
+
+
+def test_seeded_weights_depend_on_the_name_not_the_order_and_have_a_realistic_scale():
+    module = load_script()
+    first = module.seeded_values("model.layers.0.mlp.down_proj.weight", (256, 512), 7)
+    again = module.seeded_values("model.layers.0.mlp.down_proj.weight", (256, 512), 7)
+    other = module.seeded_values("model.layers.1.mlp.down_proj.weight", (256, 512), 7)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert 0.018 < float(first.std()) < 0.022
+    assert torch.equal(module.seeded_values("model.norm.weight", (8,), 7), torch.ones(8))
+    assert torch.equal(module.seeded_values("model.layers.0.linear_attn.dt_bias", (12,), 7), torch.ones(12))
+    decay = module.seeded_values("model.layers.0.linear_attn.A_log", (12,), 7)
+    assert float(decay.min()) >= 0.0 and float(decay.max()) <= float(torch.log(torch.tensor(16.0))) + 1e-6
+
+
+def test_reinit_overwrites_every_parameter_in_place():
+    module = load_script()
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(64, 32), "norm": torch.nn.LayerNorm(32)})
+    pointers = [p.data_ptr() for p in model.parameters()]
+    assert module.reinit_weights(model, 3) == 4
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    assert torch.equal(model["proj"].weight, module.seeded_values("proj.weight", (32, 64), 3))
+    assert torch.equal(model["proj"].bias, torch.zeros(32)) and torch.equal(model["norm"].bias, torch.zeros(32))
+    assert torch.equal(model["norm"].weight, torch.ones(32))
+
+
+def test_the_mutant_halves_what_the_plan_is_given_to_scatter():
+    module = load_script()
+    seen = {}
+
+    def scatter(state, packed, indices, layer=None):
+        seen.update(packed=packed, indices=indices, layer=layer)
+
+    packed = torch.randn(3, 2, 4, 4)
+    module._halve_before_scatter(scatter, None, ("state", packed, "idx"), {"layer": "L"})
+    assert torch.equal(seen["packed"], packed * 0.5) and seen["indices"] == "idx" and seen["layer"] == "L"
+
+
+def test_an_unknown_mutant_is_refused_by_name(monkeypatch):
+    module = load_script()
+    monkeypatch.setenv(module.MUTANT_ENV, "no-such-mutant")
+    monkeypatch.delenv(module.SEEDED_WEIGHTS_ENV, raising=False)
+    try:
+        with pytest.raises(ValueError, match="no-such-mutant"):
+            module.install_engine_stand_ins()
+    finally:
+        module.RECORDER.uninstall()

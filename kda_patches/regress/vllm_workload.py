@@ -27,6 +27,8 @@ import difflib
 import hashlib
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,7 +322,11 @@ def run_vllm_prompts(model: str, prompts: str, max_tokens: int = DEFAULT_MAX_TOK
     from vllm import LLM, SamplingParams
 
     count = logprob_count(logprobs)
+    started = time.perf_counter()
     llm = LLM(model=model, **engine_args)
+    # the engine's start-up time (plans prepared included), for the log only: outputs are compared, times are not
+    print(f"kda-patches regress: engine started in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+          flush=True)
     sampling = [SamplingParams(temperature=0.0, max_tokens=item.max_tokens or max_tokens, ignore_eos=ignore_eos,
                                logprobs=count) for item in items]
     outputs: list[Any] = [None] * len(items)

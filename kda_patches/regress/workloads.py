@@ -167,10 +167,37 @@ def generate_together(llm: Any, prompts: list[list[int]], sampling: Any, tag: st
     return [finished[request_id] for request_id in ids]
 
 
-def shutdown_engine(llm: Any, timeout_s: float = 30.0) -> None:
-    """Stop vLLM's engine-core process and wait for it, so its ledger is flushed at exit."""
-    import gc
+def write_worker_ledger(worker: Any = None) -> str | None:
+    """``collective_rpc`` body: write this process's ledger now (``worker`` is vLLM's worker, unused)."""
+    from kda_patches.ledger import get_ledger
 
+    return get_ledger().flush(force=True)
+
+
+def flush_engine_ledgers(llm: Any) -> list[Any]:
+    """Have every worker process of ``llm`` write its ledger now, before the engine is stopped.
+
+    A ledger is written at most once a second while counting and once more at exit; vLLM's GPU engine-core
+    and worker processes can be ended by a signal before their exit handlers run, which loses the counters of
+    the last second -- on a small workload, every routed call. Returns the ledger paths written per worker.
+    """
+    return llm.collective_rpc(write_worker_ledger)
+
+
+def shutdown_engine(llm: Any, timeout_s: float = 30.0) -> None:
+    """Write every worker's ledger, stop vLLM's engine-core process and wait for it.
+
+    A failure to write the ledgers is printed (the A/B then judges whatever ledgers were written), and the
+    engine is stopped regardless.
+    """
+    import gc
+    import sys
+
+    try:
+        flush_engine_ledgers(llm)
+    except Exception as error:  # a dead engine cannot answer; the original failure is the one that matters
+        print(f"kda-patches regress: could not have the workers write their ledgers before shutdown: "
+              f"{type(error).__name__}: {error}", file=sys.stderr)
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     shutdown = getattr(engine_core, "shutdown", None)
     if shutdown is not None:

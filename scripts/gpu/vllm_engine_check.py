@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 import time
@@ -121,10 +122,14 @@ CASES = (
     Case("qwen3_5-v2-prefix-eager-NEGATIVE", "qwen3_5", "v2", True, True, mutant="scatter-halved"),
     Case("qwen3_5-v1-noprefix-compiled", "qwen3_5", "v1", False, False),
     Case("qwen3_5-v2-prefix-compiled", "qwen3_5", "v2", True, False),
-    Case("qwen3_5-v1-prefix-eager-preempt", "qwen3_5", "v1", True, True, kv_blocks=12),
+    Case("qwen3_5-v1-noprefix-eager-preempt7", "qwen3_5", "v1", False, True, kv_blocks=7),
+    Case("qwen3_5-v2-noprefix-eager-preempt10", "qwen3_5", "v2", False, True, kv_blocks=10),
     Case("kimi_k3-v1-prefix-eager", "kimi_k3", "v1", True, True),
+    Case("kimi_k3-v1-prefix-eager-NEGATIVE", "kimi_k3", "v1", True, True, mutant="scatter-halved"),
     Case("kimi_linear-v1-noprefix-eager", "kimi_linear", "v1", False, True),
+    Case("kimi_linear-v2-prefix-compiled", "kimi_linear", "v2", True, False),
 )
+PREEMPT_MAX_MODEL_LEN = 1408  # the longest request is 1266 tokens; a small cache must still hold one request
 MUTANTS = {"scatter-halved": "every final state the plan scatters is halved first (a wrong store): the cache "
                              "then holds states the unpatched engine never wrote"}
 OP_LOOKUP_ONLY = {
@@ -247,10 +252,10 @@ def seeded_values(name: str, shape: tuple[int, ...], seed: int) -> Any:
         return torch.ones(shape)
     if len(shape) >= 2:
         return torch.randn(shape, generator=generator) * 0.02
-    if "norm" in name:
-        return torch.ones(shape)
     if leaf == "bias":
         return torch.zeros(shape)
+    if "norm" in name:
+        return torch.ones(shape)
     return torch.randn(shape, generator=generator) * 0.02
 
 
@@ -352,7 +357,7 @@ def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) ->
         "additional_config": {"gdn_prefill_backend": "triton", "kda_prefill_backend": "triton",
                               "kda_decode_backend": "triton"}}
     if case.kv_blocks:
-        params["num_gpu_blocks_override"] = case.kv_blocks
+        params.update(num_gpu_blocks_override=case.kv_blocks, max_model_len=PREEMPT_MAX_MODEL_LEN)
     return params
 
 
@@ -365,7 +370,10 @@ def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, st
     env.update(gpu_harness.compile_cache_env())
     env.update({SEEDED_WEIGHTS_ENV: str(WEIGHT_SEED), "VLLM_USE_V2_MODEL_RUNNER": RUNNERS[case.runner],
                 "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+                # Kimi K3's fused GEMM + all-reduce/reduce-scatter imports the CuTe DSL (nvidia-cutlass-dsl), which is
+                # not carried; with one rank there is nothing to reduce
+                "VLLM_KIMI_K3_GEMM_AR": "0", "VLLM_ENABLE_GEMM_RS": "0"})
     if case.mutant:
         env[MUTANT_ENV] = case.mutant
     return env
@@ -410,23 +418,33 @@ def routed_and_seen(counters: dict[str, Any], patch: str) -> tuple[int, int]:
     return int(own.get("calls_routed", 0)), int(own.get("calls_seen", 0))
 
 
-def judge_case(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
-    """Return (passed, why) for one case's regress report.
+def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> tuple[bool, str]:
+    """Return (passed, why) for one case's regress report and the facts of its kept outputs.
 
-    A case passes when its verdict is the expected one (``equal``; ``different`` for a negative control), and -- on
-    an equal case -- the patched run routed every seam call it saw, at least one (``calls_routed == calls_seen >
-    0`` for the model's patch). A negative control must also have routed calls: a mutant that never ran proves
-    nothing.
+    A case passes when its verdict is the expected one (``equal``; ``different`` for a negative control); the
+    patched run routed every seam call it saw, at least one (``calls_routed == calls_seen > 0`` for the model's
+    patch; a negative control must have routed calls too: a mutant that never ran proves nothing); with prefix
+    caching on, the continuation of round two was served from the cache (``cached_prompt_tokens > 0``); and a case
+    with a small cache (``kv_blocks``) preempted at least once. A scenario the case claims but did not produce is a
+    failure, never a pass.
     """
     verdict = report.get("verdict", "error")
-    routed, seen = routed_and_seen(report.get("patched_counter_totals") or {}, MODELS[case.model].patch)
+    patch = MODELS[case.model].patch
+    routed, seen = routed_and_seen(report.get("patched_counter_totals") or {}, patch)
     if verdict != case.expected:
         return False, f"verdict {verdict}, expected {case.expected}"
     if seen == 0 or routed == 0:
-        return False, f"{MODELS[case.model].patch} routed {routed} of {seen} seen: the state copy never ran"
+        return False, f"{patch} routed {routed} of {seen} seen: the state copy never ran"
     if not case.mutant and routed != seen:
-        return False, f"{MODELS[case.model].patch} routed {routed} of {seen} seen (a bypassed call)"
-    return True, f"{verdict}; {MODELS[case.model].patch} routed {routed} == seen {seen}"
+        return False, f"{patch} routed {routed} of {seen} seen (a bypassed call)"
+    patched = outputs.get("patched", {})
+    hit = patched.get("cached_prompt_tokens", {}).get(CONTINUATION)
+    if case.prefix_caching and not hit:
+        return False, f"prefix caching on, but {CONTINUATION} found {hit} cached prompt tokens: no prefix-cache hit"
+    preemptions = (patched.get("engine_stats") or {}).get("preemptions")
+    if case.kv_blocks and not preemptions:
+        return False, f"{case.kv_blocks} KV blocks, but the engine reported {preemptions} preemptions"
+    return True, f"{verdict}; {patch} routed {routed} == seen {seen}"
 
 
 def summarize_outputs(work: pathlib.Path) -> dict[str, Any]:
@@ -463,15 +481,27 @@ def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path],
     except subprocess.TimeoutExpired:
         record["report"] = {"verdict": "error", "errors": [f"regress ran past {timeout_s:.0f} s"]}
     record["wall_s"] = round(time.perf_counter() - started, 1)
-    record["passed"], record["why"] = judge_case(case, record["report"])
     record["outputs"] = summarize_outputs(work)
-    logs = {}
+    record["passed"], record["why"] = judge_case(case, record["report"], record["outputs"])
+    logs, startup = {}, {}
     for side in ("baseline", "baseline2", "patched"):
         log = work / side / "run.log"
         if log.is_file():
-            logs[side] = log.read_text(errors="replace")[-5000:]
-    record["log_tails"] = logs
+            text = log.read_text(errors="replace")
+            logs[side] = text[-5000:]
+            startup[side] = read_startup_s(text)
+    record["log_tails"], record["engine_startup_s"] = logs, startup
     return record
+
+
+def read_startup_s(log_text: str) -> float | None:
+    """Return the engine start-up time the vllm workload printed in a run's log, or None."""
+    found = STARTUP_LINE.findall(log_text)
+    return float(found[-1]) if found else None
+
+
+STARTUP_LINE = re.compile(r"kda-patches regress: engine started in ([0-9.]+) s")
+CONTINUATION = "r2-continues-r1-long"
 
 
 def engine_line(record: dict[str, Any]) -> str:
@@ -481,12 +511,76 @@ def engine_line(record: dict[str, Any]) -> str:
     walls = "/".join(f"{(runs.get(side) or {}).get('wall_s') or 0:.0f}" for side in ("baseline", "baseline2",
                                                                                     "patched"))
     patched = record["outputs"].get("patched", {})
-    hit = patched.get("cached_prompt_tokens", {}).get("r2-continues-r1-long")
+    hit = patched.get("cached_prompt_tokens", {}).get(CONTINUATION)
     stats = patched.get("engine_stats") or {}
     errors = "; ".join(report.get("errors", []))[:400]
+    startup = "/".join(str(record.get("engine_startup_s", {}).get(side)) for side in ("baseline", "baseline2",
+                                                                                       "patched"))
     return (f"ENGINE {case['name']}: {'PASS' if record['passed'] else 'FAIL'} ({record['why']}); prefix hit "
-            f"{hit} tokens; preemptions {stats.get('preemptions')}; wall s base/base2/patched {walls}"
-            + (f"; errors: {errors}" if errors else ""))
+            f"{hit} tokens; preemptions {stats.get('preemptions')}; wall s base/base2/patched {walls}; engine "
+            f"start-up s {startup}" + (f"; errors: {errors}" if errors else ""))
+
+
+BENCH_VOCAB = 10240  # vLLM's random dataset draws ids from the tokenizer's vocabulary
+THROUGHPUT_SHAPES = {
+    "short": (("--input-len", "64", "--output-len", "32", "--num-prompts", "2048", "--max-num-seqs", "256"),
+              "many short prompts: 2048 requests of 64 prompt + 32 output tokens, 256 at a time"),
+    "long": (("--input-len", "2048", "--output-len", "64", "--num-prompts", "256", "--max-num-seqs", "128"),
+             "state copies a real share of the step: 256 requests of 2048 prompt + 64 output tokens, 128 at a time, "
+             "GDN heads of Qwen3.6-27B at TP4 (12 value x 128 x 128)"),
+}
+
+
+def write_bench_model(root: pathlib.Path) -> pathlib.Path:
+    """Write the throughput model: :data:`MODELS` ``qwen3_5`` with a word-level tokenizer (``vllm bench`` needs one).
+
+    The vocabulary grows to :data:`BENCH_VOCAB`; the layers are the A/B model's.
+    """
+    from kda_patches.regress.tiny_model import build_tiny_tokenizer
+
+    path = root / "qwen3_5_bench"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(MODELS["qwen3_5"].config, vocab_size=BENCH_VOCAB)))
+    build_tiny_tokenizer(str(path), BENCH_VOCAB)
+    return path
+
+
+def throughput_argv(shape: str, model_dir: pathlib.Path, rounds: int, out: pathlib.Path) -> list[str]:
+    """``kda-patches bench serve-ab`` over vLLM's ``bench throughput`` for one of :data:`THROUGHPUT_SHAPES`.
+
+    vLLM's defaults otherwise (torch.compile and CUDA graphs on, prefix caching on), dummy weights (the output
+    length is fixed: the random dataset ignores EOS), the attention and GDN backends the carried code has.
+    """
+    return [sys.executable, "-m", "kda_patches", "bench", "serve-ab", "--rounds", str(rounds), "--out", str(out),
+            "--timeout", "300", "--", "throughput", "--model", str(model_dir), "--load-format", "dummy",
+            "--dataset-name", "random", *THROUGHPUT_SHAPES[shape][0], "--max-model-len", "4096", "--seed", "0",
+            "--gpu-memory-utilization", "0.6", "--attention-backend", "TRITON_ATTN", "--additional-config",
+            json.dumps({"gdn_prefill_backend": "triton"})]
+
+
+def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook: pathlib.Path,
+                   site: pathlib.Path, rounds: int) -> dict[str, Any]:
+    """Run one throughput shape's serve-ab; return its summary (ratios per metric) and exit status."""
+    target = out / f"throughput-{shape}"
+    env = case_env(Case(f"throughput-{shape}", "qwen3_5", "v2", True, False), hook, site)
+    env.pop(SEEDED_WEIGHTS_ENV)  # throughput needs no particular weights
+    done = subprocess.run(throughput_argv(shape, model_dir, rounds, target), env=env, capture_output=True, text=True,
+                          cwd=ROOT)
+    result_file = target / "serve_ab.json"
+    document = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": done.returncode,
+            "metrics": {name: {key: entry[key] for key in ("min", "median", "max", "ratios")}
+                        for name, entry in (document.get("metrics") or {}).items()},
+            "problems": document.get("problems"), "output_tail": (done.stdout + done.stderr)[-3000:]}
+
+
+def throughput_line(result: dict[str, Any]) -> str:
+    """One ``THROUGHPUT`` line: patched/baseline tokens/s and requests/s, min/median/max."""
+    parts = [f"{name} {entry['min']:.3f}/{entry['median']:.3f}/{entry['max']:.3f}"
+             for name, entry in result["metrics"].items() if name in ("tokens_per_second", "requests_per_second",
+                                                                     "output_tokens_per_second")]
+    return (f"THROUGHPUT {result['shape']}: exit {result['exit_code']}; patched/baseline min/median/max "
+            + ("; ".join(parts) or "none") + (f"; problems {result['problems']}" if result["problems"] else ""))
 
 
 def run_parent(args: argparse.Namespace) -> int:
@@ -504,6 +598,8 @@ def run_parent(args: argparse.Namespace) -> int:
         report["stood_in"] = gpu_harness.stood_in_record(library=False)
         report["plan"] = {c.name: regress_argv(c, engine_params(c, model_dirs[c.model], prompts),
                                                pathlib.Path("WORK")) for c in cases}
+        report["throughput_plan"] = {shape: throughput_argv(shape, out / "models" / "qwen3_5_bench", args.rounds,
+                                                            out / f"throughput-{shape}") for shape in THROUGHPUT_SHAPES}
         (out / "vllm_engine.json").write_text(json.dumps(report, indent=1))
         print(f"DRYRUN {len(cases)} cases, models {sorted(model_dirs)}; no engine started")
         return 0
@@ -525,6 +621,16 @@ def run_parent(args: argparse.Namespace) -> int:
     report["staged"] = staged and {key: staged[key] for key in ("have", "missing")}
     hook = gpu_harness.write_stand_in_hook(site.with_name(site.name + "-engine-hook"), "vllm_engine_check",
                                            "install_engine_stand_ins")
+    if args.throughput:
+        bench_model = write_bench_model(out / "models")
+        report["throughput"] = []
+        for shape in args.throughput:
+            result = run_throughput(shape, out, bench_model, hook, site, args.rounds)
+            report["throughput"].append(result)
+            print(throughput_line(result), flush=True)
+            (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))
+        if not args.cases:
+            return 0 if all(result["exit_code"] == 0 for result in report["throughput"]) else 1
     print(f"compiled library: {report['compiled_library']}; {len(cases)} cases, {args.parallel} at a time",
           flush=True)
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
@@ -545,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--carried", help="a run folder of vllm_bundle.py carry to stage first")
     parser.add_argument("--parallel", type=int, default=4, help="cases at a time (each its own engines)")
     parser.add_argument("--case-timeout-s", type=float, default=500)
+    parser.add_argument("--throughput", nargs="+", choices=sorted(THROUGHPUT_SHAPES),
+                        help="run serve-ab for these shapes first (alone on the GPU); no case unless --cases")
+    parser.add_argument("--rounds", type=int, default=5, help="serve-ab rounds per throughput shape")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     try:

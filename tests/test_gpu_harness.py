@@ -1,0 +1,148 @@
+"""``scripts/gpu/gpu_harness.py`` on the CPU (issue 26): carrying artifacts in pieces over consecutive device calls,
+joining them with every checksum checked, the compiled library's install, and which stand-ins apply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import lzma
+import os
+import pathlib
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "gpu_harness.py"
+
+
+def load_harness():
+    spec = importlib.util.spec_from_file_location("gpu_harness_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = load_harness()
+
+
+def artifacts(tmp_path: pathlib.Path, sizes: dict[str, int]) -> dict[str, pathlib.Path]:
+    files = {}
+    for name, size in sizes.items():
+        path = tmp_path / "source" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(size))
+        files[name] = path
+    return files
+
+
+def test_pieces_fill_each_call_in_order_and_use_the_fewest_calls():
+    pieces = harness.plan_carry({"library.xz": 250, "bundle.zip": 120}, capacity=100)
+    assert [(p.artifact, p.offset, p.size, p.run) for p in pieces] == [
+        ("library.xz", 0, 100, 1), ("library.xz", 100, 100, 2), ("library.xz", 200, 50, 3),
+        ("bundle.zip", 0, 50, 3), ("bundle.zip", 50, 70, 4)]
+    assert max(p.run for p in pieces) == -(-370 // 100)
+
+
+def test_a_call_with_no_room_beside_the_tree_is_refused():
+    with pytest.raises(harness.CarryError, match="working tree"):
+        harness.plan_carry({"library.xz": 10}, capacity=0)
+
+
+def test_artifacts_join_only_when_every_piece_arrived_and_match_the_whole(tmp_path):
+    files = artifacts(tmp_path, {"library.xz": 3000, "bundle.zip": 1500})
+    harness.write_carry(files, tmp_path / "carry", capacity=2000)
+    stage = tmp_path / "stage"
+    first = harness.stage_pieces(tmp_path / "carry" / "run1", stage)
+    assert first["joined"] == {} and first["missing"]
+    harness.stage_pieces(tmp_path / "carry" / "run2", stage)
+    last = harness.stage_pieces(tmp_path / "carry" / "run3", stage)
+    assert last["missing"] == [] and set(last["joined"]) == set(files)
+    for name, path in files.items():
+        assert pathlib.Path(last["joined"][name]).read_bytes() == path.read_bytes()
+
+
+def test_a_damaged_piece_is_refused_and_nothing_is_joined(tmp_path):
+    files = artifacts(tmp_path, {"library.xz": 500})
+    harness.write_carry(files, tmp_path / "carry", capacity=300)
+    piece = next((tmp_path / "carry" / "run2").glob("*.piece*"))
+    data = bytearray(piece.read_bytes())
+    data[0] ^= 0xFF
+    piece.write_bytes(bytes(data))
+    harness.stage_pieces(tmp_path / "carry" / "run1", tmp_path / "stage")
+    with pytest.raises(harness.CarryError, match="damaged"):
+        harness.stage_pieces(tmp_path / "carry" / "run2", tmp_path / "stage")
+    assert not (tmp_path / "stage" / "library.xz").exists()
+
+
+def test_a_joined_artifact_whose_whole_differs_from_the_manifest_is_refused(tmp_path):
+    files = artifacts(tmp_path, {"library.xz": 500})
+    harness.write_carry(files, tmp_path / "carry", capacity=1000)
+    manifest_path = tmp_path / "carry" / "run1" / harness.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest["artifacts"]["library.xz"]["sha256"] = "0" * 64  # pieces intact, the whole's record wrong
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(harness.CarryError, match="joined pieces"):
+        harness.stage_pieces(tmp_path / "carry" / "run1", tmp_path / "stage")
+    assert not (tmp_path / "stage" / "library.xz").exists()
+
+
+def test_pieces_of_another_carry_plan_are_cleared_before_staging(tmp_path):
+    stage = tmp_path / "stage"
+    old = artifacts(tmp_path / "old", {"library.xz": 400})
+    harness.write_carry(old, tmp_path / "old-carry", capacity=300)
+    harness.stage_pieces(tmp_path / "old-carry" / "run1", stage)  # one old piece left waiting
+    new = artifacts(tmp_path / "new", {"library.xz": 400})
+    harness.write_carry(new, tmp_path / "new-carry", capacity=300)
+    harness.stage_pieces(tmp_path / "new-carry" / "run2", stage)
+    state = harness.stage_pieces(tmp_path / "new-carry" / "run1", stage)
+    assert pathlib.Path(state["joined"]["library.xz"]).read_bytes() == new["library.xz"].read_bytes()
+
+
+def test_a_run_folder_without_manifest_is_refused_with_the_fix(tmp_path):
+    (tmp_path / "run1").mkdir()
+    with pytest.raises(harness.CarryError, match=r"vllm_bundle\.py carry"):
+        harness.stage_pieces(tmp_path / "run1", tmp_path / "stage")
+
+
+def test_the_library_installs_only_with_the_wheels_checksum(tmp_path):
+    library = os.urandom(4096)
+    compressed = tmp_path / "lib.so.xz"
+    compressed.write_bytes(lzma.compress(library))
+    site = tmp_path / "site"
+    with pytest.raises(harness.CarryError, match="sha256"):
+        harness.install_library(compressed, "0" * 64, site)
+    assert not harness.library_present(site) and not list((site / "vllm").iterdir())
+    path = harness.install_library(compressed, hashlib.sha256(library).hexdigest(), site)
+    assert path.read_bytes() == library and harness.library_present(site)
+
+
+def fake_vllm(tmp_path: pathlib.Path, with_library: bool, monkeypatch) -> None:
+    package = tmp_path / "vllm"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    if with_library:
+        (package / harness.LIBRARY_FILE).write_bytes(b"\x7fELF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    import vllm  # noqa: F401  (the fake package)
+
+
+@pytest.mark.parametrize("with_library", [True, False])
+def test_the_library_import_is_stood_in_only_when_its_file_is_absent(tmp_path, monkeypatch, with_library):
+    fake_vllm(tmp_path, with_library, monkeypatch)
+    spec = harness.StandInFinder().find_spec("vllm._C_stable_libtorch")
+    assert (spec is None) == with_library
+    record = harness.stood_in_record(with_library)
+    assert ("vllm._C_stable_libtorch" in record) != with_library
+    assert any("cutlass" in name for name in record) != with_library
+    assert "vllm.vllm_flash_attn" in record
+
+
+def test_the_compile_caches_share_one_root(tmp_path):
+    env = harness.compile_cache_env(tmp_path)
+    assert set(env) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"}
+    assert all(value.startswith(str(tmp_path)) for value in env.values())
+    assert len(set(env.values())) == 3
