@@ -169,6 +169,7 @@ def test_the_preempting_cases_cap_the_model_length_their_small_cache_must_hold(t
     module = load_script()
     prompts = tmp_path / "p.jsonl"
     records = module.write_prompts(prompts)
+    records += module.write_prompts(tmp_path / "q.jsonl", preempt=True)
     longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in records)
     params = module.engine_params(case(module, kv_blocks=7), tmp_path, prompts)
     assert params["num_gpu_blocks_override"] == 7 and longest <= params["max_model_len"]
@@ -235,3 +236,10 @@ def test_an_unknown_mutant_is_refused_by_name(monkeypatch):
             module.install_engine_stand_ins()
     finally:
         module.RECORDER.uninstall()
+
+
+def test_the_preempting_prompts_each_decode_past_any_block_their_prompt_was_admitted_with(tmp_path):
+    module = load_script()
+    records = module.write_prompts(tmp_path / "p.jsonl", preempt=True)
+    assert len(records) == 8 and all(r["max_tokens"] > 2 * len(r["prompt_token_ids"]) for r in records)
+    assert all(r.get("round", 1) == 1 for r in records)

@@ -11,6 +11,10 @@ every percentile; TTFT/TPOT/ITL keys are taken wherever the bench's JSON has the
 ``DIR/serve_ab.json`` (raw per-round results included) and ``DIR/serve_ab.png``.
 
 Without ``--model`` the tiny random-weight model of :mod:`kda_patches.regress.tiny_model` is used.
+``--entry module`` runs vLLM's benchmark module itself (``vllm.benchmarks.throughput|latency``: its own
+``add_cli_args`` and ``main``, which is all ``vllm bench KIND`` dispatches to) instead of vLLM's CLI, for an
+install whose CLI cannot start: the CLI imports every subcommand first, the API server's packages (uvicorn,
+watchfiles, ...) among them, which an offline benchmark never uses. The entry is recorded in the result.
 On a CPU build of vLLM the numbers are a demonstration of the method, never a performance claim.
 """
 
@@ -29,6 +33,7 @@ from typing import Any
 
 FORMAT = 1
 KINDS = ("throughput", "latency")
+ENTRIES = ("cli", "module")
 DEMO_NOTE = "DEMONSTRATION of the method only, NOT a performance claim"
 _OUTPUT_TOKENS = re.compile(r"Total num output tokens:\s+(\d+)")
 _TIMING_KEYS = ("ttft", "tpot", "itl", "e2el")
@@ -47,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the per-round order shuffle")
     parser.add_argument("--timeout", type=float, default=3600.0, help="wall-clock limit per bench run in seconds")
     parser.add_argument("--cache-dir", help="where the tiny model is built when --model is not given")
+    parser.add_argument("--entry", choices=ENTRIES, default="cli",
+                        help="cli: vLLM's `vllm bench` CLI (default); module: vLLM's benchmark module directly, for "
+                             "an install without the API server's packages the CLI imports")
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then `throughput|latency` and its arguments")
     return parser
 
@@ -135,8 +143,9 @@ def summarize_rounds(raw: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
-def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: float) -> dict[str, Any]:
-    """Run ``vllm bench`` once in a fresh process group and return its record.
+def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: float,
+                   entry: str = "cli") -> dict[str, Any]:
+    """Run ``vllm bench`` once in a fresh process group (through ``entry``, see :data:`ENTRIES`); return its record.
 
     Returns:
         ``{"label", "returncode", "wall_s", "result", "metrics", "ledgers", "log", "error"}``.
@@ -149,7 +158,7 @@ def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: flo
     status_dir, out_json, log_path = (os.path.join(run_dir, name) for name in ("status", "result.json", "run.log"))
     env = {key: value for key, value in os.environ.items() if key not in ("KDA_PATCHES", "KDA_PATCHES_STATUS_DIR")}
     env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STATUS_DIR=status_dir, PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "kda_patches.bench.serve_ab", "--exec-vllm-cli", "bench", *bench,
+    command = [sys.executable, "-m", "kda_patches.bench.serve_ab", f"--exec-vllm-{entry}", "bench", *bench,
                "--output-json", out_json]
     record: dict[str, Any] = {"label": label, "command": command, "log": log_path, "error": None}
     started = time.perf_counter()
@@ -228,7 +237,7 @@ def plot_ratios(summary: dict[str, dict[str, Any]], path: str, title: str) -> No
 
 
 def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, timeout_s: float = 3600.0,
-                 cache_dir: str | None = None) -> int:
+                 cache_dir: str | None = None, entry: str = "cli") -> int:
     """Run the A/B, print the ratio table, write ``serve_ab.json`` and ``serve_ab.png``.
 
     Returns:
@@ -252,18 +261,36 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
         print(f"kda-patches bench serve-ab: {note}")
     print(f"kda-patches bench serve-ab: vllm bench {' '.join(bench)}; {rounds} round(s), results in {out_dir}")
     order_rng, raw, problems = random.Random(seed), [], []
+    from kda_patches.regress.baseline import describe_environment
+
+    environment = describe_environment()
+    json_path, png_path = os.path.join(out_dir, "serve_ab.json"), os.path.join(out_dir, "serve_ab.png")
+
+    def write_document(complete: bool) -> dict[str, Any]:
+        # after every round: a run stopped for time still leaves the rounds it finished
+        failed_now = any(run["error"] for record in raw for run in record["runs"].values())
+        document = {"format": FORMAT, "kind": bench[0], "bench_args": bench, "entry": entry, "rounds": rounds,
+                    "rounds_done": len(raw), "complete": complete, "seed": seed, "demonstration_only": demo,
+                    "note": note, "tiny_model": tiny, "environment": environment,
+                    "metrics": {} if failed_now else summarize_rounds(raw), "problems": problems, "raw": raw}
+        partial = json_path + ".partial"
+        with open(partial, "w") as handle:
+            json.dump(document, handle, indent=1, sort_keys=True)
+        os.replace(partial, json_path)
+        return document
+
     for round_index in range(rounds):
         order = ["baseline", "patched"]
         order_rng.shuffle(order)
         runs = {}
         for label in order:
             run = run_bench_once(bench, label == "patched", os.path.join(out_dir, f"round{round_index}-{label}"),
-                                 timeout_s)
+                                 timeout_s, entry)
             patched_processes = sum(any(p["state"] == "applied" for p in entry["patches"].values())
                                     for entry in run["ledgers"])
             print(f"  round {round_index} {label:<8} wall {run['wall_s']:.1f} s  {len(run['ledgers'])} ledger(s), "
                   f"{patched_processes} with patches applied  "
-                  + (run["error"] or " ".join(f"{k}={v:.4g}" for k, v in run["metrics"].items())))
+                  + (run["error"] or " ".join(f"{k}={v:.4g}" for k, v in run["metrics"].items())), flush=True)
             runs[label] = run
             if run["error"]:
                 problems.append(f"round {round_index} {label}: {run['error']}\n{run.get('log_tail', '')}")
@@ -274,16 +301,10 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
         raw.append({"round": round_index, "order": order, "runs": runs})
         if any(run["error"] for run in runs.values()):
             break
+        if round_index + 1 < rounds:
+            write_document(complete=False)
     failed = any(run["error"] for record in raw for run in record["runs"].values())
-    summary = {} if failed else summarize_rounds(raw)
-    from kda_patches.regress.baseline import describe_environment
-
-    document = {"format": FORMAT, "kind": bench[0], "bench_args": bench, "rounds": rounds, "seed": seed,
-                "demonstration_only": demo, "note": note, "tiny_model": tiny,
-                "environment": describe_environment(), "metrics": summary, "problems": problems, "raw": raw}
-    json_path, png_path = os.path.join(out_dir, "serve_ab.json"), os.path.join(out_dir, "serve_ab.png")
-    with open(json_path, "w") as handle:
-        json.dump(document, handle, indent=1, sort_keys=True)
+    summary = write_document(complete=True)["metrics"]
     if summary:
         title = f"vllm bench {bench[0]}: patched/baseline, {rounds} round(s)" + (f"\n{DEMO_NOTE}" if demo else "")
         plot_ratios(summary, png_path, title)
@@ -304,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 1")
     out_dir = os.path.abspath(args.out or time.strftime("serve-ab-%Y%m%d-%H%M%S"))
     try:
-        return run_serve_ab(args.bench, args.rounds, out_dir, args.seed, args.timeout, args.cache_dir)
+        return run_serve_ab(args.bench, args.rounds, out_dir, args.seed, args.timeout, args.cache_dir, args.entry)
     except ValueError as error:
         parser.error(str(error))
     return 2
@@ -343,8 +364,33 @@ def exec_vllm_cli(argv: list[str]) -> None:
     vllm_main()
 
 
+def exec_vllm_module(argv: list[str]) -> None:
+    """Run ``vllm bench KIND ARGS`` as vLLM's benchmark module ``vllm.benchmarks.KIND`` (``--entry module``).
+
+    The same steps as the CLI's subcommand: the ``spawn`` start method vLLM's CLI sets for its workers unless the
+    environment chose one, the module's own ``add_cli_args`` on vLLM's ``FlexibleArgumentParser``, then its
+    ``main``. Nothing of the API server is imported.
+
+    Args:
+        argv: ``["bench", KIND, ARGS...]``.
+    """
+    import importlib
+
+    if argv[:1] != ["bench"] or len(argv) < 2 or argv[1] not in KINDS:
+        raise SystemExit(f"--exec-vllm-module expects bench {'|'.join(KINDS)} ARGS..., got {' '.join(argv)}")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    module = importlib.import_module(f"vllm.benchmarks.{argv[1]}")
+    parser = FlexibleArgumentParser(prog=f"vllm bench {argv[1]}")
+    module.add_cli_args(parser)
+    module.main(parser.parse_args(argv[2:]))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--exec-vllm-cli"]:
         exec_vllm_cli(sys.argv[2:])
+    elif sys.argv[1:2] == ["--exec-vllm-module"]:
+        exec_vllm_module(sys.argv[2:])
     else:
         raise SystemExit(main())

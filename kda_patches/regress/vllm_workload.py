@@ -200,6 +200,12 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
     logprob_count(params.get("logprobs"))
     engine_args = {key: value for key, value in params.items() if key not in WORKLOAD_PARAMS}
     check_engine_args(engine_args, engine_arg_names())
+    from kda_patches.regress.worker_ledger import with_ledger_writer
+
+    try:
+        with_ledger_writer(engine_args)
+    except ValueError as error:
+        raise WorkloadInputError(str(error)) from None
     vocab = read_vocab_size(model)
     for item in prompts:
         ids = item.prompt.get("prompt_token_ids", [])
@@ -308,11 +314,13 @@ def run_vllm_prompts(model: str, prompts: str, max_tokens: int = DEFAULT_MAX_TOK
         cache_dir: the runner's cache dir (unused here; named so it never reaches ``vllm.LLM``).
         engine_args: passed to ``vllm.LLM`` (vLLM's own defaults otherwise); ``skip_tokenizer_init``
             defaults to True when the model has no tokenizer files (then only token-id prompts are
-            accepted); the effective arguments are part of the outputs.
+            accepted); the effective arguments are part of the outputs. ``worker_extension_cls`` is the A/B's
+            own (:mod:`~kda_patches.regress.worker_ledger`): every worker writes its ledger before the stop.
     Returns:
         ``{"model", "prompts", "engine", "engine_args", "engine_stats", "requests": [...]}``, requests in file
         order whatever their rounds.
     """
+    from kda_patches.regress.worker_ledger import with_ledger_writer
     from kda_patches.regress.workloads import generate_together, shutdown_engine
 
     items = read_prompts(prompts)
@@ -323,7 +331,7 @@ def run_vllm_prompts(model: str, prompts: str, max_tokens: int = DEFAULT_MAX_TOK
 
     count = logprob_count(logprobs)
     started = time.perf_counter()
-    llm = LLM(model=model, **engine_args)
+    llm = LLM(model=model, **with_ledger_writer(engine_args))
     # the engine's start-up time (plans prepared included), for the log only: outputs are compared, times are not
     print(f"kda-patches regress: engine started in {time.perf_counter() - started:.1f} s", file=sys.stderr,
           flush=True)

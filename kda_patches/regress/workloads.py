@@ -167,21 +167,15 @@ def generate_together(llm: Any, prompts: list[list[int]], sampling: Any, tag: st
     return [finished[request_id] for request_id in ids]
 
 
-def write_worker_ledger(worker: Any = None) -> str | None:
-    """``collective_rpc`` body: write this process's ledger now (``worker`` is vLLM's worker, unused)."""
-    from kda_patches.ledger import get_ledger
-
-    return get_ledger().flush(force=True)
-
-
 def flush_engine_ledgers(llm: Any) -> list[Any]:
     """Have every worker process of ``llm`` write its ledger now, before the engine is stopped.
 
-    A ledger is written at most once a second while counting and once more at exit; vLLM's GPU engine-core
-    and worker processes can be ended by a signal before their exit handlers run, which loses the counters of
-    the last second -- on a small workload, every routed call. Returns the ledger paths written per worker.
+    The engine must have been built with :func:`~kda_patches.regress.worker_ledger.with_ledger_writer`'s
+    engine arguments (see :mod:`kda_patches.regress.worker_ledger` for why). Returns the ledger paths written.
     """
-    return llm.collective_rpc(write_worker_ledger)
+    from kda_patches.regress.worker_ledger import METHOD
+
+    return llm.collective_rpc(METHOD)
 
 
 def shutdown_engine(llm: Any, timeout_s: float = 30.0) -> None:
@@ -226,9 +220,11 @@ def run_tiny_qwen3_next(cache_dir: str | None = None, max_tokens: int = 12,
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-              max_model_len=512, max_num_batched_tokens=96, max_num_seqs=8, enable_chunked_prefill=True,
-              enable_prefix_caching=prefix_caching, seed=0)
+    from kda_patches.regress.worker_ledger import with_ledger_writer
+
+    llm = LLM(model=model_dir, **with_ledger_writer(dict(
+        skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=512, max_num_batched_tokens=96,
+        max_num_seqs=8, enable_chunked_prefill=True, enable_prefix_caching=prefix_caching, seed=0)))
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     prompts, generator = make_prompts(vocab_size=TINY_QWEN3_NEXT_CONFIG["vocab_size"])
     vocab = TINY_QWEN3_NEXT_CONFIG["vocab_size"]

@@ -55,6 +55,8 @@ VOCAB = 1024
 TOP_LOGPROBS = 5
 SEEDED_WEIGHTS_ENV = "KDA_ENGINE_SEEDED_WEIGHTS"
 MUTANT_ENV = "KDA_ENGINE_MUTANT"
+CONTINUATION = "r2-continues-r1-long"  # the round-two request that continues a round-one prompt
+STARTUP_LINE = re.compile(r"kda-patches regress: engine started in ([0-9.]+) s")
 
 _QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 1024,
             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
@@ -67,8 +69,8 @@ _QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text
 
 def _kimi(full_rank_gate: bool) -> dict[str, Any]:
     """Kimi Linear config, every layer KDA (its full-attention layers are MLA, whose prefill needs FlashAttention)."""
-    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 1536,
-            "num_hidden_layers": 3, "num_attention_heads": 12, "intermediate_size": 2048, "vocab_size": VOCAB,
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 2048,
+            "num_hidden_layers": 3, "num_attention_heads": 16, "intermediate_size": 2048, "vocab_size": VOCAB,
             "torch_dtype": "bfloat16", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False,
             "linear_attn_config": {"head_dim": 128, "num_heads": 12, "short_conv_kernel_size": 4,
@@ -122,14 +124,14 @@ CASES = (
     Case("qwen3_5-v2-prefix-eager-NEGATIVE", "qwen3_5", "v2", True, True, mutant="scatter-halved"),
     Case("qwen3_5-v1-noprefix-compiled", "qwen3_5", "v1", False, False),
     Case("qwen3_5-v2-prefix-compiled", "qwen3_5", "v2", True, False),
-    Case("qwen3_5-v1-noprefix-eager-preempt7", "qwen3_5", "v1", False, True, kv_blocks=7),
-    Case("qwen3_5-v2-noprefix-eager-preempt10", "qwen3_5", "v2", False, True, kv_blocks=10),
+    Case("qwen3_5-v1-noprefix-eager-preempt", "qwen3_5", "v1", False, True, kv_blocks=8),
+    Case("qwen3_5-v2-noprefix-eager-preempt", "qwen3_5", "v2", False, True, kv_blocks=8),
     Case("kimi_k3-v1-prefix-eager", "kimi_k3", "v1", True, True),
     Case("kimi_k3-v1-prefix-eager-NEGATIVE", "kimi_k3", "v1", True, True, mutant="scatter-halved"),
     Case("kimi_linear-v1-noprefix-eager", "kimi_linear", "v1", False, True),
     Case("kimi_linear-v2-prefix-compiled", "kimi_linear", "v2", True, False),
 )
-PREEMPT_MAX_MODEL_LEN = 1408  # the longest request is 1266 tokens; a small cache must still hold one request
+PREEMPT_MAX_MODEL_LEN = 1408  # the longest request holds 1340 tokens; a small cache must still hold one request
 MUTANTS = {"scatter-halved": "every final state the plan scatters is halved first (a wrong store): the cache "
                              "then holds states the unpatched engine never wrote"}
 OP_LOOKUP_ONLY = {
@@ -318,27 +320,34 @@ def write_model_dir(model: str, root: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def write_prompts(path: pathlib.Path, seed: int = PROMPT_SEED) -> list[dict[str, Any]]:
-    """Write the prompts file (JSON lines, token ids below :data:`VOCAB`) and return its records.
+def write_prompts(path: pathlib.Path, seed: int = PROMPT_SEED, preempt: bool = False) -> list[dict[str, Any]]:
+    """Write a prompts file (JSON lines, token ids below :data:`VOCAB`) and return its records.
 
-    Round 1 (one step): two long prompts prefilled in chunks of the 256-token budget, a middle one, and short ones
-    that decode while the long ones still prefill. Round 2: the first long prompt plus 150 new tokens (with prefix
-    caching its prefill starts from a cached state) and a fresh prompt.
+    Default: round 1 (one step) has two long prompts prefilled in chunks of the 256-token budget, a middle one, and
+    short ones that decode while the long ones still prefill; round 2 is the first long prompt plus 150 new tokens
+    (with prefix caching its prefill starts from a cached state) and a fresh prompt. ``preempt``: eight requests of
+    200-340 prompt tokens that each decode 1000 tokens: the scheduler admits a request for the blocks its prompt
+    needs, so with a small cache the running requests outgrow it while decoding and vLLM preempts (and later
+    prefills again) some of them.
     """
     generator = random.Random(seed)
 
     def draw(length: int) -> list[int]:
         return [generator.randrange(2, VOCAB) for _ in range(length)]
 
-    long_prompt = draw(1100)
-    records = [{"name": "r1-long-1100", "prompt_token_ids": long_prompt, "max_tokens": 16},
-               {"name": "r1-long-700", "prompt_token_ids": draw(700), "max_tokens": 16},
-               {"name": "r1-mid-130", "prompt_token_ids": draw(130), "max_tokens": 24}]
-    records += [{"name": f"r1-short-{length}", "prompt_token_ids": draw(length), "max_tokens": 32}
-                for length in (5, 17, 33, 60)]
-    records += [{"name": "r2-continues-r1-long", "prompt_token_ids": long_prompt + draw(150), "max_tokens": 16,
-                 "round": 2},
-                {"name": "r2-fresh-300", "prompt_token_ids": draw(300), "max_tokens": 16, "round": 2}]
+    if preempt:
+        records = [{"name": f"grows-{length}", "prompt_token_ids": draw(length), "max_tokens": 1000}
+                   for length in range(200, 341, 20)]
+    else:
+        long_prompt = draw(1100)
+        records = [{"name": "r1-long-1100", "prompt_token_ids": long_prompt, "max_tokens": 16},
+                   {"name": "r1-long-700", "prompt_token_ids": draw(700), "max_tokens": 16},
+                   {"name": "r1-mid-130", "prompt_token_ids": draw(130), "max_tokens": 24}]
+        records += [{"name": f"r1-short-{length}", "prompt_token_ids": draw(length), "max_tokens": 32}
+                    for length in (5, 17, 33, 60)]
+        records += [{"name": CONTINUATION, "prompt_token_ids": long_prompt + draw(150), "max_tokens": 16,
+                     "round": 2},
+                    {"name": "r2-fresh-300", "prompt_token_ids": draw(300), "max_tokens": 16, "round": 2}]
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return records
 
@@ -463,11 +472,12 @@ def summarize_outputs(work: pathlib.Path) -> dict[str, Any]:
     return summary
 
 
-def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path], prompts: pathlib.Path,
-             hook: pathlib.Path, site: pathlib.Path, timeout_s: float) -> dict[str, Any]:
+def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path],
+             prompts: dict[bool, pathlib.Path], hook: pathlib.Path, site: pathlib.Path,
+             timeout_s: float) -> dict[str, Any]:
     """Run one case's regress to the end and return its record (report, judgment, digests, wall time)."""
     work = pathlib.Path(gpu_harness.TMP) / "kda-engine-work" / case.name
-    params = engine_params(case, model_dirs[case.model], prompts)
+    params = engine_params(case, model_dirs[case.model], prompts[bool(case.kv_blocks)])
     started = time.perf_counter()
     record: dict[str, Any] = {"case": asdict(case), "model_note": MODELS[case.model].note, "params": params}
     try:
@@ -500,8 +510,6 @@ def read_startup_s(log_text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-STARTUP_LINE = re.compile(r"kda-patches regress: engine started in ([0-9.]+) s")
-CONTINUATION = "r2-continues-r1-long"
 
 
 def engine_line(record: dict[str, Any]) -> str:
@@ -536,6 +544,8 @@ def write_bench_model(root: pathlib.Path) -> pathlib.Path:
 
     The vocabulary grows to :data:`BENCH_VOCAB`; the layers are the A/B model's.
     """
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from kda_patches.regress.tiny_model import build_tiny_tokenizer
 
     path = root / "qwen3_5_bench"
@@ -549,13 +559,14 @@ def throughput_argv(shape: str, model_dir: pathlib.Path, rounds: int, out: pathl
     """``kda-patches bench serve-ab`` over vLLM's ``bench throughput`` for one of :data:`THROUGHPUT_SHAPES`.
 
     vLLM's defaults otherwise (torch.compile and CUDA graphs on, prefix caching on), dummy weights (the output
-    length is fixed: the random dataset ignores EOS), the attention and GDN backends the carried code has.
+    length is fixed: the random dataset ignores EOS), the attention and GDN backends the carried code has; vLLM's
+    benchmark module itself (``--entry module``: its CLI imports the API server's packages, which are not carried).
     """
     return [sys.executable, "-m", "kda_patches", "bench", "serve-ab", "--rounds", str(rounds), "--out", str(out),
-            "--timeout", "300", "--", "throughput", "--model", str(model_dir), "--load-format", "dummy",
-            "--dataset-name", "random", *THROUGHPUT_SHAPES[shape][0], "--max-model-len", "4096", "--seed", "0",
-            "--gpu-memory-utilization", "0.6", "--attention-backend", "TRITON_ATTN", "--additional-config",
-            json.dumps({"gdn_prefill_backend": "triton"})]
+            "--timeout", "300", "--entry", "module", "--", "throughput", "--model", str(model_dir),
+            "--load-format", "dummy", "--dataset-name", "random", *THROUGHPUT_SHAPES[shape][0],
+            "--max-model-len", "4096", "--seed", "0", "--gpu-memory-utilization", "0.6",
+            "--attention-backend", "TRITON_ATTN", "--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
 
 
 def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook: pathlib.Path,
@@ -588,15 +599,16 @@ def run_parent(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cases = validate_cases(args.cases)
     model_dirs = {name: write_model_dir(name, out / "models") for name in sorted({c.model for c in cases})}
-    prompts = out / "prompts.jsonl"
-    write_prompts(prompts)
+    prompts = {False: out / "prompts.jsonl", True: out / "prompts-preempt.jsonl"}
+    for preempt, path in prompts.items():
+        write_prompts(path, preempt=preempt)
     site = gpu_harness.SITE_DIR
     report: dict[str, Any] = {"vllm": "0.33.0", "models": {name: asdict(spec) for name, spec in MODELS.items()},
                               "not_run": NOT_RUN, "mutants": MUTANTS, "weight_seed": WEIGHT_SEED,
                               "cases": [asdict(c) for c in cases], "runs": []}
     if args.dry_run:
         report["stood_in"] = gpu_harness.stood_in_record(library=False)
-        report["plan"] = {c.name: regress_argv(c, engine_params(c, model_dirs[c.model], prompts),
+        report["plan"] = {c.name: regress_argv(c, engine_params(c, model_dirs[c.model], prompts[bool(c.kv_blocks)]),
                                                pathlib.Path("WORK")) for c in cases}
         report["throughput_plan"] = {shape: throughput_argv(shape, out / "models" / "qwen3_5_bench", args.rounds,
                                                             out / f"throughput-{shape}") for shape in THROUGHPUT_SHAPES}

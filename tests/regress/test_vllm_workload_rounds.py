@@ -11,7 +11,7 @@ import types
 import pytest
 
 from kda_patches import ledger
-from kda_patches.regress import workloads
+from kda_patches.regress import worker_ledger, workloads
 from kda_patches.regress.vllm_workload import (
     WorkloadInputError,
     describe_output,
@@ -85,11 +85,12 @@ class FakeLLM:
         self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(
             shutdown=lambda timeout: self.events.append("shutdown")))
 
-    def collective_rpc(self, function):
+    def collective_rpc(self, method):
         if self.rpc_fails:
             raise RuntimeError("engine is gone")
         self.events.append("flush")
-        return [function(None)]
+        worker = type("Worker", (worker_ledger.LedgerWriterExtension,), {})()  # vLLM mixes the extension in
+        return [getattr(worker, method)()]
 
 
 def test_every_worker_writes_its_ledger_before_the_engine_is_stopped(tmp_path, monkeypatch):
@@ -111,3 +112,11 @@ def test_a_flush_that_fails_is_printed_and_the_engine_still_stops(capsys):
     workloads.shutdown_engine(llm)
     assert llm.events == ["shutdown"]
     assert "could not have the workers write their ledgers" in capsys.readouterr().err
+
+
+def test_the_ab_names_its_worker_extension_and_refuses_another():
+    args = worker_ledger.with_ledger_writer({"max_model_len": 64})
+    assert args == {"max_model_len": 64, "worker_extension_cls": worker_ledger.EXTENSION}
+    assert worker_ledger.with_ledger_writer(args) == args
+    with pytest.raises(ValueError, match=r"worker_extension_cls='my\.Ext'"):
+        worker_ledger.with_ledger_writer({"worker_extension_cls": "my.Ext"})
