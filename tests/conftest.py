@@ -5,12 +5,27 @@
   (``vllm_stack.import_vllm`` turns a broken import into the same message per test); skips are kept only
   for absent hardware.
 - The closing summary names every skip reason with its count, so a skipped group cannot pass unseen.
+- On the CPU the state-copy kernels run under the Triton interpreter: ``TRITON_INTERPRET=1`` is set here,
+  before any test module imports triton, so ``pytest tests -k kimi`` run directly answers like ``make test``
+  (Triton reads it when a kernel is defined; a module collected first must not define them compiled).
+- Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test that starts a real vLLM engine
+  (marked ``engine``) joins one group, so one worker runs them one after another and two engines never
+  compete for the machine's cores; a module with an expensive module-scoped fixture joins its own group, so
+  that fixture runs once (see :data:`ONE_WORKER_MODULES`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from collections import Counter
+
+# xdist workers do not see the controller's argv: the controller's choice reaches them through the environment.
+if "--run-gpu" in sys.argv:
+    os.environ["KDA_TESTS_RUN_GPU"] = "1"
+if os.environ.get("KDA_TESTS_RUN_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import vllm_stack
@@ -23,7 +38,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs only with --run-gpu")
-    config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow)")
+    config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow; one xdist group)")
+    config.addinivalue_line("markers", "slow: minutes of fresh processes or compiles; not in `make test-fast`")
     config.addinivalue_line("markers", "alias_mechanism: the test is about the routed alias's own objects; "
                             "it runs under KDA_PATCHES_ROUTING=alias only")
     config.addinivalue_line("markers", "rewrite_mechanism: the test is about the rewritten twin; "
@@ -36,7 +52,33 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(vllm_stack.MISSING.format(error="no module named 'vllm'"))
 
 
+ENGINE_GROUP = "engine"
+
+
+def worker_group(item: pytest.Item) -> str | None:
+    """Return the pytest-xdist group of ``item`` (``--dist loadgroup`` runs a group on one worker, in order).
+
+    ``engine`` for every test marked ``engine`` (one engine at a time on the machine); the module's own path for
+    a test that uses a module- or session-scoped fixture defined outside the conftest files (one worker builds
+    it once, e.g. the Ascend check's report); None for the rest (any worker).
+    """
+    if "engine" in item.keywords:
+        return ENGINE_GROUP
+    module = item.nodeid.split("::", 1)[0]
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        for definition in definitions:
+            if definition.scope in ("module", "package", "session") and definition.baseid == module:
+                return module
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = {item.nodeid: worker_group(item) for item in items}
+    for item in items:
+        if groups[item.nodeid] is not None:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    if hasattr(config, "workerinput"):  # an xdist worker: the engine group first, then the other groups
+        items.sort(key=lambda item: (groups[item.nodeid] != ENGINE_GROUP, groups[item.nodeid] is None))
     if config.getoption("--run-gpu"):
         return
     skip_gpu = pytest.mark.skip(reason="GPU test: run with --run-gpu on a CUDA machine (make gpu-check)")

@@ -1,8 +1,10 @@
 """Run the Ascend compile check: every plan variant, the block-limit table, the hints, the calibration.
 
 :func:`run_check` returns one JSON-serialisable report; :func:`summary_lines` prints one line per chip
-class. Compiles run in a pool of processes (each with its own toolchain per chip class and its own
-Triton cache), so the report does not depend on their order.
+class. Compiles run in a pool of one process per core (each with its own toolchain per chip class and its own
+Triton cache), so the report does not depend on their order. Each distinct piece of code (chip class, kernel,
+signature, constexprs) is compiled once: a block-limit probe or a hint run that is the same code as a plan
+variant (or as another probe), and the byte copy listed under two cache dtypes, reuse that one result.
 """
 
 from __future__ import annotations
@@ -53,6 +55,35 @@ def _compile_probe(task: tuple[str, str, int, str, int | None]) -> dict[str, Any
     chip, family, items, stream, rule = task
     kernel, signature, constexprs = probe_kernel(chip, family, items, stream == "stream", rule)
     return asdict(_toolchain(chip).compile(kernel, signature, constexprs))
+
+
+def _compile_task(task: tuple[str, tuple[Any, ...]]) -> dict[str, Any]:
+    kind, arguments = task
+    return _compile_variant(arguments) if kind == "variant" else _compile_probe(arguments)
+
+
+def code_key(chip: str, kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> tuple[Any, ...]:
+    """Return the identity of one compile: the same key means the same input to the compiler on that chip class."""
+    function = getattr(kernel, "fn", kernel)
+    return (chip, function.__module__, function.__qualname__, tuple(signature.items()),
+            tuple((name, repr(value)) for name, value in constexprs.items()))
+
+
+def compile_once(pool: Any, tasks: list[tuple[str, tuple[Any, ...]]], keys: list[tuple[Any, ...]]) -> list[dict]:
+    """Compile each distinct key of ``keys`` once in ``pool`` and return one result per task (shared by equal keys).
+
+    Args:
+        pool: an executor with ``map``.
+        tasks: ``("variant", (chip, index))`` or ``("probe", (chip, family, items, stream, rule))``.
+        keys: :func:`code_key` of each task, in the same order.
+    """
+    first: dict[tuple[Any, ...], int] = {}
+    for position, key in enumerate(keys):
+        first.setdefault(key, position)
+    unique = list(first.values())
+    results = dict(zip(unique, pool.map(_compile_task, [tasks[position] for position in unique], chunksize=4),
+                       strict=True))
+    return [dict(results[first[key]]) for key in keys]
 
 
 def probe_kernel(chip: str, family: str, items: int, stream: bool = False,
@@ -127,11 +158,17 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
         hint_tasks.extend((chip, family, 1024, stream, None) for family in hint_families
                           for stream in ("default", "stream"))
     kernels_to_calibrate = calibration.calibration_kernels(calibration.release_root()) if calibrate else []
-    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        variant_results = pool.map(_compile_variant, variant_tasks, chunksize=4)
-        limit_results = pool.map(_compile_probe, limit_tasks)
-        hint_results = pool.map(_compile_probe, hint_tasks)
+    tasks = [("variant", task) for task in variant_tasks] + [("probe", task) for task in limit_tasks + hint_tasks]
+    keys = [code_key(chip, cases[chip][index].kernel, cases[chip][index].signature, cases[chip][index].constexprs)
+            for chip, index in variant_tasks]
+    keys += [code_key(task[0], *probe_kernel(task[0], task[1], task[2], task[3] == "stream", task[4]))
+             for task in limit_tasks + hint_tasks]
+    with ProcessPoolExecutor(max_workers=jobs or len(os.sched_getaffinity(0)) or 1) as pool:
         calibration_results = pool.map(_compile_calibration, range(len(kernels_to_calibrate)))
+        compiled = compile_once(pool, tasks, keys)
+        variant_results = compiled[:len(variant_tasks)]
+        limit_results = compiled[len(variant_tasks):len(variant_tasks) + len(limit_tasks)]
+        hint_results = compiled[len(variant_tasks) + len(limit_tasks):]
         variants = [{**_case_facts(cases[chip][index]), **result}
                     for (chip, index), result in zip(variant_tasks, variant_results, strict=True)]
         limits = [{"chip": chip, "family": family, "items": size, "nan_rule": casts.NAN_RULES.get(rule, "bit copy"),

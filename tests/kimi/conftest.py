@@ -2,22 +2,17 @@
 
 The reference layers live next to this file (``kimi_*.py``, imported by basename like the state-copy
 suite's helpers). On the CPU the state-copy plans run under the Triton interpreter
-(``TRITON_INTERPRET=1``, set by ``make test``; set here too when missing, before the kernels load).
+(``TRITON_INTERPRET=1``, set by ``tests/conftest.py`` before the kernels load).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
-
-if "--run-gpu" not in sys.argv and "kda_patches.state_copy.kernels" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import kimi_workload
+import pytest
 
 from kda_patches.registry import revert_patch
 

@@ -1,21 +1,17 @@
 """Fixtures of the routing-core suite: dummy seam modules loaded fresh under records built here.
 
-Plans run under the Triton interpreter on the CPU (``TRITON_INTERPRET=1``, set by ``make test``; set here
-too when missing, before the kernels load).
+Plans run under the Triton interpreter on the CPU (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before the kernels load).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
-if "kda_patches.state_copy.kernels" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kda_patches.registry import Patch, register_patch, revert_patch
 

@@ -1,22 +1,16 @@
 """Fixtures of the state-copy suite: the device it runs on, page-gapped caches, a compiler guard.
 
 On the CPU the suite runs the kernels under the Triton interpreter (``TRITON_INTERPRET=1``, set by
-``make test``; set here too when missing, before the kernels are imported). With ``--run-gpu`` the
+``tests/conftest.py`` before the kernels are imported). With ``--run-gpu`` the
 same tests run on ``cuda`` with compiled Triton, plus the tests marked ``gpu``.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
-if "--run-gpu" not in sys.argv and "kda_patches.state_copy.kernels" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch
 from state_copy_helpers import PagedCache, build_cache
 
