@@ -5,7 +5,8 @@ it in ``EngineCore.__init__``, after ``vllm.v1.engine.core`` bound ``get_kv_cach
 ``kda_patches.pth`` line in the site-packages of a throwaway interpreter environment (the ``.pth`` that
 ``kda-patches install`` writes), and the ``kda-run`` launcher. Each runs STRICT in ``auto`` and ``separate``
 mode against one baseline, and asserts the effect, not only the state: the engine's separate-state budget and
-dense state bindings in separate mode, flagged GDN builds, layout decisions, the rebound aliases.
+dense state bindings in separate mode, flagged GDN builds, layout decisions, the rebound aliases. The baseline
+is the session's unpatched SD run (``conftest.py``'s ``sd_baseline``, shared with ``test_kv_engine_ab``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sysconfig
 from typing import Any
 
 import pytest
-from test_kv_engine_ab import GDN_LAYERS, build_tiny_model, layout_facts
+from engine_runs import GDN_LAYERS, PROMPT_LENGTHS, layout_facts
 
 from kda_patches.install import PTH_NAME
 from kda_patches.ledger import read_ledger_dir
@@ -27,14 +28,6 @@ from kda_patches.ledger import read_ledger_dir
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CHILD = HERE / "engine_ab_child.py"
-PROMPT_LENGTHS = "5,17,40"  # tokens that do not move with the block count (see test_kv_engine_ab)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny-qwen3-next-activation"))
-    build_tiny_model(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +58,7 @@ def run_path(path: str, model: str, workdir: pathlib.Path, name: str, pth_python
                      KDA_TEST_PROMPT_LENGTHS=PROMPT_LENGTHS)
     command = {"plugin": [sys.executable, str(CHILD)],
                "pth": [pth_python or "", str(CHILD)],
-               "launcher": [str(pathlib.Path(sys.executable).parent / "kda-run"), sys.executable, str(CHILD)],
-               "baseline": [sys.executable, str(CHILD)]}[path]
+               "launcher": [str(pathlib.Path(sys.executable).parent / "kda-run"), sys.executable, str(CHILD)]}[path]
     result = subprocess.run([*command, model, str(out)], env=child_env, capture_output=True, text=True,
                             timeout=540)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -87,9 +79,9 @@ def activations(ledgers: list[dict[str, Any]]) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    tokens, ledgers = run_path("baseline", tiny_model, tmp_path_factory.mktemp("baseline"), "baseline", None,
-                               KDA_PATCHES="0")
+def baseline(sd_baseline: tuple[list[list[int]], list[dict[str, Any]]]) -> list[list[int]]:
+    """The unpatched tokens: the session's ``sd_baseline`` (``conftest.py``; the paths run vLLM's default SD)."""
+    tokens, ledgers = sd_baseline
     assert counters(ledgers, "kv_cache_layout") == {}
     return tokens
 
