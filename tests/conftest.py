@@ -53,6 +53,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 ENGINE_GROUP = "engine"
+# Left out of `make test-fast` (marked ``slow`` here): fresh-process A/B pairs of released code and of the
+# reference workload (tens of seconds each under the interpreter), and the Ascend compile check (minutes).
+SLOW = ("tests/released/", "tests/ascend_check/test_ascend_compile.py",
+        "tests/kimi/test_kimi_prefill_exactness.py::test_fresh_process_ab_of_the_reference_workload")
 
 
 def worker_group(item: pytest.Item) -> str | None:
@@ -74,6 +78,9 @@ def worker_group(item: pytest.Item) -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups = {item.nodeid: worker_group(item) for item in items}
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
     for item in items:
         if groups[item.nodeid] is not None:
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
