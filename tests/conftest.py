@@ -76,6 +76,7 @@ def worker_group(item: pytest.Item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks added here, and before xdist reads groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups = {item.nodeid: worker_group(item) for item in items}
     for item in items:
