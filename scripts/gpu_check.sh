@@ -7,8 +7,10 @@
 # 2. runs the state-copy suite compiled on CUDA (pytest --run-gpu tests/state_copy: the CPU tests
 #    again on the GPU plus the tests marked `gpu`), then every other test marked `gpu`;
 # 3. runs the state-copy benchmark (kda-patches bench state-copy) -> OUT_DIR/state_copy_bench.{json,png};
-# 4. runs every scripts/gpu/*.py in sorted order as `python scripts/gpu/X.py --out OUT_DIR` (not vllm_bundle.py,
-#    which builds .bundle/vllm-0.33.0-cp312.zip on the CPU machine; vllm_layers_check.py only when it was carried).
+# 4. stages the carried .bundle/carry/run* pieces (scripts/gpu/gpu_harness.py), then runs every scripts/gpu/*.py in
+#    sorted order as `python scripts/gpu/X.py --out OUT_DIR` (not vllm_bundle.py, which builds the bundle on the CPU
+#    machine, nor gpu_harness.py; vllm_layers_check.py only when the bundle was carried, vllm_engine_check.py only
+#    when the bundle and vLLM's compiled library are staged, which takes two consecutive calls).
 # Every step runs even when an earlier one failed; the exit status is non-zero if any failed. All output
 # goes to OUT_DIR/gpu_check.log (one file: the device returns at most 8), each step's status to
 # OUT_DIR/gpu_check_summary.txt. Knobs: PYTHON, BENCH_SEED, BENCH_TRIALS,
@@ -75,9 +77,18 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
 fi
 
 VLLM_BUNDLE=.bundle/vllm-0.33.0-cp312.zip  # vLLM's own layers (issue 9): built here by scripts/gpu/vllm_bundle.py
+# vLLM's whole engine (issue 26) needs the bundle and vLLM's compiled library, carried in pieces over consecutive
+# calls (scripts/gpu/vllm_bundle.py carry): stage whatever run folder this call brought
+for carried in .bundle/carry/run*; do
+    if [ -d "$carried" ]; then "$PYTHON" scripts/gpu/gpu_harness.py stage "$carried" | tee -a "$SUMMARY"; fi
+done
 for script in $(ls scripts/gpu/*.py 2>/dev/null | sort); do
     case "$(basename "$script")" in
         vllm_bundle.py) continue ;;  # the bundle builder runs on the CPU machine (needs the package registry)
+        gpu_harness.py) continue ;;  # the shared harness (staging ran above)
+        vllm_engine_check.py) if ! "$PYTHON" scripts/gpu/gpu_harness.py ready >>"$SUMMARY"; then
+            echo "gpu_vllm_engine_check: skipped (bundle and compiled library not staged)" | tee -a "$SUMMARY"
+            continue; fi ;;
         vllm_layers_check.py) if [ ! -f "$VLLM_BUNDLE" ]; then
             echo "gpu_vllm_layers_check: skipped (no $VLLM_BUNDLE: run scripts/gpu/vllm_bundle.py build, carry it)" \
                 | tee -a "$SUMMARY"; continue; fi ;;

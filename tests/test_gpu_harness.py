@@ -146,3 +146,16 @@ def test_the_compile_caches_share_one_root(tmp_path):
     assert set(env) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"}
     assert all(value.startswith(str(tmp_path)) for value in env.values())
     assert len(set(env.values())) == 3
+
+
+def test_the_engine_check_is_ready_only_once_every_artifact_is_joined(tmp_path):
+    files = artifacts(tmp_path, {"library.xz": 300, "bundle.zip": 100})
+    harness.write_carry(files, tmp_path / "carry", capacity=250)
+    stage = tmp_path / "stage"
+    assert harness.main(["ready", "--stage-dir", str(stage)]) == 1  # nothing carried yet
+    harness.stage_pieces(tmp_path / "carry" / "run1", stage)
+    assert harness.staged_artifacts(stage) == ([], ["library.xz", "bundle.zip"])
+    assert harness.main(["ready", "--stage-dir", str(stage)]) == 1
+    harness.stage_pieces(tmp_path / "carry" / "run2", stage)
+    assert harness.staged_artifacts(stage) == (["library.xz", "bundle.zip"], [])
+    assert harness.main(["ready", "--stage-dir", str(stage)]) == 0

@@ -14,7 +14,8 @@ is absent -- the library's import and its capability queries. Which of the two r
 :func:`compile_cache_env` points Triton, Inductor and vLLM at one cache directory, so the engine processes of a
 run (and of consecutive runs on a warm machine) compile each kernel once.
 
-CLI (on the GPU machine): ``python3 scripts/gpu/gpu_harness.py stage DIR [--stage-dir D]``.
+CLI (on the GPU machine): ``python3 scripts/gpu/gpu_harness.py stage DIR [--stage-dir D]``; ``... ready`` exits 0
+once every artifact of the carry plan is joined.
 """
 
 from __future__ import annotations
@@ -347,14 +348,35 @@ def compile_cache_env(root: pathlib.Path = CACHE_ROOT) -> dict[str, str]:
             "VLLM_CACHE_ROOT": str(root / "vllm")}
 
 
+def staged_artifacts(stage: pathlib.Path = STAGE_DIR) -> tuple[list[str], list[str]]:
+    """Return (joined, missing) artifact names of the carry plan last staged in ``stage`` (both empty: none)."""
+    manifest = stage / MANIFEST
+    if not manifest.is_file():
+        return [], []
+    artifacts = json.loads(manifest.read_text())["artifacts"]
+    joined = [name for name, entry in artifacts.items()
+              if (stage / name).is_file() and (stage / name).stat().st_size == entry["bytes"]]
+    return joined, [name for name in artifacts if name not in joined]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``stage DIR``: keep the carried pieces, join what is complete, print one ``STAGE`` line."""
+    """``stage DIR``: keep the carried pieces, join what is complete, print one ``STAGE`` line.
+    ``ready``: exit 0 when every artifact of the staged plan is joined (the engine check can run), 1 otherwise."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     stage_parser = commands.add_parser("stage", help="keep this call's pieces; join complete artifacts")
     stage_parser.add_argument("carried", type=pathlib.Path)
     stage_parser.add_argument("--stage-dir", type=pathlib.Path, default=STAGE_DIR)
+    ready_parser = commands.add_parser("ready", help="exit 0 when every carried artifact is joined")
+    ready_parser.add_argument("--stage-dir", type=pathlib.Path, default=STAGE_DIR)
     args = parser.parse_args(argv)
+    if args.command == "ready":
+        joined, missing = staged_artifacts(args.stage_dir)
+        if joined and not missing:
+            return 0
+        print(f"not staged: {', '.join(missing) or 'nothing carried'} (carry .bundle/carry/run* of "
+              "vllm_bundle.py carry in consecutive calls)")
+        return 1
     state = stage_pieces(args.carried, args.stage_dir)
     print(f"STAGE {len(state['have'])} pieces here, {len(state['missing'])} to come; joined: "
           f"{', '.join(sorted(state['joined'])) or 'none yet'}")
