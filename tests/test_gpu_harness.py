@@ -159,3 +159,39 @@ def test_the_engine_check_is_ready_only_once_every_artifact_is_joined(tmp_path):
     harness.stage_pieces(tmp_path / "carry" / "run2", stage)
     assert harness.staged_artifacts(stage) == (["library.xz", "bundle.zip"], [])
     assert harness.main(["ready", "--stage-dir", str(stage)]) == 0
+
+
+def tiny_bundle(path: pathlib.Path) -> pathlib.Path:
+    """A bundle zip shaped like vllm_bundle.py's: site/vllm/__init__.py, one real (minimal) wheel, the manifest."""
+    import zipfile
+
+    wheel = path.parent / "kdafake-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("kdafake/__init__.py", "VALUE = 1\n")
+        archive.writestr("kdafake-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: kdafake\nVersion: 0.1\n")
+        archive.writestr("kdafake-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                         "Tag: py3-none-any\n")
+        archive.writestr("kdafake-0.1.dist-info/RECORD", "")
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("site/vllm/__init__.py", "")
+        archive.write(wheel, f"wheels/{wheel.name}")
+        archive.writestr("manifest.json", json.dumps({"vllm_version": "test"}))
+    return path
+
+
+def test_the_site_gets_the_staged_bundle_and_library(tmp_path):
+    library = os.urandom(2048)
+    xz = tmp_path / "source" / "vllm-test-_C_stable_libtorch.abi3.so.xz"
+    xz.parent.mkdir()
+    xz.write_bytes(lzma.compress(library))
+    bundle = tiny_bundle(tmp_path / "source" / "vllm-test-cp312.zip")
+    harness.write_carry({xz.name: xz, bundle.name: bundle}, tmp_path / "carry", capacity=1 << 20,
+                        unpacked_sha256={xz.name: hashlib.sha256(library).hexdigest()})
+    stage, site = tmp_path / "stage", tmp_path / "site"
+    with pytest.raises(harness.CarryError, match="none staged"):
+        harness.prepare_site(None, site, stage)
+    harness.stage_pieces(tmp_path / "carry" / "run1", stage)
+    prepared = harness.prepare_site(None, site, stage)
+    assert prepared["compiled_library"] and prepared["bundle"] == {"vllm_version": "test"}
+    assert (site / "vllm" / harness.LIBRARY_FILE).read_bytes() == library
+    assert (site / "kdafake" / "__init__.py").is_file()  # the bundle's wheels are installed into the site

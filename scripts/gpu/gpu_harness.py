@@ -230,6 +230,32 @@ def unpack_bundle(bundle: pathlib.Path, site: pathlib.Path = SITE_DIR) -> dict[s
     return manifest
 
 
+def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_DIR,
+                 stage: pathlib.Path = STAGE_DIR) -> dict[str, Any]:
+    """Unpack vLLM into ``site``: the given bundle zip, else the staged one; the staged compiled library with it.
+
+    Returns:
+        ``{"bundle": its manifest, "bundle_file", "compiled_library": bool}``.
+    Raises:
+        CarryError: no bundle given and none staged, or a checksum differs.
+    """
+    manifest_file = stage / MANIFEST
+    artifacts = json.loads(manifest_file.read_text())["artifacts"] if manifest_file.is_file() else {}
+    joined, _ = staged_artifacts(stage)
+    if bundle is None:
+        staged_zip = [name for name in joined if name.endswith(".zip")]
+        if not staged_zip:
+            raise CarryError(f"no bundle given and none staged in {stage}: carry .bundle/carry/run* "
+                             "(vllm_bundle.py carry) and stage them, or pass the bundle zip")
+        bundle = stage / staged_zip[0]
+    prepared: dict[str, Any] = {"bundle": unpack_bundle(bundle, site), "bundle_file": str(bundle)}
+    for name in joined:
+        if name.endswith(".so.xz"):
+            install_library(stage / name, artifacts[name]["unpacked_sha256"], site)
+    prepared["compiled_library"] = library_present(site)
+    return prepared
+
+
 def library_present(site: pathlib.Path = SITE_DIR) -> bool:
     """Return whether vLLM's real compiled library is in the unpacked bundle."""
     return (site / "vllm" / LIBRARY_FILE).is_file()

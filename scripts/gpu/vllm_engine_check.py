@@ -616,14 +616,8 @@ def run_parent(args: argparse.Namespace) -> int:
         print(f"DRYRUN {len(cases)} cases, models {sorted(model_dirs)}; no engine started")
         return 0
     staged = gpu_harness.stage_pieces(pathlib.Path(args.carried), gpu_harness.STAGE_DIR) if args.carried else None
-    stage = gpu_harness.STAGE_DIR
-    manifest = json.loads((stage / gpu_harness.MANIFEST).read_text())
-    bundle = next(stage / name for name in manifest["artifacts"] if name.endswith(".zip"))
-    library_name = next((name for name in manifest["artifacts"] if name.endswith(".so.xz")), None)
-    report["bundle"] = gpu_harness.unpack_bundle(bundle, site)
-    if library_name and (stage / library_name).is_file():
-        gpu_harness.install_library(stage / library_name, manifest["artifacts"][library_name]["unpacked_sha256"],
-                                    site)
+    prepared = gpu_harness.prepare_site(None, site)
+    report["bundle"] = prepared["bundle"]
     library = gpu_harness.library_present(site)
     report["compiled_library"] = "vLLM's real _C_stable_libtorch" if library else "ABSENT: op stand-ins declared"
     report["stood_in"] = gpu_harness.stood_in_record(library)

@@ -145,6 +145,7 @@ def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool) -> d
         env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1")
     else:
         env.pop("TRITON_INTERPRET", None)
+        env.update(gpu_harness.compile_cache_env())
     return env
 
 
@@ -243,15 +244,19 @@ def run_parent(args: argparse.Namespace) -> int:
     """Unpack the bundle, run both children per layer, print and write the verdicts."""
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bundle = pathlib.Path(args.bundle or BUNDLE_DIR / f"vllm-0.33.0-cp{sys.version_info[0]}{sys.version_info[1]}.zip")
+    default = BUNDLE_DIR / f"vllm-0.33.0-cp{sys.version_info[0]}{sys.version_info[1]}.zip"
+    bundle = pathlib.Path(args.bundle) if args.bundle else (default if default.is_file() else None)
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": {
         "python": platform.python_version(), "machine": platform.machine()}, "dry_run": args.dry_run, "layers": {}}
     with open(out / "vllm_layers.log", "w") as log:
         started = time.perf_counter()
-        report["bundle"] = gpu_harness.unpack_bundle(bundle, pathlib.Path(args.site))
+        prepared = gpu_harness.prepare_site(bundle, pathlib.Path(args.site))
+        report["bundle"] = prepared["bundle"]
         report["bundle"]["unpack_s"] = round(time.perf_counter() - started, 1)
+        report["compiled_library"] = prepared["compiled_library"]
         report["source_sha256"] = source_hash()
-        print(f"bundle {bundle.name} unpacked in {report['bundle']['unpack_s']} s", file=log, flush=True)
+        print(f"bundle {prepared['bundle_file']} unpacked in {report['bundle']['unpack_s']} s; vLLM's compiled library "
+              f"{'staged' if prepared['compiled_library'] else 'absent (its import stood in)'}", file=log, flush=True)
         results: dict[str, dict[str, Any]] = {}
         # every overlay-on child first (the main result), then the KDA_PATCHES=0 cross-checks
         for enabled in (True, False) if not args.skip_off else (True,):
@@ -917,7 +922,8 @@ def main(argv: list[str] | None = None) -> int:
     """Command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out/gpu"), help="folder for the JSON and log")
-    parser.add_argument("--bundle", help="bundle zip (default .bundle/vllm-0.33.0-cpXY.zip for this interpreter)")
+    parser.add_argument("--bundle", help="bundle zip (default .bundle/vllm-0.33.0-cpXY.zip for this interpreter, "
+                                         "else the one gpu_harness.py staged)")
     parser.add_argument("--site", default=str(SITE_DIR), help="where the bundle is unpacked and installed")
     parser.add_argument("--dry-run", action="store_true", help="CPU machine: CPU platform, Triton interpreter")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per shape (after one warm-up round)")
