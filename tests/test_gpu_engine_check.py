@@ -243,3 +243,15 @@ def test_the_preempting_prompts_each_decode_past_any_block_their_prompt_was_admi
     records = module.write_prompts(tmp_path / "p.jsonl", preempt=True)
     assert len(records) == 8 and all(r["max_tokens"] > 2 * len(r["prompt_token_ids"]) for r in records)
     assert all(r.get("round", 1) == 1 for r in records)
+
+
+def test_a_model_whose_library_was_not_carried_is_not_run_and_says_why(tmp_path):
+    module = load_script()
+    cases = module.validate_cases(["qwen3_5-v2-prefix-eager", "qwen3_next-v2-prefix-eager"])
+    ready, not_run = module.runnable(cases, tmp_path)
+    assert [c.name for c in ready] == ["qwen3_5-v2-prefix-eager"]
+    assert "carry --with-moe" in not_run["qwen3_next-v2-prefix-eager"]
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / module.MOE_LIBRARY).write_bytes(b"\x7fELF")
+    ready, not_run = module.runnable(cases, tmp_path)
+    assert len(ready) == 2 and not_run == {}

@@ -179,14 +179,17 @@ def tiny_bundle(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def test_the_site_gets_the_staged_bundle_and_library(tmp_path):
-    library = os.urandom(2048)
+def test_the_site_gets_the_staged_bundle_and_libraries(tmp_path):
+    library, moe = os.urandom(2048), os.urandom(1024)
     xz = tmp_path / "source" / "vllm-test-_C_stable_libtorch.abi3.so.xz"
+    moe_xz = tmp_path / "source" / "vllm-test-_moe_C_stable_libtorch.abi3.so.xz"
     xz.parent.mkdir()
     xz.write_bytes(lzma.compress(library))
+    moe_xz.write_bytes(lzma.compress(moe))
     bundle = tiny_bundle(tmp_path / "source" / "vllm-test-cp312.zip")
-    harness.write_carry({xz.name: xz, bundle.name: bundle}, tmp_path / "carry", capacity=1 << 20,
-                        unpacked_sha256={xz.name: hashlib.sha256(library).hexdigest()})
+    harness.write_carry({xz.name: xz, moe_xz.name: moe_xz, bundle.name: bundle}, tmp_path / "carry",
+                        capacity=1 << 20, unpacked_sha256={xz.name: hashlib.sha256(library).hexdigest(),
+                                                           moe_xz.name: hashlib.sha256(moe).hexdigest()})
     stage, site = tmp_path / "stage", tmp_path / "site"
     with pytest.raises(harness.CarryError, match="none staged"):
         harness.prepare_site(None, site, stage)
@@ -194,4 +197,13 @@ def test_the_site_gets_the_staged_bundle_and_library(tmp_path):
     prepared = harness.prepare_site(None, site, stage)
     assert prepared["compiled_library"] and prepared["bundle"] == {"vllm_version": "test"}
     assert (site / "vllm" / harness.LIBRARY_FILE).read_bytes() == library
+    assert (site / "vllm" / "_moe_C_stable_libtorch.abi3.so").read_bytes() == moe
+    assert sorted(prepared["libraries"]) == sorted([harness.LIBRARY_FILE, "_moe_C_stable_libtorch.abi3.so"])
     assert (site / "kdafake" / "__init__.py").is_file()  # the bundle's wheels are installed into the site
+
+
+def test_a_library_artifact_names_its_file_and_anything_else_is_refused():
+    assert harness.library_file_of("vllm-0.33.0-_moe_C_stable_libtorch.abi3.so.xz") == "_moe_C_stable_libtorch.abi3.so"
+    for name in ("vllm-0.33.0-cp312.zip", "lib.so.xz", "torch-2.11-_C.so.xz"):
+        with pytest.raises(harness.CarryError, match="not a carried library"):
+            harness.library_file_of(name)

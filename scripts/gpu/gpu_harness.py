@@ -180,13 +180,26 @@ def stage_pieces(carried: pathlib.Path, stage: pathlib.Path = STAGE_DIR) -> dict
     return {"have": have, "missing": missing, "joined": joined, "artifacts": manifest["artifacts"]}
 
 
-def install_library(compressed: pathlib.Path, expected_sha256: str, site: pathlib.Path = SITE_DIR) -> pathlib.Path:
-    """Decompress vLLM's compiled library into ``site/vllm/`` and check it is the wheel's own file.
+def library_file_of(artifact: str) -> str:
+    """Return the file name in ``vllm/`` of a carried library artifact ``vllm-<version>-<file>.xz``.
+
+    Raises:
+        CarryError: the name is not of that form.
+    """
+    parts = artifact.split("-", 2)
+    if len(parts) != 3 or parts[0] != "vllm" or not parts[2].endswith(".so.xz"):
+        raise CarryError(f"{artifact!r} is not a carried library (vllm-<version>-<file>.so.xz)")
+    return parts[2].removesuffix(".xz")
+
+
+def install_library(compressed: pathlib.Path, expected_sha256: str, site: pathlib.Path = SITE_DIR,
+                    file: str = LIBRARY_FILE) -> pathlib.Path:
+    """Decompress one of vLLM's compiled libraries into ``site/vllm/<file>`` and check it is the wheel's own file.
 
     Raises:
         CarryError: the decompressed library's sha256 is not ``expected_sha256``.
     """
-    target = site / "vllm" / LIBRARY_FILE
+    target = site / "vllm" / file
     if target.is_file() and sha256_of(target) == expected_sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +208,7 @@ def install_library(compressed: pathlib.Path, expected_sha256: str, site: pathli
         shutil.copyfileobj(source, out, 1 << 22)
     if sha256_of(partial) != expected_sha256:
         partial.unlink()
-        raise CarryError(f"{LIBRARY_FILE}: decompressed sha256 differs from the wheel's ({expected_sha256[:12]}...)")
+        raise CarryError(f"{file}: decompressed sha256 differs from the wheel's ({expected_sha256[:12]}...)")
     os.replace(partial, target)
     return target
 
@@ -235,7 +248,8 @@ def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_D
     """Unpack vLLM into ``site``: the given bundle zip, else the staged one; the staged compiled library with it.
 
     Returns:
-        ``{"bundle": its manifest, "bundle_file", "compiled_library": bool}``.
+        ``{"bundle": its manifest, "bundle_file", "libraries": files installed, "compiled_library": bool}`` (the
+        last: vLLM's op library is there).
     Raises:
         CarryError: no bundle given and none staged, or a checksum differs.
     """
@@ -248,17 +262,19 @@ def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_D
             raise CarryError(f"no bundle given and none staged in {stage}: carry .bundle/carry/run* "
                              "(vllm_bundle.py carry) and stage them, or pass the bundle zip")
         bundle = stage / staged_zip[0]
-    prepared: dict[str, Any] = {"bundle": unpack_bundle(bundle, site), "bundle_file": str(bundle)}
+    prepared: dict[str, Any] = {"bundle": unpack_bundle(bundle, site), "bundle_file": str(bundle), "libraries": []}
     for name in joined:
         if name.endswith(".so.xz"):
-            install_library(stage / name, artifacts[name]["unpacked_sha256"], site)
+            file = library_file_of(name)
+            install_library(stage / name, artifacts[name]["unpacked_sha256"], site, file)
+            prepared["libraries"].append(file)
     prepared["compiled_library"] = library_present(site)
     return prepared
 
 
-def library_present(site: pathlib.Path = SITE_DIR) -> bool:
-    """Return whether vLLM's real compiled library is in the unpacked bundle."""
-    return (site / "vllm" / LIBRARY_FILE).is_file()
+def library_present(site: pathlib.Path = SITE_DIR, file: str = LIBRARY_FILE) -> bool:
+    """Return whether vLLM's real compiled library ``file`` (default: the op library) is in the unpacked bundle."""
+    return (site / "vllm" / file).is_file()
 
 
 # ---------------------------------------------------------------- stand-ins (only what cannot run there)

@@ -77,8 +77,18 @@ PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x8
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux1_x86_64",
              "manylinux_2_5_x86_64")
 MAX_BUNDLE_BYTES = 48 << 20  # the call carries 64 MiB in all, the working tree included
-LIBRARY_MEMBER = "vllm/_C_stable_libtorch.abi3.so"
-LIBRARY_ARTIFACT = f"vllm-{VLLM_VERSION}-_C_stable_libtorch.abi3.so.xz"
+# vLLM's compiled libraries that can be carried: the op library every engine needs, and the MoE op library
+# (topk_softmax, moe_align_block_size, ...) only the MoE models need (Qwen3-Next)
+LIBRARIES = {"core": "vllm/_C_stable_libtorch.abi3.so", "moe": "vllm/_moe_C_stable_libtorch.abi3.so"}
+LIBRARY_MEMBER = LIBRARIES["core"]
+
+
+def library_artifact(member: str) -> str:
+    """Return the carried artifact's name of a wheel member (``vllm-0.33.0-<file>.xz``; gpu_harness reads it back)."""
+    return f"vllm-{VLLM_VERSION}-{pathlib.PurePosixPath(member).name}.xz"
+
+
+LIBRARY_ARTIFACT = library_artifact(LIBRARY_MEMBER)
 CALL_MARGIN = 2 << 20  # slack for files written between planning and the call
 
 
@@ -180,15 +190,15 @@ def build(dest: pathlib.Path, python_version: str) -> dict:
     return manifest
 
 
-def compress_library(dest: pathlib.Path) -> tuple[pathlib.Path, str]:
-    """Download the ``vllm`` wheel, xz-compress its :data:`LIBRARY_MEMBER` into ``dest``; return (file, sha256).
+def compress_library(dest: pathlib.Path, member: str = LIBRARY_MEMBER) -> tuple[pathlib.Path, str]:
+    """Download the ``vllm`` wheel, xz-compress its ``member`` into ``dest``; return (file, sha256).
 
     The sha256 is of the library itself, checked on the GPU machine after decompression.
 
     Raises:
         RuntimeError: pip failed.
     """
-    target = dest / LIBRARY_ARTIFACT
+    target = dest / library_artifact(member)
     with tempfile.TemporaryDirectory(prefix="kda-wheel-") as scratch:
         argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", scratch,
                 f"vllm=={VLLM_VERSION}"]
@@ -197,7 +207,7 @@ def compress_library(dest: pathlib.Path) -> tuple[pathlib.Path, str]:
             raise RuntimeError(f"pip download vllm=={VLLM_VERSION} failed:\n{done.stderr[-3000:]}")
         wheel = next(pathlib.Path(scratch).glob("vllm-*.whl"))
         with zipfile.ZipFile(wheel) as archive:
-            library = archive.read(LIBRARY_MEMBER)
+            library = archive.read(member)
     sha = hashlib.sha256(library).hexdigest()
     partial = target.with_suffix(".partial")
     partial.write_bytes(lzma.compress(library, preset=6))
@@ -212,27 +222,33 @@ def tree_bytes() -> int:
     return sum((ROOT / name.decode()).stat().st_size for name in listed if name and (ROOT / name.decode()).is_file())
 
 
-def carry(dest: pathlib.Path, python_version: str) -> dict:
-    """Build (or reuse) the bundle and the compressed library; write ``dest/carry/run<N>`` for consecutive calls.
+def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = ("core",)) -> dict:
+    """Build (or reuse) the bundle and the compressed libraries; write ``dest/carry/run<N>`` for consecutive calls.
 
+    Args:
+        dest: the bundle folder (gitignored).
+        python_version: CPython of the bundle's wheels.
+        libraries: keys of :data:`LIBRARIES` to carry (``core`` always; ``moe`` for MoE models).
     Returns:
         The carry manifest, with ``tree_bytes`` (the working tree each call also carries).
     """
     bundle = dest / bundle_name(python_version)
     if not bundle.is_file():
         build(dest, python_version)
-    library, library_sha = (dest / LIBRARY_ARTIFACT, None) if (dest / LIBRARY_ARTIFACT).is_file() else (None, None)
-    sha_file = dest / (LIBRARY_ARTIFACT + ".sha256")
-    if library is None or not sha_file.is_file():
-        library, library_sha = compress_library(dest)
-        sha_file.write_text(library_sha + "\n")
-    library_sha = sha_file.read_text().strip()
+    compressed, unpacked = {}, {}
+    for key in dict.fromkeys(("core", *libraries)):
+        name = library_artifact(LIBRARIES[key])
+        sha_file = dest / (name + ".sha256")
+        if not (dest / name).is_file() or not sha_file.is_file():
+            _, sha = compress_library(dest, LIBRARIES[key])
+            sha_file.write_text(sha + "\n")
+        compressed[name], unpacked[name] = dest / name, sha_file.read_text().strip()
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import gpu_harness
 
     tree = tree_bytes()
-    manifest = gpu_harness.write_carry({LIBRARY_ARTIFACT: library, bundle.name: bundle}, dest / "carry",
-                                       gpu_harness.CALL_BYTES - tree - CALL_MARGIN, {LIBRARY_ARTIFACT: library_sha})
+    manifest = gpu_harness.write_carry({**compressed, bundle.name: bundle}, dest / "carry",
+                                       gpu_harness.CALL_BYTES - tree - CALL_MARGIN, unpacked)
     manifest["tree_bytes"] = tree
     return manifest
 
@@ -247,9 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     carry_parser = commands.add_parser("carry", help="bundle + compiled library in pieces for consecutive calls")
     carry_parser.add_argument("--python-version", default="3.12", help="CPython of the wheels (H200: 3.12)")
     carry_parser.add_argument("--dest", type=pathlib.Path, default=DEFAULT_DEST, help="folder (gitignored)")
+    carry_parser.add_argument("--with-moe", action="store_true",
+                              help="also carry vLLM's MoE op library (Qwen3-Next; one more call)")
     args = parser.parse_args(argv)
     if args.command == "carry":
-        manifest = carry(args.dest, args.python_version)
+        manifest = carry(args.dest, args.python_version, ("core", "moe") if args.with_moe else ("core",))
         for run in range(1, manifest["runs"] + 1):
             pieces = [p for a in manifest["artifacts"].values() for p in a["pieces"] if p["run"] == run]
             print(f"run{run}: {len(pieces)} pieces, {sum(p['bytes'] for p in pieces) / 2**20:.1f} MiB + tree "

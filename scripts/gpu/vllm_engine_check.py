@@ -78,14 +78,32 @@ def _kimi(full_rank_gate: bool) -> dict[str, Any]:
                                    "full_attn_layers": [], "gate_lower_bound": -5.0}}
 
 
+_QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 1024,
+               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+               "linear_num_key_heads": 4, "linear_num_value_heads": 12, "linear_key_head_dim": 128,
+               "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "intermediate_size": 1024,
+               "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256, "num_experts": 8,
+               "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True, "vocab_size": VOCAB,
+               "full_attention_interval": 2, "torch_dtype": "bfloat16", "max_position_embeddings": 4096,
+               "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+               "layer_types": ["linear_attention", "full_attention"] * 2}
+MOE_LIBRARY = "_moe_C_stable_libtorch.abi3.so"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A tiny model family: its config, the patch that routes its state copies, engine arguments it needs."""
+    """A tiny model family: its config, the patch that routes its state copies, the runners and libraries it needs.
+
+    ``libraries``: vLLM compiled libraries (files in ``vllm/``) beyond the op library that its layers call; a case
+    of the model runs only where they were carried (``vllm_bundle.py carry --with-moe``), else it is reported as
+    not run with that reason.
+    """
 
     config: dict[str, Any]
     patch: str
     runners: tuple[str, ...]
     note: str
+    libraries: tuple[str, ...] = ()
 
 
 MODELS = {
@@ -96,9 +114,10 @@ MODELS = {
                          "(its metadata builder computes aligned state indices itself)"),
     "kimi_linear": ModelSpec(_kimi(False), "gdn_state_copy", ("v1", "v2"),
                              "KimiLinearForCausalLM without the full-rank gate: KimiLinearGatedDeltaNetAttention"),
+    "qwen3_next": ModelSpec(_QWEN3_NEXT, "gdn_state_copy", ("v1", "v2"),
+                            "Qwen3-Next MoE GDN hybrid (8 experts, top 2); its MoE layers call vLLM's MoE library",
+                            libraries=(MOE_LIBRARY,)),
 }
-NOT_RUN = {"qwen3_next": "its MoE layers call vLLM's separately compiled MoE library (vllm/_moe_C_stable_libtorch, "
-                         "45.6 MB more to carry); not carried in this round"}
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,7 @@ CASES = (
     Case("kimi_k3-v1-prefix-eager-NEGATIVE", "kimi_k3", "v1", True, True, mutant="scatter-halved"),
     Case("kimi_linear-v1-noprefix-eager", "kimi_linear", "v1", False, True),
     Case("kimi_linear-v2-prefix-compiled", "kimi_linear", "v2", True, False),
+    Case("qwen3_next-v2-prefix-eager", "qwen3_next", "v2", True, True),
 )
 PREEMPT_MAX_MODEL_LEN = 1408  # the longest request holds 1340 tokens; a small cache must still hold one request
 MUTANTS = {"scatter-halved": "every final state the plan scatters is halved first (a wrong store): the cache "
@@ -398,6 +418,19 @@ def regress_argv(case: Case, params: dict[str, Any], work: pathlib.Path) -> list
     return argv
 
 
+def runnable(cases: list[Case], site: pathlib.Path) -> tuple[list[Case], dict[str, str]]:
+    """Split cases into those whose model's libraries are in ``site`` and the others, each with its reason."""
+    ready, not_run = [], {}
+    for case in cases:
+        missing = [file for file in MODELS[case.model].libraries if not gpu_harness.library_present(site, file)]
+        if missing:
+            not_run[case.name] = (f"vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe); "
+                                  f"{MODELS[case.model].note}")
+        else:
+            ready.append(case)
+    return ready, not_run
+
+
 def validate_cases(names: list[str] | None) -> list[Case]:
     """Return the cases named (all by default), each checked against its model's runners.
 
@@ -604,7 +637,7 @@ def run_parent(args: argparse.Namespace) -> int:
         write_prompts(path, preempt=preempt)
     site = gpu_harness.SITE_DIR
     report: dict[str, Any] = {"vllm": "0.33.0", "models": {name: asdict(spec) for name, spec in MODELS.items()},
-                              "not_run": NOT_RUN, "mutants": MUTANTS, "weight_seed": WEIGHT_SEED,
+                              "not_run": {}, "mutants": MUTANTS, "weight_seed": WEIGHT_SEED,
                               "cases": [asdict(c) for c in cases], "runs": []}
     if args.dry_run:
         report["stood_in"] = gpu_harness.stood_in_record(library=False)
@@ -637,6 +670,9 @@ def run_parent(args: argparse.Namespace) -> int:
             (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))
         if not args.cases:
             return 0 if all(result["exit_code"] == 0 for result in report["throughput"]) else 1
+    cases, report["not_run"] = runnable(cases, site)
+    for name, why in report["not_run"].items():
+        print(f"ENGINE {name}: NOT RUN ({why})", flush=True)
     print(f"compiled library: {report['compiled_library']}; {len(cases)} cases, {args.parallel} at a time",
           flush=True)
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
