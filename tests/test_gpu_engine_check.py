@@ -5,7 +5,6 @@ and torch's lookup comes back -- and every rule a case is judged by, the seeded 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -13,16 +12,13 @@ import sys
 
 import pytest
 import torch
+from script_loader import load_script as load_script_at
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm_engine_check.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("vllm_engine_check_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_script_at("gpu/vllm_engine_check.py", "vllm_engine_check_under_test")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ joining them with every checksum checked, the compiled library's install, and wh
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import lzma
 import os
@@ -13,19 +12,9 @@ import pathlib
 import sys
 
 import pytest
+from script_loader import load_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "gpu_harness.py"
-
-
-def load_harness():
-    spec = importlib.util.spec_from_file_location("gpu_harness_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = load_harness()
+harness = load_script("gpu/gpu_harness.py", "gpu_harness_under_test")
 
 
 def artifacts(tmp_path: pathlib.Path, sizes: dict[str, int]) -> dict[str, pathlib.Path]:

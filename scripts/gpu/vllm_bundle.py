@@ -43,6 +43,10 @@ import time
 import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import gpu_harness  # noqa: E402  (carrying: pieces, checksums)
+
+sys.path.remove(str(pathlib.Path(__file__).resolve().parent))
 VLLM_VERSION = "0.33.0"
 DEFAULT_DEST = ROOT / ".bundle"
 
@@ -117,15 +121,6 @@ def download_wheels(dest: pathlib.Path, python_version: str) -> list[pathlib.Pat
     return wheels
 
 
-def sha256_of(path: pathlib.Path) -> str:
-    """Return the hex sha256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_bundle(target: pathlib.Path, source: pathlib.Path, wheels: list[pathlib.Path], python_version: str) -> dict:
     """Write the bundle zip (``site/``, ``wheels/``, ``manifest.json``) atomically and return its manifest.
 
@@ -143,7 +138,7 @@ def write_bundle(target: pathlib.Path, source: pathlib.Path, wheels: list[pathli
     manifest = {
         "vllm_version": VLLM_VERSION, "vllm_archive": marker["archive"], "vllm_archive_sha256": marker["sha256"],
         "vllm_py_files": len(files), "python_version": python_version, "platforms": list(PLATFORMS),
-        "wheels": [{"file": w.name, "sha256": sha256_of(w), "bytes": w.stat().st_size,
+        "wheels": [{"file": w.name, "sha256": gpu_harness.sha256_of(w), "bytes": w.stat().st_size,
                     "requirement": req, "needed_by": why} for w, (req, why) in _pair_wheels(wheels)],
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -243,9 +238,6 @@ def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = 
             _, sha = compress_library(dest, LIBRARIES[key])
             sha_file.write_text(sha + "\n")
         compressed[name], unpacked[name] = dest / name, sha_file.read_text().strip()
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import gpu_harness
-
     tree = tree_bytes()
     manifest = gpu_harness.write_carry({**compressed, bundle.name: bundle}, dest / "carry",
                                        gpu_harness.CALL_BYTES - tree - CALL_MARGIN, unpacked)
