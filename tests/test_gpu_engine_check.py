@@ -244,10 +244,60 @@ def test_the_preempting_prompts_each_decode_past_any_block_their_prompt_was_admi
 def test_a_model_whose_library_was_not_carried_is_not_run_and_says_why(tmp_path):
     module = load_script()
     cases = module.validate_cases(["qwen3_5-v2-prefix-eager", "qwen3_next-v2-prefix-eager"])
-    ready, not_run = module.runnable(cases, tmp_path)
+    ready, not_run = module.runnable(cases, tmp_path, gpus=1)
     assert [c.name for c in ready] == ["qwen3_5-v2-prefix-eager"]
     assert "carry --with-moe" in not_run["qwen3_next-v2-prefix-eager"]
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / module.MOE_LIBRARY).write_bytes(b"\x7fELF")
-    ready, not_run = module.runnable(cases, tmp_path)
+    ready, not_run = module.runnable(cases, tmp_path, gpus=1)
     assert len(ready) == 2 and not_run == {}
+
+
+def test_a_case_needing_more_gpus_than_the_machine_has_is_not_run_and_names_the_kind(tmp_path):
+    module = load_script()
+    cases = module.validate_cases(["qwen3_5-v2-prefix-eager-tp2"])
+    ready, not_run = module.runnable(cases, tmp_path, gpus=1)
+    assert ready == [] and "nvidia-h200-x2" in not_run["qwen3_5-v2-prefix-eager-tp2"]
+    assert module.runnable(cases, tmp_path, gpus=2)[0] == cases
+    params = module.engine_params(cases[0], tmp_path, tmp_path / "p.jsonl")
+    assert params["tensor_parallel_size"] == 2 and params["distributed_executor_backend"] == "mp"
+
+
+def tp2_report(module, rank1_devices=("cuda:1",), rank1_counts=(8, 8), ranks_met=True):
+    def worker(rank, devices, counts):
+        facts = {f"model.layers.{i}.linear_attn": {"signature": [device, "torch.bfloat16"]}
+                 for i, device in enumerate(devices)}
+        return {"role": f"VllmWorker-{rank}", "counters": {"gdn_state_copy": {"calls_routed": counts[0],
+                                                                               "calls_seen": counts[1]}},
+                "facts": {"state_copy": {"initialization": {"ok": True}, **facts}}}
+    return {"ranks": [{"label": "rank 0", "met": True}, {"label": "rank 1", "met": ranks_met, "detail": "x"}],
+            "runs": {"patched": {"ledgers": [worker(0, ("cuda:0", "cuda:0"), (8, 8)),
+                                             worker(1, rank1_devices, rank1_counts)]}}}
+
+
+def test_every_rank_must_route_through_plans_on_its_own_gpu():
+    module = load_script()
+    tp2 = module.validate_cases(["qwen3_5-v2-prefix-eager-tp2"])[0]
+    assert module.judge_ranks(tp2, tp2_report(module)) == (True, "rank 0 8 == 8 on cuda:0; rank 1 8 == 8 on cuda:1")
+    assert not module.judge_ranks(tp2, tp2_report(module, rank1_devices=("cuda:0",)))[0]
+    assert not module.judge_ranks(tp2, tp2_report(module, rank1_devices=("cuda:1", "cuda:0")))[0]
+    assert not module.judge_ranks(tp2, tp2_report(module, rank1_counts=(7, 8)))[0]
+    assert not module.judge_ranks(tp2, tp2_report(module, rank1_counts=(0, 0)))[0]
+    assert not module.judge_ranks(tp2, tp2_report(module, ranks_met=False))[0]
+    negative = module.validate_cases(["qwen3_5-v2-prefix-eager-tp2-NEGATIVE"])[0]
+    assert module.judge_ranks(negative, tp2_report(module, rank1_counts=(7, 8)))[0]
+    assert module.judge_ranks(case(module), {}) == (True, "")
+
+
+def test_every_process_must_have_multicast_off(tmp_path, monkeypatch):
+    module = load_script()
+    assert not module.check_process_envs(tmp_path / "none")[0]
+    for name, value in module.NO_MULTICAST.items():
+        monkeypatch.setenv(name, value)
+    module.record_process_env(tmp_path)
+    assert module.check_process_envs(tmp_path)[0]
+    monkeypatch.delenv("NCCL_NVLS_ENABLE")
+    (tmp_path / "env-1.json").write_text(json.dumps({"pid": 1, "argv": [], "env": {
+        **module.NO_MULTICAST, "NCCL_NVLS_ENABLE": None}}))
+    ok, why = module.check_process_envs(tmp_path)
+    assert not ok and "1 of 2 processes" in why

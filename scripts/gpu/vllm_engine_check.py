@@ -131,6 +131,7 @@ class Case:
     eager: bool
     mutant: str | None = None
     kv_blocks: int | None = None
+    tp: int = 1  # tensor_parallel_size: that many GPUs, one worker process each (mp executor)
 
     @property
     def expected(self) -> str:
@@ -150,7 +151,15 @@ CASES = (
     Case("kimi_linear-v1-noprefix-eager", "kimi_linear", "v1", False, True),
     Case("kimi_linear-v2-prefix-compiled", "kimi_linear", "v2", True, False),
     Case("qwen3_next-v2-prefix-eager", "qwen3_next", "v2", True, True),
+    # issue 29 (nvidia-h200-x2): every rank prepares and routes through its own plans on its own GPU
+    Case("qwen3_5-v2-prefix-eager-tp2", "qwen3_5", "v2", True, True, tp=2),
+    Case("qwen3_5-v2-prefix-eager-tp2-NEGATIVE", "qwen3_5", "v2", True, True, mutant="scatter-halved", tp=2),
+    Case("qwen3_5-v1-noprefix-compiled-tp2", "qwen3_5", "v1", False, False, tp=2),
 )
+# Multicast over NVLink stays off in every process vLLM starts on the multi-GPU machines (the device tool's KINDS.md:
+# a program that uses it can take the shared host's GPUs out of service); recorded per process and checked
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+ENV_RECORD_ENV = "KDA_ENGINE_ENV_RECORD_DIR"
 PREEMPT_MAX_MODEL_LEN = 1408  # the longest request holds 1340 tokens; a small cache must still hold one request
 MUTANTS = {"scatter-halved": "every final state the plan scatters is halved first (a wrong store): the cache "
                              "then holds states the unpatched engine never wrote"}
@@ -305,6 +314,26 @@ def _halve_before_scatter(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     return wrapped(state, packed * 0.5, *rest, **kwargs)
 
 
+def record_process_env(folder: pathlib.Path) -> pathlib.Path:
+    """Write ``folder/env-<pid>.json``: this process's command line and its :data:`NO_MULTICAST` variables."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"env-{os.getpid()}.json"
+    path.write_text(json.dumps({"pid": os.getpid(), "argv": sys.argv[:3],
+                                "env": {name: os.environ.get(name) for name in NO_MULTICAST}}))
+    return path
+
+
+def check_process_envs(folder: pathlib.Path) -> tuple[bool, str]:
+    """Return whether every process that recorded its environment had :data:`NO_MULTICAST` exactly, and why."""
+    records = [json.loads(path.read_text()) for path in sorted(folder.glob("env-*.json"))] if folder.is_dir() else []
+    if not records:
+        return False, f"no process recorded its environment in {folder}"
+    wrong = [f"pid {r['pid']} {r['env']}" for r in records if r["env"] != NO_MULTICAST]
+    if wrong:
+        return False, f"{len(wrong)} of {len(records)} processes without {NO_MULTICAST}: {'; '.join(wrong)[:300]}"
+    return True, f"{len(records)} processes with {', '.join(f'{k}={v}' for k, v in NO_MULTICAST.items())}"
+
+
 def install_engine_stand_ins() -> None:
     """What the generated sitecustomize runs in every engine process: stand-ins, op recorder, weights, mutant.
 
@@ -317,6 +346,8 @@ def install_engine_stand_ins() -> None:
     gpu_harness.install_stand_ins()
     RECORDER.library = gpu_harness.library_present()
     RECORDER.install()
+    if os.environ.get(ENV_RECORD_ENV):
+        record_process_env(pathlib.Path(os.environ[ENV_RECORD_ENV]))
     if os.environ.get(SEEDED_WEIGHTS_ENV):
         wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
             module, "DummyModelLoader.load_weights", _seed_after_dummy_load),
@@ -387,6 +418,8 @@ def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) ->
                               "kda_decode_backend": "triton"}}
     if case.kv_blocks:
         params.update(num_gpu_blocks_override=case.kv_blocks, max_model_len=PREEMPT_MAX_MODEL_LEN)
+    if case.tp > 1:
+        params.update(tensor_parallel_size=case.tp, distributed_executor_backend="mp")
     return params
 
 
@@ -402,7 +435,7 @@ def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, st
                 "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                 # Kimi K3's fused GEMM + all-reduce/reduce-scatter imports the CuTe DSL (nvidia-cutlass-dsl), which is
                 # not carried; with one rank there is nothing to reduce
-                "VLLM_KIMI_K3_GEMM_AR": "0", "VLLM_ENABLE_GEMM_RS": "0"})
+                "VLLM_KIMI_K3_GEMM_AR": "0", "VLLM_ENABLE_GEMM_RS": "0", **NO_MULTICAST})
     if case.mutant:
         env[MUTANT_ENV] = case.mutant
     return env
@@ -418,12 +451,18 @@ def regress_argv(case: Case, params: dict[str, Any], work: pathlib.Path) -> list
     return argv
 
 
-def runnable(cases: list[Case], site: pathlib.Path) -> tuple[list[Case], dict[str, str]]:
-    """Split cases into those whose model's libraries are in ``site`` and the others, each with its reason."""
+def runnable(cases: list[Case], site: pathlib.Path, gpus: int) -> tuple[list[Case], dict[str, str]]:
+    """Split cases into those this machine can run and the others, each with its reason.
+
+    A case runs where its model's libraries are in ``site`` and the machine has its ``tp`` GPUs.
+    """
     ready, not_run = [], {}
     for case in cases:
         missing = [file for file in MODELS[case.model].libraries if not gpu_harness.library_present(site, file)]
-        if missing:
+        if case.tp > gpus:
+            not_run[case.name] = (f"needs {case.tp} GPUs, this machine has {gpus} (the nvidia-h200-x{case.tp} kind, "
+                                  "issue 29)")
+        elif missing:
             not_run[case.name] = (f"vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe); "
                                   f"{MODELS[case.model].note}")
         else:
@@ -489,6 +528,39 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
     return True, f"{verdict}; {patch} routed {routed} == seen {seen}"
 
 
+def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
+    """For a case on several GPUs: did every rank route through its own plans on its own GPU?
+
+    Every rank check of the A/B met (a ledger from each ``VllmWorker-<rank>`` and the engine core, patched), and each
+    worker's own ledger shows ``calls_routed == calls_seen > 0`` for the model's patch (a negative control: routed
+    calls) and every plan prepared on ``cuda:<rank>``. One GPU: nothing to judge.
+    """
+    if case.tp == 1:
+        return True, ""
+    patch = MODELS[case.model].patch
+    unmet = [f"{check.get('label')}: {check.get('detail')}" for check in report.get("ranks", [])
+             if not check.get("met")]
+    if unmet or not report.get("ranks"):
+        return False, f"ranks not all patched: {'; '.join(unmet) or 'no rank check in the report'}"
+    ledgers = (report.get("runs", {}).get("patched") or {}).get("ledgers", [])
+    by_role = {ledger.get("role"): ledger for ledger in ledgers}
+    parts = []
+    for rank in range(case.tp):
+        ledger = by_role.get(f"VllmWorker-{rank}")
+        if ledger is None:
+            return False, f"rank {rank}: no ledger from VllmWorker-{rank}"
+        own = (ledger.get("counters") or {}).get(patch, {})
+        routed, seen = int(own.get("calls_routed", 0)), int(own.get("calls_seen", 0))
+        if routed == 0 or (not case.mutant and routed != seen):
+            return False, f"rank {rank}: {patch} routed {routed} of {seen} seen"
+        devices = {fact["signature"][0] for fact in ((ledger.get("facts") or {}).get("state_copy") or {}).values()
+                   if isinstance(fact, dict) and fact.get("signature")}
+        if devices != {f"cuda:{rank}"}:
+            return False, f"rank {rank}: plans prepared on {sorted(devices) or 'no device'}, expected cuda:{rank}"
+        parts.append(f"rank {rank} {routed} == {seen} on cuda:{rank}")
+    return True, "; ".join(parts)
+
+
 def summarize_outputs(work: pathlib.Path) -> dict[str, Any]:
     """Digests and facts of the kept outputs: per side the sha256 of the requests, cached tokens, preemptions."""
     import hashlib
@@ -511,11 +583,13 @@ def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path],
     """Run one case's regress to the end and return its record (report, judgment, digests, wall time)."""
     work = pathlib.Path(gpu_harness.TMP) / "kda-engine-work" / case.name
     params = engine_params(case, model_dirs[case.model], prompts[bool(case.kv_blocks)])
+    env = case_env(case, hook, site)
+    env[ENV_RECORD_ENV] = str(work / "envs")
     started = time.perf_counter()
     record: dict[str, Any] = {"case": asdict(case), "model_note": MODELS[case.model].note, "params": params}
     try:
-        done = subprocess.run(regress_argv(case, params, work), env=case_env(case, hook, site), capture_output=True,
-                              text=True, timeout=timeout_s, cwd=ROOT)
+        done = subprocess.run(regress_argv(case, params, work), env=env, capture_output=True, text=True,
+                              timeout=timeout_s, cwd=ROOT)
         record["exit_code"] = done.returncode
         try:
             record["report"] = json.loads(done.stdout)
@@ -526,6 +600,11 @@ def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path],
     record["wall_s"] = round(time.perf_counter() - started, 1)
     record["outputs"] = summarize_outputs(work)
     record["passed"], record["why"] = judge_case(case, record["report"], record["outputs"])
+    if case.tp > 1:
+        ranks_ok, ranks_why = judge_ranks(case, record["report"])
+        envs_ok, envs_why = check_process_envs(work / "envs")
+        record["passed"] = record["passed"] and ranks_ok and envs_ok
+        record["why"] = f"{record['why']}; {ranks_why}; {envs_why}"
     logs, startup = {}, {}
     for side in ("baseline", "baseline2", "patched"):
         log = work / side / "run.log"
@@ -670,7 +749,9 @@ def run_parent(args: argparse.Namespace) -> int:
             (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))
         if not args.cases:
             return 0 if all(result["exit_code"] == 0 for result in report["throughput"]) else 1
-    cases, report["not_run"] = runnable(cases, site)
+    import torch
+
+    cases, report["not_run"] = runnable(cases, site, torch.cuda.device_count())
     for name, why in report["not_run"].items():
         print(f"ENGINE {name}: NOT RUN ({why})", flush=True)
     print(f"compiled library: {report['compiled_library']}; {len(cases)} cases, {args.parallel} at a time",
