@@ -301,3 +301,11 @@ def test_every_process_must_have_multicast_off(tmp_path, monkeypatch):
         **module.NO_MULTICAST, "NCCL_NVLS_ENABLE": None}}))
     ok, why = module.check_process_envs(tmp_path)
     assert not ok and "1 of 2 processes" in why
+
+
+def test_a_throughput_shape_needing_more_gpus_is_not_run(tmp_path):
+    module = load_script()
+    assert module.shape_gpus("long") == 1 and module.shape_gpus("long-tp2") == 2
+    result = module.run_throughput("long-tp2", tmp_path, tmp_path, tmp_path, tmp_path, rounds=5, gpus=1)
+    assert result["exit_code"] is None and "needs 2 GPUs" in result["problems"][0]
+    assert not (tmp_path / "throughput-long-tp2").exists()

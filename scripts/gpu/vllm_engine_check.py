@@ -648,6 +648,9 @@ THROUGHPUT_SHAPES = {
     "long": (("--input-len", "2048", "--output-len", "64", "--num-prompts", "256", "--max-num-seqs", "128"),
              "state copies a real share of the step: 256 requests of 2048 prompt + 64 output tokens, 128 at a time, "
              "GDN heads of Qwen3.6-27B at TP4 (12 value x 128 x 128)"),
+    "long-tp2": (("--input-len", "2048", "--output-len", "64", "--num-prompts", "256", "--max-num-seqs", "128",
+                  "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+                 "the long shape on two GPUs (issue 29): tensor parallel 2, mp executor"),
 }
 
 
@@ -681,9 +684,21 @@ def throughput_argv(shape: str, model_dir: pathlib.Path, rounds: int, out: pathl
             "--attention-backend", "TRITON_ATTN", "--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
 
 
+def shape_gpus(shape: str) -> int:
+    """Return how many GPUs a throughput shape uses (its ``--tensor-parallel-size``, else 1)."""
+    args = THROUGHPUT_SHAPES[shape][0]
+    return int(args[args.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in args else 1
+
+
 def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook: pathlib.Path,
-                   site: pathlib.Path, rounds: int) -> dict[str, Any]:
-    """Run one throughput shape's serve-ab; return its summary (ratios per metric) and exit status."""
+                   site: pathlib.Path, rounds: int, gpus: int = 1) -> dict[str, Any]:
+    """Run one throughput shape's serve-ab; return its summary (ratios per metric) and exit status.
+
+    A shape that needs more GPUs than ``gpus`` is not run: its record says so (``exit_code`` None).
+    """
+    if shape_gpus(shape) > gpus:
+        return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": None, "metrics": {},
+                "problems": [f"not run: needs {shape_gpus(shape)} GPUs, this machine has {gpus}"], "output_tail": ""}
     target = out / f"throughput-{shape}"
     env = case_env(Case(f"throughput-{shape}", "qwen3_5", "v2", True, False), hook, site)
     env.pop(SEEDED_WEIGHTS_ENV)  # throughput needs no particular weights
@@ -742,13 +757,15 @@ def run_parent(args: argparse.Namespace) -> int:
     if args.throughput:
         bench_model = write_bench_model(out / "models")
         report["throughput"] = []
+        import torch
+
         for shape in args.throughput:
-            result = run_throughput(shape, out, bench_model, hook, site, args.rounds)
+            result = run_throughput(shape, out, bench_model, hook, site, args.rounds, torch.cuda.device_count())
             report["throughput"].append(result)
             print(throughput_line(result), flush=True)
             (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))
         if not args.cases:
-            return 0 if all(result["exit_code"] == 0 for result in report["throughput"]) else 1
+            return 0 if all(result["exit_code"] in (0, None) for result in report["throughput"]) else 1
     import torch
 
     cases, report["not_run"] = runnable(cases, site, torch.cuda.device_count())
