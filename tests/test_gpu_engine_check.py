@@ -309,3 +309,27 @@ def test_a_throughput_shape_needing_more_gpus_is_not_run(tmp_path):
     result = module.run_throughput("long-tp2", tmp_path, tmp_path, tmp_path, tmp_path, rounds=5, gpus=1)
     assert result["exit_code"] is None and "needs 2 GPUs" in result["problems"][0]
     assert not (tmp_path / "throughput-long-tp2").exists()
+
+
+def test_ray_actors_are_counted_and_each_holds_its_plans_on_one_device():
+    module = load_script()
+    ray = module.validate_cases(["qwen3_5-v2-prefix-eager-tp2-ray"])[0]
+    report = tp2_report(module, rank1_devices=("cuda:0",))  # each actor sees its GPU as cuda:0
+    for ledger in report["runs"]["patched"]["ledgers"]:
+        ledger["argv"] = ["/usr/lib/python3/site-packages/ray/_private/workers/default_worker.py"]
+    assert module.judge_ranks(ray, report)[0]
+    report["runs"]["patched"]["ledgers"][1]["facts"]["state_copy"]["model.layers.9"] = {"signature": ["cuda:1"]}
+    assert "expected one device" in module.judge_ranks(ray, report)[1]
+    report["runs"]["patched"]["ledgers"].pop()
+    assert module.judge_ranks(ray, report) == (False, "1 Ray actor ledgers, expected 2")
+
+
+def test_a_ray_case_runs_only_where_ray_was_carried(tmp_path):
+    module = load_script()
+    cases = module.validate_cases(["qwen3_5-v2-prefix-eager-tp2-ray"])
+    ready, not_run = module.runnable(cases, tmp_path, gpus=2)
+    assert ready == [] and "--with-ray" in not_run[cases[0].name]
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("")
+    assert module.runnable(cases, tmp_path, gpus=2)[0] == cases
+    assert module.engine_params(cases[0], tmp_path, tmp_path / "p")["distributed_executor_backend"] == "ray"

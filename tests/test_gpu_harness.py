@@ -150,17 +150,25 @@ def test_the_engine_check_is_ready_only_once_every_artifact_is_joined(tmp_path):
     assert harness.main(["ready", "--stage-dir", str(stage)]) == 0
 
 
+def tiny_wheel(folder: pathlib.Path, name: str) -> pathlib.Path:
+    """A minimal real wheel of a package ``name`` that pip installs."""
+    import zipfile
+
+    wheel = folder / f"{name}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{name}/__init__.py", "VALUE = 1\n")
+        archive.writestr(f"{name}-0.1.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        archive.writestr(f"{name}-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                         "Tag: py3-none-any\n")
+        archive.writestr(f"{name}-0.1.dist-info/RECORD", "")
+    return wheel
+
+
 def tiny_bundle(path: pathlib.Path) -> pathlib.Path:
     """A bundle zip shaped like vllm_bundle.py's: site/vllm/__init__.py, one real (minimal) wheel, the manifest."""
     import zipfile
 
-    wheel = path.parent / "kdafake-0.1-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("kdafake/__init__.py", "VALUE = 1\n")
-        archive.writestr("kdafake-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: kdafake\nVersion: 0.1\n")
-        archive.writestr("kdafake-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                         "Tag: py3-none-any\n")
-        archive.writestr("kdafake-0.1.dist-info/RECORD", "")
+    wheel = tiny_wheel(path.parent, "kdafake")
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("site/vllm/__init__.py", "")
         archive.write(wheel, f"wheels/{wheel.name}")
@@ -176,7 +184,13 @@ def test_the_site_gets_the_staged_bundle_and_libraries(tmp_path):
     xz.write_bytes(lzma.compress(library))
     moe_xz.write_bytes(lzma.compress(moe))
     bundle = tiny_bundle(tmp_path / "source" / "vllm-test-cp312.zip")
-    harness.write_carry({xz.name: xz, moe_xz.name: moe_xz, bundle.name: bundle}, tmp_path / "carry",
+    import zipfile
+
+    wheel_set = tmp_path / "source" / "ray-wheels-cp312.zip"  # named like a wheel set, sorted before the bundle
+    with zipfile.ZipFile(wheel_set, "w") as archive:
+        archive.write(tiny_wheel(tmp_path / "source", "kdafakeray"), "kdafakeray-0.1-py3-none-any.whl")
+    harness.write_carry({xz.name: xz, moe_xz.name: moe_xz, wheel_set.name: wheel_set, bundle.name: bundle},
+                        tmp_path / "carry",
                         capacity=1 << 20, unpacked_sha256={xz.name: hashlib.sha256(library).hexdigest(),
                                                            moe_xz.name: hashlib.sha256(moe).hexdigest()})
     stage, site = tmp_path / "stage", tmp_path / "site"
@@ -189,6 +203,9 @@ def test_the_site_gets_the_staged_bundle_and_libraries(tmp_path):
     assert (site / "vllm" / "_moe_C_stable_libtorch.abi3.so").read_bytes() == moe
     assert sorted(prepared["libraries"]) == sorted([harness.LIBRARY_FILE, "_moe_C_stable_libtorch.abi3.so"])
     assert (site / "kdafake" / "__init__.py").is_file()  # the bundle's wheels are installed into the site
+    assert (site / "kdafakeray" / "__init__.py").is_file()  # and every carried wheel set's
+    assert prepared["bundle_file"].endswith("vllm-test-cp312.zip")
+    assert prepared["wheel_sets"] == [{"set": wheel_set.name, "wheels": ["kdafakeray-0.1-py3-none-any.whl"]}]
 
 
 def test_a_library_artifact_names_its_file_and_anything_else_is_refused():

@@ -243,13 +243,39 @@ def unpack_bundle(bundle: pathlib.Path, site: pathlib.Path = SITE_DIR) -> dict[s
     return manifest
 
 
+def is_wheel_set(name: str) -> bool:
+    """Return whether a carried artifact is a wheel set (``<name>-wheels-cpXY.zip`` of ``vllm_bundle.py``)."""
+    return name.endswith(".zip") and "-wheels-cp" in name
+
+
+def install_wheel_set(archive_path: pathlib.Path, site: pathlib.Path = SITE_DIR) -> dict[str, Any]:
+    """Install every wheel of a carried wheel set into ``site`` (no index, no deps); return what was installed.
+
+    Raises:
+        CarryError: pip failed.
+    """
+    import subprocess
+    import zipfile
+
+    scratch = site.with_name(site.name + "-" + archive_path.stem)
+    with zipfile.ZipFile(archive_path) as archive:
+        archive.extractall(scratch)
+    wheels = sorted(str(w) for w in scratch.glob("*.whl"))
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise CarryError(f"installing {archive_path.name} failed:\n{done.stderr[-3000:]}")
+    return {"set": archive_path.name, "wheels": [pathlib.Path(w).name for w in wheels]}
+
+
 def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_DIR,
                  stage: pathlib.Path = STAGE_DIR) -> dict[str, Any]:
     """Unpack vLLM into ``site``: the given bundle zip, else the staged one; the staged compiled library with it.
 
     Returns:
-        ``{"bundle": its manifest, "bundle_file", "libraries": files installed, "compiled_library": bool}`` (the
-        last: vLLM's op library is there).
+        ``{"bundle": its manifest, "bundle_file", "libraries": files installed, "wheel_sets": installed sets,
+        "compiled_library": bool}`` (the last: vLLM's op library is there).
     Raises:
         CarryError: no bundle given and none staged, or a checksum differs.
     """
@@ -257,17 +283,20 @@ def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_D
     artifacts = json.loads(manifest_file.read_text())["artifacts"] if manifest_file.is_file() else {}
     joined, _ = staged_artifacts(stage)
     if bundle is None:
-        staged_zip = [name for name in joined if name.endswith(".zip")]
+        staged_zip = [name for name in joined if name.endswith(".zip") and not is_wheel_set(name)]
         if not staged_zip:
             raise CarryError(f"no bundle given and none staged in {stage}: carry .bundle/carry/run* "
                              "(vllm_bundle.py carry) and stage them, or pass the bundle zip")
         bundle = stage / staged_zip[0]
     prepared: dict[str, Any] = {"bundle": unpack_bundle(bundle, site), "bundle_file": str(bundle), "libraries": []}
+    prepared["wheel_sets"] = []
     for name in joined:
         if name.endswith(".so.xz"):
             file = library_file_of(name)
             install_library(stage / name, artifacts[name]["unpacked_sha256"], site, file)
             prepared["libraries"].append(file)
+        elif is_wheel_set(name):
+            prepared["wheel_sets"].append(install_wheel_set(stage / name, site))
     prepared["compiled_library"] = library_present(site)
     return prepared
 

@@ -101,14 +101,15 @@ def bundle_name(python_version: str) -> str:
     return f"vllm-{VLLM_VERSION}-cp{python_version.replace('.', '')}.zip"
 
 
-def download_wheels(dest: pathlib.Path, python_version: str) -> list[pathlib.Path]:
-    """Download every :data:`WHEELS` requirement for CPython ``python_version`` on manylinux x86-64.
+def download_wheels(dest: pathlib.Path, python_version: str,
+                    requirements: tuple[tuple[str, str], ...] = WHEELS) -> list[pathlib.Path]:
+    """Download every requirement (default :data:`WHEELS`) for CPython ``python_version`` on manylinux x86-64.
 
     Raises:
         RuntimeError: pip failed (names the requirement and pip's stderr tail).
     """
     dest.mkdir(parents=True, exist_ok=True)
-    for requirement, _ in WHEELS:
+    for requirement, _ in requirements:
         argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
                 "--disable-pip-version-check", "--python-version", python_version, "--implementation", "cp",
                 *[flag for platform in PLATFORMS for flag in ("--platform", platform)], "-d", str(dest), requirement]
@@ -116,9 +117,36 @@ def download_wheels(dest: pathlib.Path, python_version: str) -> list[pathlib.Pat
         if done.returncode:
             raise RuntimeError(f"pip download {requirement} for cp{python_version} failed:\n{done.stderr[-3000:]}")
     wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != len(WHEELS):
-        raise RuntimeError(f"expected {len(WHEELS)} wheels in {dest}, found {[w.name for w in wheels]}")
+    if len(wheels) != len(requirements):
+        raise RuntimeError(f"expected {len(requirements)} wheels in {dest}, found {[w.name for w in wheels]}")
     return wheels
+
+
+# The Ray executor (issue 29): Ray and what it imports that the GPU image lacks (the image has click, filelock,
+# msgpack, packaging, protobuf, pyyaml, requests, aiohttp and attrs). 79 MB for Ray's wheel alone: two more calls.
+RAY_WHEELS: tuple[tuple[str, str], ...] = (
+    ("ray==2.60.0", "vLLM's Ray executor (distributed_executor_backend=ray)"),
+    ("jsonschema==4.26.0", "ray"),
+    ("jsonschema-specifications==2025.9.1", "jsonschema"),
+    ("referencing==0.37.0", "jsonschema"),
+    ("rpds-py==2026.9.1", "referencing"),
+)
+
+
+def build_wheel_set(dest: pathlib.Path, name: str, requirements: tuple[tuple[str, str], ...],
+                    python_version: str) -> pathlib.Path:
+    """Download ``requirements`` and store them in ``dest/<name>-wheels-cpXY.zip`` (a carried wheel set)."""
+    target = dest / f"{name}-wheels-cp{python_version.replace('.', '')}.zip"
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(prefix="kda-wheels-") as scratch:
+        wheels = download_wheels(pathlib.Path(scratch), python_version, requirements)
+        partial = target.with_suffix(".partial")
+        with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED) as archive:
+            for wheel in wheels:
+                archive.write(wheel, wheel.name)
+        os.replace(partial, target)
+    return target
 
 
 def write_bundle(target: pathlib.Path, source: pathlib.Path, wheels: list[pathlib.Path], python_version: str) -> dict:
@@ -217,13 +245,15 @@ def tree_bytes() -> int:
     return sum((ROOT / name.decode()).stat().st_size for name in listed if name and (ROOT / name.decode()).is_file())
 
 
-def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = ("core",)) -> dict:
+def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = ("core",),
+          ray: bool = False) -> dict:
     """Build (or reuse) the bundle and the compressed libraries; write ``dest/carry/run<N>`` for consecutive calls.
 
     Args:
         dest: the bundle folder (gitignored).
         python_version: CPython of the bundle's wheels.
         libraries: keys of :data:`LIBRARIES` to carry (``core`` always; ``moe`` for MoE models).
+        ray: also carry :data:`RAY_WHEELS` as a wheel set (the Ray executor).
     Returns:
         The carry manifest, with ``tree_bytes`` (the working tree each call also carries).
     """
@@ -238,8 +268,12 @@ def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = 
             _, sha = compress_library(dest, LIBRARIES[key])
             sha_file.write_text(sha + "\n")
         compressed[name], unpacked[name] = dest / name, sha_file.read_text().strip()
+    extra = {}
+    if ray:
+        wheel_set = build_wheel_set(dest, "ray", RAY_WHEELS, python_version)
+        extra[wheel_set.name] = wheel_set
     tree = tree_bytes()
-    manifest = gpu_harness.write_carry({**compressed, bundle.name: bundle}, dest / "carry",
+    manifest = gpu_harness.write_carry({**compressed, bundle.name: bundle, **extra}, dest / "carry",
                                        gpu_harness.CALL_BYTES - tree - CALL_MARGIN, unpacked)
     manifest["tree_bytes"] = tree
     return manifest
@@ -257,9 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     carry_parser.add_argument("--dest", type=pathlib.Path, default=DEFAULT_DEST, help="folder (gitignored)")
     carry_parser.add_argument("--with-moe", action="store_true",
                               help="also carry vLLM's MoE op library (Qwen3-Next; one more call)")
+    carry_parser.add_argument("--with-ray", action="store_true",
+                              help="also carry Ray and its missing dependencies (the Ray executor; two more calls)")
     args = parser.parse_args(argv)
     if args.command == "carry":
-        manifest = carry(args.dest, args.python_version, ("core", "moe") if args.with_moe else ("core",))
+        manifest = carry(args.dest, args.python_version, ("core", "moe") if args.with_moe else ("core",),
+                         args.with_ray)
         for run in range(1, manifest["runs"] + 1):
             pieces = [p for a in manifest["artifacts"].values() for p in a["pieces"] if p["run"] == run]
             print(f"run{run}: {len(pieces)} pieces, {sum(p['bytes'] for p in pieces) / 2**20:.1f} MiB + tree "

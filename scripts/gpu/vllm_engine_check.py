@@ -131,7 +131,8 @@ class Case:
     eager: bool
     mutant: str | None = None
     kv_blocks: int | None = None
-    tp: int = 1  # tensor_parallel_size: that many GPUs, one worker process each (mp executor)
+    tp: int = 1  # tensor_parallel_size: that many GPUs, one worker process each
+    executor: str = "mp"  # distributed_executor_backend where tp > 1: mp or ray
 
     @property
     def expected(self) -> str:
@@ -155,7 +156,9 @@ CASES = (
     Case("qwen3_5-v2-prefix-eager-tp2", "qwen3_5", "v2", True, True, tp=2),
     Case("qwen3_5-v2-prefix-eager-tp2-NEGATIVE", "qwen3_5", "v2", True, True, mutant="scatter-halved", tp=2),
     Case("qwen3_5-v1-noprefix-compiled-tp2", "qwen3_5", "v1", False, False, tp=2),
+    Case("qwen3_5-v2-prefix-eager-tp2-ray", "qwen3_5", "v2", True, True, tp=2, executor="ray"),
 )
+RAY_WORKER_MARK = "default_worker.py"  # Ray's worker processes run this script (their rank is not in the name)
 # Multicast over NVLink stays off in every process vLLM starts on the multi-GPU machines (the device tool's KINDS.md:
 # a program that uses it can take the shared host's GPUs out of service); recorded per process and checked
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -419,7 +422,7 @@ def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) ->
     if case.kv_blocks:
         params.update(num_gpu_blocks_override=case.kv_blocks, max_model_len=PREEMPT_MAX_MODEL_LEN)
     if case.tp > 1:
-        params.update(tensor_parallel_size=case.tp, distributed_executor_backend="mp")
+        params.update(tensor_parallel_size=case.tp, distributed_executor_backend=case.executor)
     return params
 
 
@@ -462,6 +465,8 @@ def runnable(cases: list[Case], site: pathlib.Path, gpus: int) -> tuple[list[Cas
         if case.tp > gpus:
             not_run[case.name] = (f"needs {case.tp} GPUs, this machine has {gpus} (the nvidia-h200-x{case.tp} kind, "
                                   "issue 29)")
+        elif case.executor == "ray" and not (site / "ray" / "__init__.py").is_file():
+            not_run[case.name] = "Ray was not carried (vllm_bundle.py carry --with-ray)"
         elif missing:
             not_run[case.name] = (f"vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe); "
                                   f"{MODELS[case.model].note}")
@@ -531,9 +536,11 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
 def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
     """For a case on several GPUs: did every rank route through its own plans on its own GPU?
 
-    Every rank check of the A/B met (a ledger from each ``VllmWorker-<rank>`` and the engine core, patched), and each
-    worker's own ledger shows ``calls_routed == calls_seen > 0`` for the model's patch (a negative control: routed
-    calls) and every plan prepared on ``cuda:<rank>``. One GPU: nothing to judge.
+    Every rank check of the A/B met (a patched ledger from each worker and the engine core), and each worker's own
+    ledger shows ``calls_routed == calls_seen > 0`` for the model's patch (a negative control: routed calls) with
+    every plan on one device: ``cuda:<rank>`` for ``VllmWorker-<rank>`` of the mp executor; for the Ray executor,
+    whose actors each see their own GPU as ``cuda:0`` and carry no rank in their name, ``tp`` actor ledgers with one
+    device each. One GPU: nothing to judge.
     """
     if case.tp == 1:
         return True, ""
@@ -543,10 +550,17 @@ def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
     if unmet or not report.get("ranks"):
         return False, f"ranks not all patched: {'; '.join(unmet) or 'no rank check in the report'}"
     ledgers = (report.get("runs", {}).get("patched") or {}).get("ledgers", [])
-    by_role = {ledger.get("role"): ledger for ledger in ledgers}
+    if case.executor == "ray":
+        workers = [ledger for ledger in ledgers if any(RAY_WORKER_MARK in str(arg) for arg in ledger.get("argv", []))]
+        if len(workers) != case.tp:
+            return False, f"{len(workers)} Ray actor ledgers, expected {case.tp}"
+        expected = [None] * case.tp
+    else:
+        by_role = {ledger.get("role"): ledger for ledger in ledgers}
+        workers = [by_role.get(f"VllmWorker-{rank}") for rank in range(case.tp)]
+        expected = [f"cuda:{rank}" for rank in range(case.tp)]
     parts = []
-    for rank in range(case.tp):
-        ledger = by_role.get(f"VllmWorker-{rank}")
+    for rank, (ledger, device) in enumerate(zip(workers, expected, strict=True)):
         if ledger is None:
             return False, f"rank {rank}: no ledger from VllmWorker-{rank}"
         own = (ledger.get("counters") or {}).get(patch, {})
@@ -555,9 +569,10 @@ def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
             return False, f"rank {rank}: {patch} routed {routed} of {seen} seen"
         devices = {fact["signature"][0] for fact in ((ledger.get("facts") or {}).get("state_copy") or {}).values()
                    if isinstance(fact, dict) and fact.get("signature")}
-        if devices != {f"cuda:{rank}"}:
-            return False, f"rank {rank}: plans prepared on {sorted(devices) or 'no device'}, expected cuda:{rank}"
-        parts.append(f"rank {rank} {routed} == {seen} on cuda:{rank}")
+        if len(devices) != 1 or (device is not None and devices != {device}):
+            return False, f"rank {rank}: plans prepared on {sorted(devices) or 'no device'}, expected " \
+                          f"{device or 'one device'}"
+        parts.append(f"rank {rank} {routed} == {seen} on {next(iter(devices))}")
     return True, "; ".join(parts)
 
 
