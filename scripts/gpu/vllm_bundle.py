@@ -299,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                          args.with_ray)
         for run in range(1, manifest["runs"] + 1):
             pieces = [p for a in manifest["artifacts"].values() for p in a["pieces"] if p["run"] == run]
+            folder = os.path.relpath(args.dest / "carry" / f"run{run}", ROOT)
             print(f"run{run}: {len(pieces)} pieces, {sum(p['bytes'] for p in pieces) / 2**20:.1f} MiB + tree "
-                  f"{manifest['tree_bytes'] / 2**20:.1f} MiB -> carry .bundle/carry/run{run}")
+                  f"{manifest['tree_bytes'] / 2**20:.1f} MiB -> carry {folder}")
         return 0
     manifest = build(args.dest, args.python_version)
     wheel_bytes = sum(w["bytes"] for w in manifest["wheels"])
