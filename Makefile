@@ -77,19 +77,20 @@ env-vllm013: env-main
 environments:
 	@$(call timed,environments (all three),$(MAKE) --no-print-directory -j2 env-ascend env-vllm013)
 
-# The whole suite (what .ci/run calls): two pytest-xdist workers; the tests that start a real vLLM engine form
-# one group that one worker runs in turn, so two engines never share the 2 cores (tests/conftest.py).
+# The whole suite (what .ci/run calls): two pytest-xdist workers, whole files; the files of the tests that start
+# a real vLLM engine are one unit that one worker runs in turn, so two engines never share the 2 cores
+# (tests/xdist_scheduling.py).
 # pytest prints the 25 slowest tests at the end. PYTEST_ARGS: e.g. -x, -k NAME.
 PYTEST_WORKERS ?= 2
 test: environments
 	@$(call timed,pytest (full suite),TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=25 \
-		-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) tests)
+		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests)
 
 # The inner loop while developing: unit tests only (no real engine, no Ascend compile, no fresh-process A/B of
 # the reference workloads; markers in tests/conftest.py), under two minutes. `make test` remains the full suite.
 test-fast: setup
 	@$(call timed,pytest (fast subset),TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=10 \
-		-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not engine and not slow" $(PYTEST_ARGS) tests)
+		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not engine and not slow" $(PYTEST_ARGS) tests)
 
 # Hand-picked mutants against their killing tests, on a temporary copy (slow; not part of `test`).
 # MUTANTS_ARGS: e.g. --repeat 3, --only NAME, --worktree.

@@ -8,10 +8,9 @@
 - On the CPU the state-copy kernels run under the Triton interpreter: ``TRITON_INTERPRET=1`` is set here,
   before any test module imports triton, so ``pytest tests -k kimi`` run directly answers like ``make test``
   (Triton reads it when a kernel is defined; a module collected first must not define them compiled).
-- Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test that starts a real vLLM engine
-  (marked ``engine``) joins one group, so one worker runs them one after another and two engines never
-  compete for the machine's cores; a module with an expensive module-scoped fixture joins its own group, so
-  that fixture runs once (see :data:`ONE_WORKER_MODULES`).
+- Under pytest-xdist (``make test`` runs ``-n 2 --dist loadfile``) files are the unit and the files of the tests
+  that start a real vLLM engine (marked ``engine``) are one unit, so one worker runs them one after another
+  and two engines never compete for the machine's cores (``xdist_scheduling.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ if os.environ.get("KDA_TESTS_RUN_GPU") != "1":
 
 import pytest
 import vllm_stack
+import xdist_scheduling
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,7 +38,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs only with --run-gpu")
-    config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow; one xdist group)")
+    config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow; one xdist unit)")
     config.addinivalue_line("markers", "slow: minutes of fresh processes or compiles; not in `make test-fast`")
     config.addinivalue_line("markers", "alias_mechanism: the test is about the routed alias's own objects; "
                             "it runs under KDA_PATCHES_ROUTING=alias only")
@@ -52,41 +52,31 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(vllm_stack.MISSING.format(error="no module named 'vllm'"))
 
 
-ENGINE_GROUP = "engine"
 # Left out of `make test-fast` (marked ``slow`` here): fresh-process A/B pairs of released code and of the
 # reference workload (tens of seconds each under the interpreter), and the Ascend compile check (minutes).
 SLOW = ("tests/released/", "tests/ascend_check/test_ascend_compile.py",
         "tests/kimi/test_kimi_prefill_exactness.py::test_fresh_process_ab_of_the_reference_workload")
 
 
-def worker_group(item: pytest.Item) -> str | None:
-    """Return the pytest-xdist group of ``item`` (``--dist loadgroup`` runs a group on one worker, in order).
-
-    ``engine`` for every test marked ``engine`` (one engine at a time on the machine); the module's own path for
-    a test that uses a module- or session-scoped fixture defined outside the conftest files (one worker builds
-    it once, e.g. the Ascend check's report); None for the rest (any worker).
-    """
-    if "engine" in item.keywords:
-        return ENGINE_GROUP
-    module = item.nodeid.split("::", 1)[0]
-    for definitions in item._fixtureinfo.name2fixturedefs.values():
-        for definition in definitions:
-            if definition.scope in ("module", "package", "session") and definition.baseid == module:
-                return module
-    return None
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which the GPU machine may lack
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile`` (``make test``): whole files, the engine files as one unit (``xdist_scheduling``)."""
+    if config.getoption("dist", "no") != "loadfile":
+        return None
+    return xdist_scheduling.make_scheduler(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks added here, and before xdist reads groups
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = {item.nodeid: worker_group(item) for item in items}
+    stray = sorted({item.nodeid.split("::", 1)[0] for item in items if "engine" in item.keywords}
+                   - xdist_scheduling.ENGINE_FILES)
+    if stray:
+        raise pytest.UsageError(f"tests marked engine outside xdist_scheduling.ENGINE_FILES: {', '.join(stray)}")
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
-    for item in items:
-        if groups[item.nodeid] is not None:
-            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
-    if hasattr(config, "workerinput"):  # an xdist worker: the engine group first, then the other groups
-        items.sort(key=lambda item: (groups[item.nodeid] != ENGINE_GROUP, groups[item.nodeid] is None))
+    if hasattr(config, "workerinput"):  # an xdist worker: the engine unit first in the queue, so it starts at once
+        items.sort(key=lambda item: xdist_scheduling.work_unit(item.nodeid) != xdist_scheduling.ENGINE_UNIT)
     if config.getoption("--run-gpu"):
         return
     skip_gpu = pytest.mark.skip(reason="GPU test: run with --run-gpu on a CUDA machine (make gpu-check)")
