@@ -70,11 +70,17 @@ def describe_seams() -> dict[str, Any]:
     flags = current_flags()
     facts = get_ledger().snapshot().get("facts", {})
     seams: dict[str, Any] = {"KDA_PATCHES_KIMI_PLAN": flags.kimi_plan, "KDA_PATCHES_GDN_PLAN": flags.gdn_plan,
-                             "KDA_PATCHES_ROUTING": flags.routing}
+                             "KDA_PATCHES_GDN_OPS": flags.gdn_ops, "KDA_PATCHES_ROUTING": flags.routing}
     for name, patch in registry.all_patches().items():
-        declared = {target.key: {**target.wrapper.seam.describe(), "routing": facts.get(
-            target.wrapper.seam.section, {}).get(f"routing {target.key}", {}).get("mechanism", "not wrapped here")}
-            for target in patch.targets if isinstance(target.wrapper, SeamWrapper)}
+        declared = {}
+        for key in patch.keys():  # the seam of the installed release's era (else the first declared)
+            siblings = [target for target in patch.siblings(key) if isinstance(target.wrapper, SeamWrapper)]
+            if not siblings:
+                continue
+            found = registry.find_version(siblings[0])
+            target = next((t for t in siblings if found and registry.version_in_range(t, found)), siblings[0])
+            declared[key] = {**target.wrapper.seam.describe(), "routing": facts.get(
+                target.wrapper.seam.section, {}).get(f"routing {key}", {}).get("mechanism", "not wrapped here")}
         if declared:
             seams[name] = declared
     return seams

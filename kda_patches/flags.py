@@ -34,6 +34,10 @@ SWITCHES: dict[str, str] = {
     "KDA_PATCHES_GDN_PLAN": "fork (default): on vllm-ascend >=0.30, whose NPU GDN prefill copies states with its "
     "own Triton kernels (gather_ssm_states / scatter_ssm_states_), gdn_state_copy stands aside; overlay: route "
     "those two calls through the overlay's sealed plan (needs KDA_PATCHES_ROUTING=rewrite; unverified on NPUs)",
+    "KDA_PATCHES_GDN_OPS": "upstream (default): on vLLM >=0.34, whose Qwen and Kimi Linear GDN prefill copies "
+    "states with its own startup-warmed Triton ops (gather_initial_states / scatter_states), gdn_state_copy "
+    "stands aside on those seams; overlay: route those two calls through the overlay's sealed plan (needs "
+    "KDA_PATCHES_ROUTING=rewrite). Kimi K3 and Olmo are routed either way",
     "KDA_PATCHES_ROUTING": "rewrite (default): a seam whose released source has exactly the declared copy lines "
     "runs a twin compiled at apply time that calls the plan directly; alias: every seam routes through the "
     "routed alias of its cache (tensor subclasses, more host time per call). Read when a seam is wrapped",
@@ -48,6 +52,7 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _KV_STATE_MODES = ("auto", "separate")
 _KIMI_PLANS = ("fork", "overlay")
 _GDN_PLANS = ("fork", "overlay")
+_GDN_OPS = ("upstream", "overlay")
 _ROUTINGS = ("rewrite", "alias")
 
 
@@ -60,18 +65,19 @@ class Flags:
     """
 
     __slots__ = ("enabled", "disable", "only", "force_triton", "strict", "status_dir", "log_level",
-                 "custom_opp", "preload", "kv_state_mode", "kimi_plan", "gdn_plan", "routing", "role", "warnings")
+                 "custom_opp", "preload", "kv_state_mode", "kimi_plan", "gdn_plan", "gdn_ops", "routing", "role",
+                 "warnings")
 
     def __init__(self, enabled: bool = True, disable: frozenset[str] = frozenset(),
                  only: frozenset[str] | None = None, force_triton: bool = False, strict: bool = False,
                  status_dir: str | None = None, log_level: str = "WARNING", custom_opp: tuple[str, ...] = (),
                  preload: tuple[str, ...] = (), kv_state_mode: str = "auto", role: str | None = None,
                  warnings: tuple[str, ...] = (), kimi_plan: str = "fork", routing: str = "rewrite",
-                 gdn_plan: str = "fork") -> None:
+                 gdn_plan: str = "fork", gdn_ops: str = "upstream") -> None:
         values = dict(enabled=enabled, disable=frozenset(disable), only=None if only is None else frozenset(only),
                       force_triton=force_triton, strict=strict, status_dir=status_dir, log_level=log_level,
                       custom_opp=tuple(custom_opp), preload=tuple(preload), kv_state_mode=kv_state_mode,
-                      kimi_plan=kimi_plan, gdn_plan=gdn_plan, routing=routing, role=role,
+                      kimi_plan=kimi_plan, gdn_plan=gdn_plan, gdn_ops=gdn_ops, routing=routing, role=role,
                       warnings=tuple(warnings))
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -109,6 +115,7 @@ class Flags:
             "KDA_PATCHES_KV_STATE_MODE": self.kv_state_mode,
             "KDA_PATCHES_KIMI_PLAN": self.kimi_plan,
             "KDA_PATCHES_GDN_PLAN": self.gdn_plan,
+            "KDA_PATCHES_GDN_OPS": self.gdn_ops,
             "KDA_PATCHES_ROUTING": self.routing,
             "KDA_PATCHES_ROLE": self.role,
         }
@@ -185,6 +192,10 @@ def parse_flags(environ: Mapping[str, str] | None = None,
     if gdn_plan not in _GDN_PLANS:
         raise ValueError(f"KDA_PATCHES_GDN_PLAN={env.get('KDA_PATCHES_GDN_PLAN')!r} is not a choice; "
                          f"use one of {', '.join(_GDN_PLANS)}")
+    gdn_ops = (env.get("KDA_PATCHES_GDN_OPS") or "upstream").strip().lower()
+    if gdn_ops not in _GDN_OPS:
+        raise ValueError(f"KDA_PATCHES_GDN_OPS={env.get('KDA_PATCHES_GDN_OPS')!r} is not a choice; "
+                         f"use one of {', '.join(_GDN_OPS)}")
     routing = (env.get("KDA_PATCHES_ROUTING") or "rewrite").strip().lower()
     if routing not in _ROUTINGS:
         raise ValueError(f"KDA_PATCHES_ROUTING={env.get('KDA_PATCHES_ROUTING')!r} is not a mechanism; "
@@ -203,6 +214,7 @@ def parse_flags(environ: Mapping[str, str] | None = None,
         kv_state_mode=kv_state_mode,
         kimi_plan=kimi_plan,
         gdn_plan=gdn_plan,
+        gdn_ops=gdn_ops,
         routing=routing,
         role=env.get("KDA_PATCHES_ROLE") or None,
         warnings=tuple(warnings),

@@ -27,7 +27,9 @@ Semantics (the same predicates serve the runtime and release conformance, see "P
   ``not-applicable`` when every member is simply absent/out of range on this stack), with ONE warning
   for the group. If all pass, members are applied as their modules import, each re-checked on its real
   object; if a later member then fails, the members already applied are reverted and every member is
-  recorded ``skipped`` (the failing one with its own state) with the reason.
+  recorded ``skipped`` (the failing one with its own state) with the reason. A member the user opts into
+  (``Target.chosen_by``) that stands aside is no member while another member is live: it is recorded
+  ``not-applicable`` ("inert: ...") and the rest of its group applies.
 
 The decisions are pure functions of data, defined and listed in :mod:`kda_patches.verdicts` and re-exported
 here (``version_in_range``, ``check_key``, ``group_verdict`` ...); :mod:`kda_patches.releases` conformance calls
@@ -57,6 +59,7 @@ from kda_patches.verdicts import (
     parse_version,
     ranges_overlap,
     select_target,
+    stands_aside_by_choice,
     version_in_range,
     version_range,
 )
@@ -64,7 +67,8 @@ from kda_patches.verdicts import (
 __all__ = ["ABSENT", "GroupVerdict", "Patch", "PatchSkipped", "Target", "Verdict", "all_patches", "apply_target",
            "check_key", "find_version", "fingerprint_matches", "group_verdict", "is_applied", "newer_than_all",
            "parse_version", "ranges_overlap", "read_live_parameters", "read_static_parameters", "register_patch",
-           "resolve_attribute", "revert_patch", "select_target", "signature_parameters", "version_in_range",
+           "resolve_attribute", "revert_patch", "select_target", "signature_parameters", "stands_aside_by_choice",
+           "version_in_range",
            "version_range", "version_supported"]
 
 version_supported = version_in_range  # the name doctor used before ranges had siblings
@@ -424,7 +428,7 @@ def _apply_key(patch: Patch, key: str, module: Any, strict: bool) -> str:
             return _refuse_in_group(patch, key, group, group_state, strict)
     verdict = check_key(patch, key, found, read_live_parameters(target, module))
     if not verdict.ok:
-        if group is not None:
+        if group is not None and key in _groups[(patch.name, group)].members:
             _fail_group(patch, group, "skipped", f"group {group!r} not applied: member {key} failed its "
                         f"check at import: {verdict.reason}", list(_groups[(patch.name, group)].members), strict,
                         own=(key, verdict.state, verdict.reason))

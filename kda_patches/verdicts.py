@@ -11,6 +11,7 @@ versions and signatures read out of released sources. ``patch`` / ``target`` arg
 - :func:`select_target` ``(patch, key, found) -> Target | None`` (the in-range sibling)
 - :func:`check_key` ``(patch, key, found, parameters) -> Verdict`` (one key on one stack)
 - :func:`group_verdict` ``(patch, group, version_of, read) -> GroupVerdict`` (all members of a group)
+- :func:`stands_aside_by_choice` ``(target) -> bool`` (an opt-in target, not chosen here)
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ if TYPE_CHECKING:
     from typing import Callable
 
     from kda_patches.registry import Patch, Target
+
+
+def stands_aside_by_choice(target: Target | None) -> bool:
+    """Return whether ``target`` is live only when chosen (``chosen_by``) and stands aside in this process."""
+    return target is not None and target.chosen_by is not None and inert_reason(target) is not None
 
 
 def inert_reason(target: Target) -> str | None:
@@ -205,7 +211,11 @@ def group_verdict(patch: Patch, group: str, version_of: Callable[[Target], str |
     """Decide every member of ``group`` together.
 
     A key is a member on a stack when its in-range sibling is in ``group``, or when no sibling is in range
-    and one of them is in ``group`` (then it fails the group). Siblings may thus move a key between groups
+    and one of them is in ``group`` (then it fails the group). A member the user opts into (``chosen_by``)
+    that stands aside in this process is no member while another member is live: the rest of the group
+    applies without it (vLLM 0.34's Olmo seam and runner hooks without the Qwen seam, whose states upstream's
+    own ops copy); when every member stands aside the group is ``not-applicable`` with their reasons.
+    Siblings may thus move a key between groups
     by version (e.g. a bind hook coupled to one era's allocator and to the next era's).
 
     Args:
@@ -224,6 +234,10 @@ def group_verdict(patch: Patch, group: str, version_of: Callable[[Target], str |
             continue  # on this stack the key's in-range sibling belongs to another group (or none)
         probe = target if target is not None else patch.siblings(key)[0] if found is None else None
         members[key] = check_key(patch, key, found, read(probe) if probe is not None else ABSENT)
+    aside = [key for key, verdict in members.items() if verdict.state == "not-applicable"
+             and stands_aside_by_choice(verdict.target)]
+    if aside and len(aside) < len(members):  # an opt-in member standing aside is no member while it does
+        members = {key: verdict for key, verdict in members.items() if key not in aside}
     failing = [verdict for verdict in members.values() if not verdict.ok]
     if not members:
         return GroupVerdict(group, "not-applicable", f"group {group!r} has no member on this stack", members)

@@ -62,3 +62,11 @@ def test_paths_split_on_pathsep_and_flags_are_immutable():
 def test_the_release_cache_variable_is_a_known_switch():
     # read by kda_patches.releases.fetch, not at activation: it must not be warned about as unknown
     assert not parse_flags({"KDA_PATCHES_RELEASE_CACHE": "/tmp/cache"}, known_patches=()).warnings
+
+
+def test_gdn_ops_switch_defaults_to_upstream_and_accepts_overlay():
+    assert parse_flags({}, KNOWN).gdn_ops == "upstream"
+    assert parse_flags({"KDA_PATCHES_GDN_OPS": " Overlay "}, KNOWN).gdn_ops == "overlay"
+    assert parse_flags({"KDA_PATCHES_GDN_OPS": "overlay"}, KNOWN).as_dict()["KDA_PATCHES_GDN_OPS"] == "overlay"
+    with pytest.raises(ValueError, match="KDA_PATCHES_GDN_OPS"):
+        parse_flags({"KDA_PATCHES_GDN_OPS": "fork"}, KNOWN)

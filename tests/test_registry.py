@@ -613,3 +613,58 @@ def test_reverting_a_wrapper_someone_replaced_leaves_the_replacement(tmp_path, m
         assert registry.revert_patch(patch) == 0
     assert vars(module.Engine)["step"] is replacement
     assert "replaced by someone else" in caplog.text
+
+
+TWO_SEAMS = """
+class Plain:
+    def step(self, value):
+        return value * 10
+
+
+class Upstream:
+    def step(self, value):
+        return value * 100
+"""
+
+
+@pytest.mark.parametrize("choice", ["upstream", "overlay"])
+def test_an_opt_in_member_standing_aside_leaves_the_rest_of_its_group_applied(tmp_path, monkeypatch, choice):
+    """vLLM 0.34's shape: one group of a plain seam and a seam upstream copies itself (opt-in). Standing aside, the
+    opt-in member is no member (the plain seam applies, STRICT holds); chosen, it joins and both apply."""
+    import kda_patches
+    from kda_patches.flags import Flags
+
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True, gdn_ops=choice))
+    name = make_module(tmp_path, monkeypatch, TWO_SEAMS, version="0.34.0")
+    plain = registry.Target(name, "Plain.step", add_one, distribution=name, min_version="0.34", max_version="0.35",
+                            parameters=("self", "value"), group="g")
+    upstream = registry.Target(name, "Upstream.step", add_one, distribution=name, min_version="0.34",
+                               max_version="0.35", parameters=("self", "value"), group="g",
+                               inert="upstream copies itself", chosen_by=("gdn_ops", "overlay"))
+    patch = registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="opt-in member", targets=(plain, upstream))
+    registry.register_patch(patch, strict=True)
+    module = importlib.import_module(name)
+    assert module.Plain().step(1) == 11
+    entries = get_ledger().snapshot()["patches"][patch.name]["targets"]
+    if choice == "overlay":
+        assert module.Upstream().step(1) == 101
+        assert entries[f"{name}:Upstream.step"]["state"] == "applied"
+    else:
+        assert module.Upstream().step(1) == 100
+        assert entries[f"{name}:Upstream.step"]["state"] == "not-applicable"
+        assert entries[f"{name}:Upstream.step"]["reason"].startswith("inert: upstream copies itself")
+    verdict = registry.group_verdict(patch, "g", lambda target: "0.34.0", lambda target: ("self", "value"))
+    assert verdict.ok and (f"{name}:Upstream.step" in verdict.members) == (choice == "overlay")
+    registry.revert_patch(patch)
+
+
+def test_a_group_whose_every_member_stands_aside_is_not_applicable_with_their_reasons(monkeypatch):
+    import kda_patches
+    from kda_patches.flags import Flags
+
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(gdn_ops="upstream"))
+    members = tuple(registry.Target("m", f"C.{method}", add_one, distribution="d", min_version="0.34",
+                                    max_version="0.35", group="g", inert="upstream copies itself",
+                                    chosen_by=("gdn_ops", "overlay")) for method in ("f", "g"))
+    verdict = registry.group_verdict(registry.Patch("p", "s", members), "g", lambda t: "0.34.0", lambda t: ("x",))
+    assert verdict.state == "not-applicable" and "inert: upstream copies itself" in verdict.reason

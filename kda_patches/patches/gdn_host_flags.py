@@ -144,7 +144,7 @@ def _build_target(module: str, qualname: str, stack: str, distribution: str, min
 _ASCEND_BUILDER = ("vllm_ascend.ops.gdn_attn_builder", "AscendGDNAttentionMetadataBuilder.build")
 
 # Ranges as the released sources show them (kda-patches conformance re-reads them): the upstream builder
-# has the same six parameters in vLLM 0.13.0 and 0.26.0-0.33.0; the Kimi K3 NVIDIA builder first ships in
+# has the same six parameters in vLLM 0.13.0 and 0.26.0-0.34.0; the Kimi K3 NVIDIA builder first ships in
 # 0.27.1, the ROCm one in 0.32.0; vllm-ascend 0.26.0rc1-0.28.0rc1 have six parameters, 0.29.0rc1-0.30.0rc2
 # seven (+ num_actual_reqs). Upper bounds are the first release not read yet.
 PATCH = Patch(
@@ -152,11 +152,11 @@ PATCH = Patch(
     summary="attach CPU-side prefill facts to GDN metadata so prefill decisions need no device sync",
     targets=(
         _build_target("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder.build",
-                      "vllm", "vllm", "0.13", "0.34"),
+                      "vllm", "vllm", "0.13", "0.35"),
         _build_target("vllm.models.kimi_k3.nvidia.kda_metadata", "KimiK3KDAMetadataBuilder.build",
-                      "vllm", "vllm", "0.27", "0.34"),
+                      "vllm", "vllm", "0.27", "0.35"),
         _build_target("vllm.models.kimi_k3.amd.kda_metadata", "KimiK3ROCmKDAMetadataBuilder.build",
-                      "vllm", "vllm", "0.32", "0.34"),
+                      "vllm", "vllm", "0.32", "0.35"),
         _build_target(*_ASCEND_BUILDER, "vllm-ascend", "vllm-ascend", "0.26", "0.29"),
         _build_target(*_ASCEND_BUILDER, "vllm-ascend", "vllm-ascend", "0.29", "0.31",
                       parameters=ASCEND_029_BUILD_PARAMETERS, shapes=("unpads:m.unpadded(_, num_actual_reqs)",)),

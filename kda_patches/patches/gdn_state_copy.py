@@ -27,6 +27,15 @@ Seams, per the released sources (``kda-patches conformance`` re-reads them):
   (``Target.chosen_by``) and the rewritten twin sends both kernel calls and the CPU branch's index copies to
   the overlay's plan (:data:`ASCEND_030_SEAM`).
 
+vLLM 0.34 (V2 runner only; ``extend_kv_cache`` re-validates and republishes the plans after the extensible KV
+cache's rebind, :mod:`kda_patches.routing.rebind`): Olmo is unchanged and routed; Qwen ``_forward_core`` and Kimi
+Linear ``_forward`` copy states with upstream's own startup-warmed Triton ops ``gather_initial_states`` /
+``scatter_states(state, src, indices)``, so the overlay stands aside on those two seams by default
+(``KDA_PATCHES_GDN_OPS=upstream``: inert with the reason, conformance "stands down" on them);
+``KDA_PATCHES_GDN_OPS=overlay`` routes both calls through the plan (rewritten twin only:
+``QWEN_034_SEAM`` / ``KIMI_GDN_034_SEAM``). Qwen's FlashInfer prefill backend passes the cache to its kernel
+without either op: such a call is reported bypassed.
+
 Final-state cast folded into the scatter (``Seam.final``): where the released body scatters
 ``ssm_state[idx] = last_recurrent_state.to(ssm_state.dtype)`` with the final state straight from a chunk
 callable -- Qwen's ``self.chunk_gated_delta_rule`` (a layer attribute, shadowed for the call), Olmo's module-level
@@ -60,7 +69,14 @@ from kda_patches.routing.seams import (
     MetadataField,
     Seam,
 )
-from kda_patches.routing.wrappers import SeamWrapper, StartupWrapper, wrap_clear, wrap_final, wrap_gather
+from kda_patches.routing.wrappers import (
+    RebindWrapper,
+    SeamWrapper,
+    StartupWrapper,
+    wrap_clear,
+    wrap_final,
+    wrap_gather,
+)
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 if TYPE_CHECKING:
@@ -87,6 +103,12 @@ ASCEND_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN)
 # cast of the fused branch's final state, in one pass); the CPU branch indexes the cache as 0.26-0.29 did
 ASCEND_030_SEAM = Seam("vllm-ascend 0.30 GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN,
                        gather_function="gather_ssm_states", scatter_function="scatter_ssm_states_")
+# vLLM >= 0.34: Qwen and Kimi Linear copy states with upstream's startup-warmed Triton ops gather_initial_states
+# (flags inside) and scatter_states(state, src, indices) (the cast inside its store); routed only when chosen
+_UPSTREAM_OPS = {"state": KVCacheSlot(1), "clear": CLEAR_NONE, "gather_function": "gather_initial_states",
+                 "scatter_function": "scatter_states", "scatter_value_first": True, "prefill_gated": True}
+QWEN_034_SEAM = Seam("vLLM 0.34 Qwen GDN _forward_core", LEDGER_PATH, **_UPSTREAM_OPS)
+KIMI_GDN_034_SEAM = Seam("vLLM 0.34 Kimi Linear GDN _forward", LEDGER_PATH, **_UPSTREAM_OPS)
 ASCEND_FUSED_CHUNK = "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"
 # 0.27-0.29: the same seam, plus the fused variant's chunk as the final state's source (the folded cast)
 ASCEND_FOLD_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN,
@@ -98,7 +120,10 @@ wrap_kimi_gdn_forward = SeamWrapper(KIMI_GDN_SEAM)
 wrap_ascend_forward_core = SeamWrapper(ASCEND_SEAM)
 wrap_ascend_fold_forward_core = SeamWrapper(ASCEND_FOLD_SEAM)
 wrap_ascend_030_forward_core = SeamWrapper(ASCEND_030_SEAM)
+wrap_qwen_034_forward_core = SeamWrapper(QWEN_034_SEAM)
+wrap_kimi_gdn_034_forward = SeamWrapper(KIMI_GDN_034_SEAM)
 wrap_initialize_kv_cache = StartupWrapper(LEDGER_PATH)
+wrap_extend_kv_cache = RebindWrapper(LEDGER_PATH)
 
 _GDN = "vllm.model_executor.layers.mamba.gdn"
 _QWEN_SHAPES = ("read:self.kv_cache", "gather:ssm_state[prefill_state_indices]",
@@ -129,6 +154,38 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
              KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_SHAPES),
             (f"{_GDN}.kimi_gdn_linear_attn", "gather_initial_states", wrap_gather, GATHER_PARAMETERS, ())]
     return era("vllm", low, high, (*members, *upstream_runners(wrap_initialize_kv_cache, low)))
+
+
+UPSTREAM_OPS_STAND_ASIDE = ("vLLM >= 0.34 copies this seam's GDN states with its own startup-warmed Triton ops "
+                           "gather_initial_states / scatter_states (flags and cast in one pass, PDL on SM90+), so "
+                           "the overlay stands aside (KDA_PATCHES_GDN_OPS=upstream, the default; no H200 measurement "
+                           "of vLLM 0.34's own layers shows the plan at least as fast yet); KDA_PATCHES_GDN_OPS="
+                           "overlay routes those two calls through the overlay's sealed plan")
+_QWEN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(ssm_state, ...)",
+                    "scatter:scatter_states(ssm_state, ...)")
+_KIMI_GDN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recurrent_state, ...)",
+                        "scatter:scatter_states(recurrent_state, ...)")
+
+
+def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
+    """vLLM >= 0.34: Olmo (index copies) routed; Qwen and Kimi Linear (upstream's own ops) only when chosen.
+
+    One group: the members standing aside by choice are not members while they stand aside
+    (:func:`kda_patches.verdicts.group_verdict`), so Olmo and the runner hooks apply without them; chosen, they
+    join the group (applied together with the hooks or not at all).
+    """
+    plain = era("vllm", low, high, (
+        (f"{_GDN}.olmo_gdn_linear_attn", "OlmoHybridGatedDeltaNetAttention._forward_core", wrap_olmo_forward_core,
+         FORWARD_CORE_PARAMETERS, _OLMO_SHAPES),
+        (f"{_GDN}.olmo_gdn_linear_attn", "chunk_gated_delta_rule", wrap_final, None, ()),
+        *upstream_runners(wrap_initialize_kv_cache, low, wrap_extend_kv_cache)))
+    chosen = era("vllm", low, high, (
+        (f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_034_forward_core,
+         FORWARD_CORE_PARAMETERS, _QWEN_034_SHAPES),
+        (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_034_forward,
+         KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_034_SHAPES)),
+        chosen_by=("gdn_ops", "overlay"), stands_aside=UPSTREAM_OPS_STAND_ASIDE)
+    return (*plain, *chosen)
 
 
 def _ascend_era(low: str, high: str) -> tuple[Target, ...]:
@@ -165,7 +222,8 @@ PATCH = Patch(
     name=LEDGER_PATH,
     summary="route the GDN layers' prefill gather(+clear)/scatter through the sealed state-copy plans "
     "(shared routing core and startup with kimi_prefill)",
-    targets=(*_upstream_era("0.26", "0.27"), *_upstream_era("0.27", "0.30"), *_upstream_era("0.30", "0.40"),
+    targets=(*_upstream_era("0.26", "0.27"), *_upstream_era("0.27", "0.30"), *_upstream_era("0.30", "0.34"),
+             *_upstream_034_era("0.34", "0.35"),
              *_ascend_era("0.26", "0.27"), *_ascend_era("0.27", "0.28"), *_ascend_era("0.28", "0.30"),
              *_ascend_030_era("0.30", "0.40"),
              Target("vllm_ascend.ops.gdn", "clear_ssm_states", None, "vllm-ascend", "vllm-ascend", "0.30", "0.40",

@@ -18,7 +18,10 @@ Targets, per the released sources (``kda-patches conformance`` re-reads them):
 - upstream vLLM >= 0.27: ``KimiK3DeltaAttention._forward`` (prefill-gated), the ``gather_initial_states``
   name its module calls, and ``GPUModelRunner.initialize_kv_cache`` of V1 (``(self, kv_cache_config,
   is_profiling)`` before 0.30, ``+ kv_cache_allocation_context`` from 0.30) and V2 (``(self,
-  kv_cache_config)`` before 0.30, the 4-parameter form from 0.30) -- one group.
+  kv_cache_config)`` before 0.30, the 4-parameter form from 0.30) -- one group; vLLM 0.34 (V2 runner only,
+  ``+ extensible``, and ``extend_kv_cache``, after which the plans are re-validated and republished:
+  :mod:`kda_patches.routing.rebind`): upstream gathers through its own ``gather_initial_states`` there but still
+  scatters by index assignment, so the seam is routed as before.
 
 Importing this module imports neither torch nor vLLM.
 """
@@ -40,7 +43,14 @@ from kda_patches.routing.seams import (
     KVCacheSlot,
     Seam,
 )
-from kda_patches.routing.wrappers import ForkPlanWrapper, SeamWrapper, StartupWrapper, wrap_clear, wrap_gather
+from kda_patches.routing.wrappers import (
+    ForkPlanWrapper,
+    RebindWrapper,
+    SeamWrapper,
+    StartupWrapper,
+    wrap_clear,
+    wrap_gather,
+)
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 if TYPE_CHECKING:
@@ -63,6 +73,7 @@ wrap_run_prefill = SeamWrapper(ASCEND_SEAM)
 wrap_upstream_forward = SeamWrapper(UPSTREAM_SEAM)
 wrap_initialize_kv_cache = StartupWrapper(LEDGER_PATH)
 wrap_fork_initialize = ForkPlanWrapper(LEDGER_PATH)
+wrap_extend_kv_cache = RebindWrapper(LEDGER_PATH)
 wrap_clear_ssm_states = wrap_clear
 wrap_gather_initial_states = wrap_gather
 
@@ -85,7 +96,7 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
     return era("vllm", low, high, (
         (_KIMI_K3, "KimiK3DeltaAttention._forward", wrap_upstream_forward, FORWARD_PARAMETERS, _UPSTREAM_SHAPES),
         (_KIMI_K3, "gather_initial_states", wrap_gather, GATHER_PARAMETERS, ()),
-        *upstream_runners(wrap_initialize_kv_cache, low)))
+        *upstream_runners(wrap_initialize_kv_cache, low, wrap_extend_kv_cache)))
 
 
 PATCH = Patch(
@@ -104,7 +115,8 @@ PATCH = Patch(
                  "kimi_prefill observes it or overlays it through initialize_kda_state_copy instead")
           for qualname in ("AscendKimiK3DeltaAttention._run_prefill", "clear_ssm_states")),
         *_upstream_era("0.27", "0.30"),
-        *_upstream_era("0.30", "0.40"),
+        *_upstream_era("0.30", "0.34"),
+        *_upstream_era("0.34", "0.35"),
     ),
 )
 

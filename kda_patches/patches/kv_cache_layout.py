@@ -21,6 +21,8 @@ Targets (ranges as the released sources show them; ``kda-patches conformance`` r
   ``page-views-reshape``).
 - vLLM 0.29-0.33: ``vllm.v1.worker.utils.allocate_kv_cache`` (decide) and ``MambaBase.bind_kv_cache`` (bind the
   chosen dense states), coupled (group ``page-views-allocate``).
+- vLLM 0.34: the same three targets declared inert: the extensible KV cache rebuilds every view after warmup
+  (``extend_kv_cache`` -> ``create_kv_cache_views``), which no adapter here follows yet.
 - ``get_kv_cache_configs`` — only with ``KDA_PATCHES_KV_STATE_MODE=separate``: shrink the KV budget by the
   separate states' memory and stamp the reservation on the configs. ``vllm.v1.core.kv_cache_utils`` up to 0.32;
   ``vllm.v1.core.kv_cache_planning`` from 0.33 (a 4th parameter ``global_kv_cache_groups``, passed through).
@@ -176,6 +178,10 @@ _FL_RUNNER = "vllm_fl.worker.model_runner"
 _ASCEND_RUNNER = "vllm_ascend.worker.model_runner_v1"
 _BIND = ("vllm.model_executor.layers.mamba.abstract", "MambaBase.bind_kv_cache", wrap_mamba_bind_kv_cache,
          BIND_PARAMETERS)
+_EXTENSIBLE_INERT = ("vLLM 0.34's extensible KV cache (default on CUDA/ROCm) rebuilds every layer's views after "
+                     "warmup in extend_kv_cache through create_kv_cache_views, not allocate_kv_cache, so a decided "
+                     "dense or separate state layout would be replaced by upstream's at that rebind; no adapter for "
+                     "the rebind yet (issue 27): the overlay leaves 0.34's layout alone")
 _ASCEND_INERT = ("no adapter for vllm-ascend's own NPU KV reshaping (NPUModelRunner._reshape_kv_cache_tensors "
                  "0.26-0.30); the overlay leaves its layout alone")
 
@@ -213,5 +219,8 @@ PATCH = Patch(
                 CONFIGS_PARAMETERS, min_version="0.13", max_version="0.33"),
         _target("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs", wrap_get_kv_cache_configs,
                 CONFIGS_033_PARAMETERS, min_version="0.33", max_version="0.34"),
+        *(_target(module, qualname, None, None, min_version="0.34", max_version="0.35", inert=_EXTENSIBLE_INERT)
+          for module, qualname in (("vllm.v1.worker.utils", "allocate_kv_cache"), _BIND[:2],
+                                   ("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs"))),
     ),
 )

@@ -32,9 +32,13 @@ The remaining rules look only at the targets of the stack's *platform* (``Target
 the fork is in the stack, else ``vllm``): on Ascend the fork's layers override the upstream methods that the
 ``vllm`` targets wrap, so those (listed as "also wrapped") cannot make the patch work there.
 
-- **stands down**: the fork does this job itself and the overlay deliberately leaves it alone: every
-  platform target that would be wrapped declares a ``fork:`` shape and that shape holds (the target only
-  observes or cooperates with the fork's own mechanism, e.g. records its plan kind), and at least one does.
+- **stands down**: the fork (or upstream) does this job itself and the overlay deliberately leaves it alone:
+  either no platform target would be wrapped and at least one stands aside by choice (``Target.chosen_by``, not
+  chosen in this process: vllm-ascend 0.30's GDN kernels, vLLM 0.34's own GDN ops), or every platform target
+  that would be wrapped declares a ``fork:`` shape and that shape holds (the target only observes or
+  cooperates with the fork's own mechanism, e.g. records its plan kind), and at least one does. Every wrapped
+  target counts: one plain seam wrapped beside a fork-native one makes the patch *work* (the *works* reason
+  then names the targets standing aside).
 - **inert**: no platform target would be wrapped (each absent or not-applicable); the reason lists why per
   target, e.g. "declared for vllm>=0.30,<0.40, found 0.26.0", "module not shipped", or a declared gap
   ("inert: ...", ``Target.inert``).
@@ -179,6 +183,9 @@ def check_target(patch: registry.Patch, key: str, stack: Stack, decision: regist
         "shapes": {},
         "aliases": alias_report(source, stack.sources, target.module, target.qualname)
         if present and decision is not None and decision.state == "ok" else None,
+        # an opt-in target left unwrapped in this process: the upstream or fork code does the job itself
+        "stands_aside": decision is not None and decision.state == "not-applicable"
+        and registry.stands_aside_by_choice(registry.select_target(patch, key, found)),
     }
     seam = getattr(target.wrapper, "seam", None)  # a state-copy seam: which routing mechanism it will run
     if seam is not None and definition is not None and decision is not None and decision.state == "ok":
@@ -253,7 +260,7 @@ def judge_patch(patch: registry.Patch, targets: list[dict], platform: str = "vll
                             f"{entry['scope']} scope, as {entry['bound']}): the wrapper would not reach it "
                             f"({entry['why']})")
     for group in {t["group"] for t in targets if t["group"]}:
-        members = [t for t in targets if t["group"] == group]
+        members = [t for t in targets if t["group"] == group and not t.get("stands_aside")]
         applied = [t["key"] for t in members if t["runtime"] == "ok"]
         if applied and len(applied) != len(members):
             missing = [f"{t['key']} ({t['runtime']}: {t['runtime_reason']})" for t in members
@@ -265,6 +272,10 @@ def judge_patch(patch: registry.Patch, targets: list[dict], platform: str = "vll
     elsewhere = [t["key"] for t in wrapped if t["stack"] != platform]
     also = f" (also wrapped, upstream code the {platform} layers may not call: {', '.join(elsewhere)})" \
         if elsewhere else ""
+    aside = [t for t in targets if t["stack"] == platform and t.get("stands_aside")]
+    if aside and not here:
+        return "stands down", ("the overlay stands aside by default where the serving code copies these states "
+                               "itself: " + "; ".join(_inert_reasons(aside)) + also)
     if not here:
         own = [t for t in targets if t["stack"] == platform]
         if not own:
@@ -276,7 +287,8 @@ def judge_patch(patch: registry.Patch, targets: list[dict], platform: str = "vll
                            if name.startswith(FORK_SHAPE_PREFIX)})
         return "stands down", ("the fork does this itself (" + "; ".join(evidence) + "); the overlay only "
                                f"wraps {', '.join(t['key'] for t in here)} to cooperate/record{also}")
-    return "works", f"wraps {', '.join(t['key'] for t in here)}{also}"
+    standing = f"; stands down on {', '.join(t['key'] for t in aside)} (opt-in)" if aside else ""
+    return "works", f"wraps {', '.join(t['key'] for t in here)}{standing}{also}"
 
 
 def _inert_reasons(targets: list[dict]) -> list[str]:

@@ -14,7 +14,7 @@ import re
 from kda_patches.releases.conformance import Release, Stack, check_stack
 from kda_patches.releases.fetch import normalize_dist, release_dir
 
-DEFAULT_VLLM = ("0.13.0", "0.26.0", "0.27.1", "0.28.0", "0.30.0", "0.32.0", "0.33.0")
+DEFAULT_VLLM = ("0.13.0", "0.26.0", "0.27.1", "0.28.0", "0.30.0", "0.32.0", "0.33.0", "0.34.0")
 DEFAULT_ASCEND = ("0.26.0rc1", "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2")
 PAIRED_VLLM: dict[str, str] = {"0.26.0rc1": "0.26.0", "0.27.1rc1": "0.27.1", "0.28.0rc1": "0.28.0",
                                "0.29.0rc1": "0.28.0", "0.30.0rc1": "0.30.0", "0.30.0rc2": "0.30.0"}
@@ -75,10 +75,11 @@ def render_matrix(reports: list[dict]) -> str:
         for name in patches:
             entry = report["patches"][name]
             cells.append(entry["verdict"])
-            if entry["verdict"] != "works":
+            if entry["verdict"] != "works" or "; stands down on " in entry["reason"]:
                 notes.append(f"- **{report['stack']}**, `{name}` — {entry['verdict']}: {entry['reason']}")
         lines.append(f"| {report['stack']} | " + " | ".join(cells) + " |")
-    lines += ["", "## Why (every verdict other than *works*)", "", *notes, ""]
+    lines += ["", "## Why (every verdict other than *works*, and *works* that stands down on some seams)", "",
+              *notes, ""]
     lines += ["## State-copy seams: the routing mechanism each wrapped seam runs", "",
               "Read from each release's source by the code the seam's wrapper runs at apply time "
               "(`kda_patches/routing/rewrite.py`): `rewrite` = a twin whose copy lines call the plan directly; "

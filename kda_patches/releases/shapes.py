@@ -291,6 +291,15 @@ SHAPES: dict[str, Shape] = _shapes(
     Shape("scatter:scatter_ssm_states_(ssm_state, ...)",
           "the prefill scatters through the fork's kernel `scatter_ssm_states_(ssm_state, indices, final)`",
           calls("scatter_ssm_states_", ("ssm_state", None, None))),
+    Shape("gather:gather_initial_states(ssm_state, ...)",
+          "the prefill gathers through upstream's warmed Triton op `gather_initial_states(ssm_state, indices, "
+          "flags)` (vLLM >= 0.34 Qwen GDN)",
+          calls("gather_initial_states", ("ssm_state", None, None))),
+    *(Shape(f"scatter:scatter_states({state}, ...)",
+            f"the prefill scatters through upstream's warmed Triton op `scatter_states({state}, final, indices)` "
+            "(vLLM >= 0.34; the cast happens in its store)",
+            calls("scatter_states", (state, None, None)))
+      for state in ("ssm_state", "recurrent_state")),
     Shape("scatter:recurrent_state[...]=",
           "the prefill scatters the final state by index assignment `recurrent_state[...] = ...`",
           scatters("recurrent_state")),

@@ -168,6 +168,14 @@ class DirectRoute:
         if not self.scatter_through_plan(state, indices, value, casts=True):
             function(state, indices, value)
 
+    def scatter_function_value_first(self, function: Any, state: torch.Tensor, value: Any, indices: Any) -> None:
+        """``function(state, value, indices)`` (vLLM 0.34's ``scatter_states``, cast in its store) through the plan.
+
+        The same rules as :meth:`scatter_function`; anything else runs upstream's op as written, uncounted.
+        """
+        if not self.scatter_through_plan(state, indices, value, casts=True):
+            function(state, value, indices)
+
     def scatter_cast(self, state: torch.Tensor, indices: Any, final: Any) -> None:
         """``state[indices] = final.to(state.dtype)`` with the cast inside the plan's copy where it prepared one."""
         if not self.scatter_through_plan(state, indices, final, casts=True):

@@ -20,6 +20,8 @@ GATHER_PARAMETERS = ("state", "indices", "has_initial_state")
 VLLM_RUNNER_PARAMETERS = ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context")
 VLLM_RUNNER_PARAMETERS_027 = ("self", "kv_cache_config", "is_profiling")
 VLLM_V2_RUNNER_PARAMETERS_027 = ("self", "kv_cache_config")
+VLLM_V2_RUNNER_PARAMETERS_034 = ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context", "extensible")
+EXTEND_KV_CACHE_PARAMETERS = ("runner", "kv_cache_config", "num_blocks")
 ASCEND_RUNNER_PARAMETERS = ("self", "kv_cache_config")
 ASCEND_RUNNER_PARAMETERS_028 = ("self", "kv_cache_config", "kv_cache_allocation_context")
 NPU_RUNNER_MODULES = ("vllm_ascend.worker.model_runner_v1", "vllm_ascend.worker.v2.model_runner")
@@ -52,13 +54,25 @@ def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], 
                  for module, qualname, wrapper, parameters, shapes in members)
 
 
-def upstream_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:
-    """Return the era members for vLLM's V1/V2 ``GPUModelRunner.initialize_kv_cache`` (signature by era).
+def upstream_runners(wrapper: Any, low: str, rebind: Any = None) -> tuple[tuple[Any, ...], ...]:
+    """Return the era members for vLLM's runner hooks (signatures by era).
+
+    Before 0.34: V1 and V2 ``GPUModelRunner.initialize_kv_cache``. From 0.34 the V1 runner is gone (its module
+    is not shipped, so it is no member: not drift) and the V2 runner's hook gained ``extensible``; the
+    extensible KV cache rebinds every layer after warmup through the module-level ``extend_kv_cache``
+    (imported by name in ``gpu_worker``; the registry rebinds that alias), whose ``rebind`` wrapper is a member.
 
     Args:
         wrapper: the startup wrapper of the record.
         low: the era's lowest release (vLLM < 0.30 has the older signatures).
+        rebind: the record's ``extend_kv_cache`` wrapper (required from 0.34).
     """
+    if release_tuple(low) >= (0, 34):
+        if rebind is None:
+            raise ValueError(f"a vLLM >= 0.34 era ({low}) needs the extend_kv_cache wrapper (rebind=)")
+        return (("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
+                 VLLM_V2_RUNNER_PARAMETERS_034, ()),
+                ("vllm.v1.worker.extensible_kv_cache", "extend_kv_cache", rebind, EXTEND_KV_CACHE_PARAMETERS, ()))
     old = release_tuple(low) < (0, 30)
     return (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
              VLLM_RUNNER_PARAMETERS_027 if old else VLLM_RUNNER_PARAMETERS, ()),

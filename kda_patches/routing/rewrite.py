@@ -20,7 +20,8 @@ function in which they call the call's :class:`~kda_patches.routing.direct.Direc
   plain name ``E``, ``_kda_route.scatter_cast(S, J, E)`` (the plan casts inside its copy). A cast of an
   expression (vllm-ascend's ``last.transpose(-1, -2).contiguous().to(...)``) or to any other dtype stays
   as written; with a declared scatter function (vllm-ascend 0.30's ``scatter_ssm_states_``), the statement
-  ``F(S, J, V)`` becomes ``_kda_route.scatter_function(F, S, J, V)``. Such a seam has no alias: when its
+  ``F(S, J, V)`` becomes ``_kda_route.scatter_function(F, S, J, V)`` (``F(S, V, J)``, vLLM 0.34's
+  ``scatter_states``, ``_kda_route.scatter_function_value_first(F, S, V, J)``). Such a seam has no alias: when its
   rewrite is refused, the routing fact warns that every prefill call will be reported bypassed.
 
 A re-application of the same function (revert, register again) reuses its twin (:func:`build_twin`).
@@ -196,16 +197,19 @@ def _find_state_name(seam: Seam, tree: ast.FunctionDef) -> str | None:
     """The name the cache goes by: the declared argument's, else the one name both gathered and scattered.
 
     A cache slot is bound in many ways (``ssm_state = self_kv_cache[1]``, ``conv, state = self.kv_cache[:2]``),
-    so the name is read off the copy statements themselves: the only name that is written as ``S[J] = V`` and
-    read as ``X = S[I]`` (or passed first to the declared gather function). The route checks at run time that
+    so the name is read off the copy statements themselves: the one name passed first to both declared copy
+    functions, else the only name that is written as ``S[J] = V`` and read as ``X = S[I]`` (or passed first to
+    the declared gather function). The route checks at run time that
     the object under that name *is* the layer's cache; anything else is copied natively and reported.
     """
     if isinstance(seam.state, Argument):
         return seam.state.name
     written, read = set(), set()
+    by_function: tuple[set[str], set[str]] = (set(), set())  # passed first to the declared gather / scatter function
     for node in ast.walk(tree):
         if _scatter_function_call(seam, node) is not None:
             written.add(node.value.args[0].id)
+            by_function[1].add(node.value.args[0].id)
             continue
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
             continue
@@ -218,10 +222,14 @@ def _find_state_name(seam: Seam, tree: ast.FunctionDef) -> str | None:
                     and _is_name(value.func, seam.gather_function) and value.args
                     and isinstance(value.args[0], ast.Name)):
                 read.add(value.args[0].id)
+                by_function[0].add(value.args[0].id)
             core, _chain = _unwrap_row_preserving(value)
             subscripts = seam.gather_function is None or seam.scatter_function is not None
             if subscripts and isinstance(core, ast.Subscript) and isinstance(core.value, ast.Name):
                 read.add(core.value.id)
+    named = by_function[0] & by_function[1]
+    if len(named) == 1:  # the one name both declared copy functions take first (vLLM 0.34's upstream ops)
+        return named.pop()
     names = written & read
     return names.pop() if len(names) == 1 else None
 
@@ -257,7 +265,8 @@ class _SeamRewriter:
             handler.body = self.rewrite_block(handler.body)
         scatter_call = _scatter_function_call(self.seam, statement)
         if scatter_call is not None and _is_name(scatter_call.args[0], self.state):
-            statement.value = _route_call("scatter_function", scatter_call.func, *scatter_call.args)
+            method = "scatter_function_value_first" if self.seam.scatter_value_first else "scatter_function"
+            statement.value = _route_call(method, scatter_call.func, *scatter_call.args)
             self.scatters += 1
             self.replaced.append(f"line {statement.lineno}: {self.seam.scatter_function} call")
             return statement, False

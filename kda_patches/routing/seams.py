@@ -113,20 +113,25 @@ class Seam:
         clear_function: module-level clear name (with :data:`CLEAR_FUNCTION`), e.g. ``clear_ssm_states``.
         gather_function: module-level gather name, e.g. ``gather_initial_states``, or None.
         scatter_function: module-level scatter name ``F(S, J, V)``, e.g. vllm-ascend 0.30's
-            ``scatter_ssm_states_``, or None. Such a seam is routed by the rewritten twin only (no alias wraps
+            ``scatter_ssm_states_``, or ``F(S, V, J)`` with ``scatter_value_first``
+            (vLLM 0.34's ``scatter_states(state, src, indices)``), or None. Such a seam is routed by the
+            rewritten twin only (no alias wraps
             the function), and its body may also gather and scatter by indexing (the fork's CPU branch).
         prefill_gated: route only calls whose metadata has ``num_prefills > 0``.
         cache_slot: ``layer.kv_cache`` entry the worker startup prepares the plan for.
         final: :class:`FinalFrom` (the folded final-state cast) or None.
+        scatter_value_first: the scatter function takes ``(state, values, indices)`` (vLLM >= 0.34's
+            ``scatter_states``), not ``(state, indices, values)``.
     """
 
     __slots__ = ("cache_slot", "clear", "clear_function", "final", "flags", "gather_function", "indices", "name",
-                 "prefill_gated", "scatter_function", "section", "state")
+                 "prefill_gated", "scatter_function", "scatter_value_first", "section", "state")
 
     def __init__(self, name: str, section: str, state: Argument | KVCacheSlot, indices: Any = None,
                  flags: Any = None, clear: str = CLEAR_NATIVE, clear_function: str | None = None,
                  gather_function: str | None = None, prefill_gated: bool = False, cache_slot: int = 1,
-                 final: FinalFrom | None = None, scatter_function: str | None = None) -> None:
+                 final: FinalFrom | None = None, scatter_function: str | None = None,
+                 scatter_value_first: bool = False) -> None:
         if clear not in _CLEARS:
             raise ValueError(f"seam {name!r}: clear must be one of {_CLEARS}, got {clear!r}")
         if (clear == CLEAR_FUNCTION) != (clear_function is not None):
@@ -149,6 +154,9 @@ class Seam:
         self.clear_function = clear_function
         self.gather_function = gather_function
         self.scatter_function = scatter_function
+        if scatter_value_first and scatter_function is None:
+            raise ValueError(f"seam {name!r}: scatter_value_first describes a scatter function; name it")
+        self.scatter_value_first = bool(scatter_value_first)
         self.prefill_gated = prefill_gated
         self.cache_slot = cache_slot
         if final is not None and not isinstance(final, FinalFrom):
@@ -163,5 +171,6 @@ class Seam:
         return {"name": self.name, "state": repr(self.state), "indices": repr(self.indices),
                 "flags": repr(self.flags), "clear": self.clear, "clear_function": self.clear_function,
                 "gather_function": self.gather_function, "scatter_function": self.scatter_function,
+                "scatter_value_first": self.scatter_value_first,
                 "prefill_gated": self.prefill_gated,
                 "final": repr(self.final) if self.final is not None else None}

@@ -130,6 +130,27 @@ class StartupWrapper:
         return startup.route_initialize_kv_cache(wrapped, instance, args, kwargs, self.section)
 
 
+class RebindWrapper:
+    """wrapt wrapper of vLLM >= 0.34's ``extend_kv_cache(runner, kv_cache_config, num_blocks)``: after the
+    extensible KV cache rebinds every layer's views, re-validate and republish the seam layers' plans.
+
+    One instance per patch (``section``); stacked instances share one outermost-call guard.
+    """
+
+    __slots__ = ("section",)
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+
+    def __repr__(self) -> str:
+        return f"RebindWrapper({self.section!r})"
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        from kda_patches.routing import rebind  # deferred: imports torch
+
+        return rebind.route_extend_kv_cache(wrapped, args, kwargs, self.section)
+
+
 class ForkPlanWrapper:
     """wrapt wrapper of a fork's own plan initialization (vllm-ascend ``initialize_kda_state_copy``).
 
