@@ -9,7 +9,9 @@ fixed seed on the CPU, so every process serves the same bytes). Compared: token 
 the top-5 candidates at every position, exactly; cached prompt tokens and the preemption count too. The prompts
 (:func:`write_prompts`) make the state copy matter: chunked prefills (later chunks start from the state the earlier
 ones left), short requests decoding beside them (mixed batches), and a second round that continues a first-round
-prompt (a prefix-cache hit, with prefix caching on). One case per model shrinks the KV cache to force preemptions.
+prompt (a prefix-cache hit, with prefix caching on). Two Qwen3.5 cases shrink the KV cache to 8 blocks and let eight
+requests decode 1000 tokens each, which forces preemptions. Cases on two GPUs (issue 29) are judged per rank; a case
+this machine cannot run (GPUs, a library or Ray not carried) is reported NOT RUN with what it needs.
 
 The *negative control* is the same A/B with the plan's scatter deliberately wrong in the patched processes
 (:data:`MUTANTS`, applied by this script's stand-in hook): it must come out DIFFERENT, or the A/B proves nothing.
@@ -19,9 +21,10 @@ Missing ``torch.ops._C`` lookups are recorded with their call site (:class:`OpRe
 declared op stand-ins of :data:`OP_STAND_INS` / :data:`OP_LOOKUP_ONLY` answer.
 
 Usage (GPU machine, after ``gpu_harness.py stage`` joined the carried pieces):
-``python3 scripts/gpu/vllm_engine_check.py --out DIR [--cases NAME ...] [--parallel N]``;
-``--dry-run`` (any machine) writes the model configs, the prompts and the case plan and starts nothing.
-Writes ``DIR/vllm_engine.json``; prints one ``ENGINE`` line per case.
+``python3 scripts/gpu/vllm_engine_check.py --out DIR [--cases NAME ...] [--parallel N]``, or
+``... --throughput short long [--rounds 5]`` (``kda-patches bench serve-ab``, alone on the GPU);
+``--dry-run`` (any machine) writes the model configs, the prompts and the plan and starts nothing.
+Writes ``DIR/vllm_engine.json``; prints one ``ENGINE`` line per case and one ``THROUGHPUT`` line per shape.
 """
 
 from __future__ import annotations
