@@ -40,7 +40,10 @@ MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
     "qwen3.6-27b-gdn-tp8": (6, 128, 128),
     "kimi-linear-kda-tp1": (32, 128, 128),
 }
-CACHE_ROWS = 1024  # NUM_ROWS is a constexpr of the live cache; any count compiles to the same code shape
+# The meta cache's row count. Not compiled in: the kernels take it per launch as the runtime argument
+# ``num_rows`` (signature ``i32``, what Triton types the host's ``shape[0]`` below 2**31 as, never specialized
+# on its value: :data:`~kda_patches.state_copy.kernels.ROWS_TYPE`), so any count enumerates the same variants.
+CACHE_ROWS = 1024
 PAGE_GAP_ITEMS = 4096  # rows of a vLLM hybrid cache are pages: the conv state sits in the gap
 MAX_SELECTED = 256
 CHIP_SOCS = {"a2a3": "Ascend910B3", "a5": "Ascend950PR_9599"}  # build-time SOC names (device.is_ascend_a5)
@@ -60,7 +63,9 @@ class VariantCase:
         cache_dtype, final_dtype: cache and packed dtype names (the final dtype of a gather is the cache's).
         nan_rule: the cast's NaN rule name, ``"bit copy"`` when no cast is folded.
         family: the block-limit family, ``block`` the block in the family's items.
-        kernel: the JIT function; ``signature`` and ``constexprs`` as ``triton.compile`` takes them.
+        kernel: the JIT function; ``signature`` and ``constexprs`` as ``triton.compile`` takes them (the
+            signature in parameter order: the four pointers, the runtime row count ``num_rows: i32``, then
+            every constexpr).
         models: the model shapes that prepare this variant.
     """
 
@@ -144,7 +149,9 @@ def _case(chip: str, plan: str, cache: torch.dtype, rule: int, spec: dict[str, A
     folds_cast = is_scatter and final != casts.dtype_name(cache)
     names = ("cache_ptr", "packed_ptr", "index_ptr", "flag_ptr")
     signature = {name: "*" + TRITON_TYPES[dtype] for name, dtype in zip(names, pointers, strict=True)}
+    signature.update(spec["scalars"])  # the row count: a runtime argument, compiled as its type only
     signature.update({name: "constexpr" for name in spec["constexprs"]})
+    assert tuple(signature) == tuple(spec["kernel"].arg_names), (spec["name"], tuple(signature))
     block = spec["constexprs"]["BLOCK"]
     return VariantCase(chip, plan, spec["name"], casts.dtype_name(cache), final,
                        casts.NAN_RULES[rule] if folds_cast else "bit copy", spec["family"], block, spec["kernel"],

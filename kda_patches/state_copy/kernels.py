@@ -22,11 +22,16 @@ Shared contract (checked on the host by :mod:`kda_patches.state_copy.layout` bef
   offset is already folded into ``cache_ptr`` (``tensor.data_ptr()``).
 - Every address product is formed in int64 (program ids and index values are promoted first), so
   INT32 index vectors and pages more than 4 GiB apart are addressed correctly.
-- A row index is valid when ``0 <= index < NUM_ROWS`` (and, for gather, its flag is true). Gather
-  writes zeros for invalid rows and writes every packed row; scatter skips invalid rows. Valid
-  scatter destinations must be unique (caller precondition, never checked here).
-- All layout numbers are constexprs of the cache layout; the selected count is the grid, never an
-  argument, so changing it never changes the compiled signature.
+- A row index is valid when ``0 <= index < num_rows`` (and, for gather, its flag is true), where
+  ``num_rows`` is the cache's ``shape[0]`` at the call. Gather writes zeros for invalid rows and
+  writes every packed row; scatter skips invalid rows. Valid scatter destinations must be unique
+  (caller precondition, never checked here).
+- ``num_rows`` is the one runtime scalar (:data:`ROWS_ARGUMENT`, right after ``flag_ptr``): listed in
+  ``do_not_specialize``, so Triton neither folds its value nor specializes it on 1 or on divisibility
+  by 16. A host int below ``2**31`` is typed ``i32`` (:data:`ROWS_TYPE`), so every row count compiles
+  to the same code and a cache rebound to another ``shape[0]`` (vLLM 0.34's extensible KV cache) keeps
+  the compiled variants. Every other layout number (row stride, payload, block, tiles) is a constexpr of
+  the cache layout; the selected count is the grid, never an argument.
 
 Masks are built from vectors only (a ``vector & scalar`` mask fails under ``TRITON_INTERPRET=1``).
 What compiles for Ascend is measured, not assumed: every variant the plans prepare is compiled for
@@ -42,25 +47,28 @@ import triton.language as tl
 
 from kda_patches.state_copy.casts import cast_bits
 
+ROWS_ARGUMENT = "num_rows"  # the kernels' one runtime scalar, right after the four pointers
+ROWS_INDEX = 4  # its position in every kernel's parameter list (a compiled launch passes arguments in order)
+ROWS_TYPE = "i32"  # what Triton types a host row count below 2**31 as (never specialized on its value)
+
 
 @triton.jit
-def selected_row_mask(index_ptr, flag_ptr, row, NUM_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                      SKIP_FLAGS: tl.constexpr):
+def selected_row_mask(index_ptr, flag_ptr, row, num_rows, BLOCK: tl.constexpr, SKIP_FLAGS: tl.constexpr):
     """Return ``(valid, safe_row)`` of selected row ``row``, each broadcast to ``[BLOCK]``.
 
     Args:
         index_ptr: ``*int32`` or ``*int64``, the selected rows' cache indices.
         flag_ptr: ``*int1``, the selected rows' flags; read only when ``SKIP_FLAGS`` is false.
         row: the selected row (int64 scalar).
-        NUM_ROWS: number of cache rows ``N``.
+        num_rows: the cache's row count ``N`` at this call (int32 scalar, promoted to int64 here).
         BLOCK: the tile length.
         SKIP_FLAGS: true for scatters (flags never suppress a write).
     Returns:
-        ``valid``: int1, ``0 <= index < NUM_ROWS`` (and the flag set, unless skipped); ``safe_row``: int64,
+        ``valid``: int1, ``0 <= index < num_rows`` (and the flag set, unless skipped); ``safe_row``: int64,
         the index where valid, else 0 (an in-bounds row, so masked-off addresses stay inside the cache).
     """
     cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
-    valid = (cache_row >= 0) & (cache_row < NUM_ROWS)
+    valid = (cache_row >= 0) & (cache_row < num_rows.to(tl.int64))
     if not SKIP_FLAGS:
         flag = tl.full([BLOCK], 0, tl.int32) + tl.load(flag_ptr + row).to(tl.int32)
         valid = valid & (flag != 0)
@@ -75,13 +83,13 @@ def flat_tile(TILES: tl.constexpr, BLOCK: tl.constexpr):
     return program // TILES, (program % TILES) * BLOCK + tl.arange(0, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[ROWS_ARGUMENT])
 def copy_rows_kernel(
     cache_ptr,
     packed_ptr,
     index_ptr,
     flag_ptr,
-    NUM_ROWS: tl.constexpr,
+    num_rows,
     ROW_STRIDE: tl.constexpr,
     PAYLOAD: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -99,16 +107,16 @@ def copy_rows_kernel(
     ``[t * BLOCK, (t + 1) * BLOCK)`` of selected row ``s``.
 
     Args:
-        cache_ptr: ``*T`` (T = float32 or bfloat16), the cache ``[NUM_ROWS, H, V, K]``: inner
+        cache_ptr: ``*T`` (T = float32 or bfloat16), the cache ``[num_rows, H, V, K]``: inner
             ``[H, V, K]`` dense (``PAYLOAD`` items), row stride ``ROW_STRIDE`` items; alignment is
             whatever the cache signature recorded (the plan compiles for that class).
         packed_ptr: ``*T`` for gather (the output) or ``*F`` for scatter (the input in the final-state
             dtype F: float32, bfloat16 or float16), contiguous ``[S, PAYLOAD]``, 16-byte aligned.
         index_ptr: ``*int32`` or ``*int64``, contiguous ``[S]``, 16-byte aligned; any values
-            (negative or ``>= NUM_ROWS`` mean invalid).
+            (negative or ``>= num_rows`` mean invalid).
         flag_ptr: ``*int1`` (torch.bool), contiguous ``[>= S]``, 16-byte aligned; read by gather
             only (false clears the packed row); scatter never reads it.
-        NUM_ROWS: number of cache rows ``N``.
+        num_rows: the cache's row count ``N`` (its ``shape[0]`` at this call), an ``i32`` runtime scalar.
         ROW_STRIDE: ``cache.stride(0)`` in items (``>= PAYLOAD``).
         PAYLOAD: items per row (``H * V * K``).
         BLOCK: items per program (power of two).
@@ -124,7 +132,7 @@ def copy_rows_kernel(
     tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
     offsets = tile * BLOCK + tl.arange(0, BLOCK)
-    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, NUM_ROWS, BLOCK, SCATTER)
+    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, num_rows, BLOCK, SCATTER)
     cache_items = cache_ptr + safe_row * ROW_STRIDE + offsets
     packed_items = packed_ptr + row * PAYLOAD + offsets
     if EVEN:
@@ -151,13 +159,13 @@ def copy_rows_kernel(
             tl.store(packed_items, values, mask=in_payload)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[ROWS_ARGUMENT])
 def copy_row_bytes_kernel(
     cache_ptr,
     packed_ptr,
     index_ptr,
     flag_ptr,
-    NUM_ROWS: tl.constexpr,
+    num_rows,
     ROW_STRIDE: tl.constexpr,
     PAYLOAD: tl.constexpr,
     TILES: tl.constexpr,
@@ -171,13 +179,13 @@ def copy_row_bytes_kernel(
     :func:`scatter_cast_items_kernel` instead (bytes cannot be cast).
 
     Args:
-        cache_ptr: ``*uint8``, the cache bytes: row ``r`` is ``PAYLOAD`` contiguous bytes at
-            ``cache_ptr + r * ROW_STRIDE``; alignment is whatever the cache signature recorded.
+        cache_ptr: ``*uint8``, the cache bytes: row ``r`` (``0 <= r < num_rows``) is ``PAYLOAD`` contiguous
+            bytes at ``cache_ptr + r * ROW_STRIDE``; alignment is whatever the cache signature recorded.
         packed_ptr: ``*uint8``, contiguous ``[S, PAYLOAD]`` bytes, 16-byte aligned (gather output or
             scatter input already in the cache dtype).
         index_ptr: ``*int32`` or ``*int64``, contiguous ``[S]``, 16-byte aligned.
         flag_ptr: ``*int1`` (torch.bool), contiguous ``[>= S]``, 16-byte aligned; gather only.
-        NUM_ROWS: number of cache rows ``N``.
+        num_rows: the cache's row count ``N`` (its ``shape[0]`` at this call), an ``i32`` runtime scalar.
         ROW_STRIDE: ``cache.stride(0) * element_size`` in bytes (``>= PAYLOAD``).
         PAYLOAD: bytes per row.
         TILES: ``cdiv(PAYLOAD, BLOCK)``.
@@ -186,7 +194,7 @@ def copy_row_bytes_kernel(
     """
     row, offsets = flat_tile(TILES, BLOCK)
     in_payload = offsets < PAYLOAD
-    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, NUM_ROWS, BLOCK, SCATTER)
+    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, num_rows, BLOCK, SCATTER)
     copy_mask = valid & in_payload
     cache_bytes = cache_ptr + safe_row * ROW_STRIDE + offsets
     packed_bytes = packed_ptr + row * PAYLOAD + offsets
@@ -198,13 +206,13 @@ def copy_row_bytes_kernel(
         tl.store(packed_bytes, values, mask=in_payload)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[ROWS_ARGUMENT])
 def scatter_cast_items_kernel(
     cache_ptr,
     packed_ptr,
     index_ptr,
     flag_ptr,
-    NUM_ROWS: tl.constexpr,
+    num_rows,
     ROW_STRIDE: tl.constexpr,
     PAYLOAD: tl.constexpr,
     TILES: tl.constexpr,
@@ -219,12 +227,12 @@ def scatter_cast_items_kernel(
     Grid: ``(S * TILES,)``, as :func:`copy_row_bytes_kernel`; invalid indices are skipped.
 
     Args:
-        cache_ptr: ``*T`` (float32, bfloat16 or float16): row ``r`` is ``PAYLOAD`` contiguous items at
-            ``cache_ptr + r * ROW_STRIDE``; alignment is whatever the cache signature recorded.
+        cache_ptr: ``*T`` (float32, bfloat16 or float16): row ``r`` (``0 <= r < num_rows``) is ``PAYLOAD``
+            contiguous items at ``cache_ptr + r * ROW_STRIDE``; alignment is whatever the cache signature recorded.
         packed_ptr: ``*F`` (float32, bfloat16 or float16, not T), contiguous ``[S, PAYLOAD]``, 16-byte aligned.
         index_ptr: ``*int32`` or ``*int64``, contiguous ``[S]``, 16-byte aligned.
         flag_ptr: ``*int1``, never read (kept so every variant has the same launch signature).
-        NUM_ROWS: number of cache rows ``N``.
+        num_rows: the cache's row count ``N`` (its ``shape[0]`` at this call), an ``i32`` runtime scalar.
         ROW_STRIDE: ``cache.stride(0)`` in items (``>= PAYLOAD``).
         PAYLOAD: items per row.
         TILES: ``cdiv(PAYLOAD, BLOCK)``.
@@ -233,7 +241,7 @@ def scatter_cast_items_kernel(
     """
     row, offsets = flat_tile(TILES, BLOCK)
     in_payload = offsets < PAYLOAD
-    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, NUM_ROWS, BLOCK, True)
+    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, num_rows, BLOCK, True)
     copy_mask = valid & in_payload
     values = tl.load(packed_ptr + row * PAYLOAD + offsets, mask=copy_mask)
     values = cast_bits(values, SRC, DST, NAN_RULE, NAN_BITS).to(cache_ptr.dtype.element_ty, bitcast=True)

@@ -1,8 +1,9 @@
 """Metadata checks of the plan contract: cache layout, cache signature, index/flag/packed vectors.
 
 Everything here reads tensor metadata only (sizes, strides, dtype, device; ``data_ptr`` only in
-:func:`cache_signature`), so the same checks serve the eager plans and the fake implementations of
-the custom ops, which must not touch pointers.
+:func:`cache_signature`, which leaves out the row count ``shape[0]``: the kernels take it per launch),
+so the same checks serve the eager plans and the fake implementations of the custom ops, which must
+not touch pointers.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ ALIGNMENT = 16
 
 
 class CacheLayout:
-    """The addressing facts of a recurrent-state cache ``[N, H, V, K]``.
+    """The addressing facts of a recurrent-state cache ``[N, H, V, K]`` that the compiled kernels depend on.
+
+    The row count ``N`` is not one of them: the kernels take it at each launch from the cache's
+    ``shape[0]`` (``num_rows``, :mod:`~kda_patches.state_copy.kernels`), so a cache rebound to another
+    row count (same pointer, strides and inner shape) keeps its plan.
 
     Attributes:
-        num_rows: ``N``.
         inner_shape: ``(H, V, K)``.
         payload: items per row, ``H * V * K``.
         row_stride: ``stride(0)`` in items (``>= payload``; the difference is the page gap).
@@ -29,11 +33,10 @@ class CacheLayout:
         element_size: bytes per item.
     """
 
-    __slots__ = ("dtype", "element_size", "inner_shape", "num_rows", "payload", "row_stride")
+    __slots__ = ("dtype", "element_size", "inner_shape", "payload", "row_stride")
 
-    def __init__(self, num_rows: int, inner_shape: tuple[int, int, int], row_stride: int,
-                 dtype: torch.dtype, element_size: int) -> None:
-        self.num_rows = num_rows
+    def __init__(self, inner_shape: tuple[int, int, int], row_stride: int, dtype: torch.dtype,
+                 element_size: int) -> None:
         self.inner_shape = inner_shape
         self.payload = inner_shape[0] * inner_shape[1] * inner_shape[2]
         self.row_stride = row_stride
@@ -42,8 +45,8 @@ class CacheLayout:
 
     def as_dict(self) -> dict[str, Any]:
         """Return the layout as a JSON-serialisable dict (for the ledger)."""
-        return {"num_rows": int(self.num_rows), "inner_shape": [int(s) for s in self.inner_shape],
-                "payload": int(self.payload), "row_stride": int(self.row_stride), "dtype": str(self.dtype)}
+        return {"inner_shape": [int(s) for s in self.inner_shape], "payload": int(self.payload),
+                "row_stride": int(self.row_stride), "dtype": str(self.dtype)}
 
 
 def check_layout(state: torch.Tensor, layer: str | None = None) -> None:
@@ -91,14 +94,27 @@ def describe_layout(state: torch.Tensor, layer: str | None = None) -> CacheLayou
         LayoutError: see :func:`check_layout`.
     """
     check_layout(state, layer)
-    num_rows, heads, values, keys = (int(size) for size in state.shape)
-    return CacheLayout(num_rows, (heads, values, keys), int(state.stride(0)), state.dtype, state.element_size())
+    _, heads, values, keys = (int(size) for size in state.shape)
+    return CacheLayout((heads, values, keys), int(state.stride(0)), state.dtype, state.element_size())
+
+
+SIGNATURE_FIELDS = ("device", "dtype", "inner shape [H, V, K]", "strides", "data_ptr % 16")
 
 
 def cache_signature(state: torch.Tensor) -> tuple[Any, ...]:
-    """Return what a compiled plan depends on: device, dtype, shape, strides, ``data_ptr % 16``."""
-    return (str(state.device), state.dtype, tuple(state.shape), tuple(state.stride()),
+    """Return what a compiled plan depends on: device, dtype, inner shape ``(H, V, K)``, strides, ``data_ptr % 16``.
+
+    Not the row count ``shape[0]``: the kernels take it per launch, so caches that differ only in it (a
+    rebound view of the same pages, or two layers with different block counts) share one plan.
+    """
+    return (str(state.device), state.dtype, tuple(state.shape[1:]), tuple(state.stride()),
             state.data_ptr() % ALIGNMENT)
+
+
+def describe_signature_change(prepared: tuple[Any, ...], found: tuple[Any, ...]) -> str:
+    """Return what differs between two :func:`cache_signature` results, field by field (``"; "``-joined)."""
+    return "; ".join(f"{name} {before} -> {after}"
+                     for name, before, after in zip(SIGNATURE_FIELDS, prepared, found, strict=True) if before != after)
 
 
 def check_indices(indices: Any, device: torch.device, layer: str | None = None) -> None:

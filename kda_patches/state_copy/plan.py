@@ -10,9 +10,15 @@ FP32 finals), 8 for three. All are compiled on disposable one-row scratch that k
 alignment class and never aliases the live cache; each runs once on that scratch and its result is
 checked against torch (the scatters against torch's ``.to()`` cast, bit for bit). :meth:`~StateCopyPlan.seal`
 checks that the configuration did not drift and that no JIT pre-run hook appeared. Only a sealed
-plan launches, and only for a cache with the prepared signature (device, dtype, shape, strides,
-``data_ptr % 16``), at most ``max_selected`` rows, same-device INT32/INT64 indices, and final states
-of a prepared final dtype (any other is refused before launch: final dtypes are decided at startup).
+plan launches, and only for a cache with the prepared signature (device, dtype, inner shape ``[H, V, K]``,
+strides, ``data_ptr % 16``), at most ``max_selected`` rows, same-device INT32/INT64 indices, and final
+states of a prepared final dtype (any other is refused before launch: final dtypes are decided at startup).
+
+The cache's row count is not in the signature: each launch passes the cache's ``shape[0]`` at that call
+as the kernels' runtime bound ``num_rows`` (never specialized), so an index is valid when
+``0 <= index < state.shape[0]`` of the tensor passed, and a cache rebound to another row count over the
+same pages (vLLM 0.34's ``extend_kv_cache``) is served by the same compiled variants:
+:meth:`StateCopyPlan.check_cache` re-validates it without compiling.
 
 :class:`FusedStatePlan` runs the typed tiled kernel; :class:`FallbackStatePlan` the masked byte-copy
 kernel (any dtype). Worker-level initialization (dedup, all-or-nothing publishing) and per-layer
@@ -38,6 +44,7 @@ from kda_patches.state_copy.device import (
     target_facts,
 )
 from kda_patches.state_copy.errors import refuse
+from kda_patches.state_copy.kernels import ROWS_ARGUMENT, ROWS_TYPE
 from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
 
 MAX_GRID_ROWS = 65535  # grid dimension 1 limit: the fused plan puts selected rows there
@@ -52,13 +59,15 @@ def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
 class StateCopyPlan:
     """Compiled state-copy table for one cache signature (shared by every layer with that signature).
 
-    Use :meth:`prepare`, then :meth:`seal`. The plan keeps no live tensors, streams or data pointers:
-    only the layout numbers, the compiled variants and a read-only all-true flag vector.
+    Use :meth:`prepare`, then :meth:`seal`. The plan keeps no live tensors, streams, data pointers or
+    row counts: only the layout numbers, the compiled variants and a read-only all-true flag vector.
+    Each call bounds the indices by the row count ``shape[0]`` of the cache it is given.
 
     Attributes:
         kind: ``"fused"`` or ``"fallback"``.
         layout: the :class:`~kda_patches.state_copy.layout.CacheLayout` it was prepared for.
-        signature: the cache signature it launches for.
+        signature: the cache signature it launches for (:func:`~kda_patches.state_copy.layout.cache_signature`:
+            no row count).
         max_selected: the most rows one call may select.
     """
 
@@ -103,7 +112,6 @@ class StateCopyPlan:
         self.sealed = False
         self._device = state.device
         self._dtype = state.dtype
-        self._shape = tuple(state.shape)
         self._strides = tuple(state.stride())
         self._inner = self.layout.inner_shape
         self.target = target
@@ -133,8 +141,9 @@ class StateCopyPlan:
             block_bytes, num_warps, stream: as for :meth:`prepare`.
         Returns:
             One dict per variant: ``name``, ``kernel`` (the JIT function), ``pointers`` (the four pointer
-            dtypes: cache, packed, indices, flags), ``constexprs`` (parameter name -> value),
-            ``num_warps`` and ``family`` (the :attr:`TargetFacts.block_limits` key).
+            dtypes: cache, packed, indices, flags), ``scalars`` (the runtime scalar after them -> its Triton
+            type: ``{"num_rows": "i32"}``), ``constexprs`` (parameter name -> value), ``num_warps`` and
+            ``family`` (the :attr:`TargetFacts.block_limits` key).
         """
         plan = cls.__new__(cls)
         plan._set_up(state, max_selected, block_bytes, num_warps, None, stream, policies, target)
@@ -144,9 +153,9 @@ class StateCopyPlan:
             takes_bytes = kernel is kernels.copy_row_bytes_kernel
             source = plan._dtype if key[0] == "gather" else key[2]
             pointers = (torch.uint8, torch.uint8) if takes_bytes else (plan._dtype, source)
-            names = kernel.arg_names[4:]
+            names = kernel.arg_names[5:]  # after the four pointers and num_rows
             specs.append({"name": plan._variant_name(key), "kernel": kernel,
-                          "pointers": (*pointers, key[1], torch.bool),
+                          "pointers": (*pointers, key[1], torch.bool), "scalars": {ROWS_ARGUMENT: ROWS_TYPE},
                           "constexprs": dict(zip(names, plan._variant_constexprs(key), strict=True)),
                           "num_warps": plan._num_warps, "family": plan._variant_family(key)})
         return specs
@@ -229,7 +238,7 @@ class StateCopyPlan:
         raise NotImplementedError
 
     def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Return the kernel constexprs of the variant ``key``, in parameter order."""
+        """Return the kernel constexprs of the variant ``key``, in parameter order (after ``num_rows``)."""
         raise NotImplementedError
 
     def _grid(self, count: int) -> tuple[int, int]:
@@ -271,7 +280,7 @@ class StateCopyPlan:
                 variant = compile_variant(name, self._variant_kernel(key), (cache, source, indices, self._true_flags),
                                           self._variant_constexprs(key), self._num_warps, self._interpreted,
                                           self._variant_kernel(key) is kernels.copy_row_bytes_kernel)
-                variant.launch(self._grid(1), cache, source, indices, self._true_flags)
+                variant.launch(self._grid(1), cache, source, indices, self._true_flags, cache.shape[0])
                 synchronize(self._device)
             except Exception as exc:
                 refuse("prepare", f"variant {name} failed to compile or run on scratch: {exc!r}", layer)
@@ -300,6 +309,28 @@ class StateCopyPlan:
         self.sealed = True
         return self
 
+    def check_cache(self, state: torch.Tensor, layer: str | None = None) -> None:
+        """Re-validate the plan for ``state`` (a cache rebound after prepare) without compiling anything.
+
+        Accepts any row count ``shape[0]`` (the kernels take it per launch); everything else the compiled
+        variants depend on must be what they were prepared for.
+
+        Args:
+            state: the rebound cache ``[N, H, V, K]``.
+            layer: layer name for error messages.
+        Raises:
+            StateCopyRefused: ``signature``, naming each fact that changed (a different pointer alignment,
+                stride, inner shape, dtype or device needs a plan prepared for it: restart the worker).
+        """
+        found = layout.cache_signature(state) if isinstance(state, torch.Tensor) and state.dim() == 4 else None
+        if found is None or found != self.signature:
+            change = (layout.describe_signature_change(self.signature, found) if found is not None else
+                      f"not a [N, H, V, K] tensor: {type(state).__name__} "
+                      f"{tuple(state.shape) if isinstance(state, torch.Tensor) else ''}")
+            refuse("signature", f"the rebound cache does not match the compiled plan ({change}); only the row count "
+                   "may change after prepare: rebind the same pages with the same strides, or restart the worker "
+                   "so the plans are prepared for the new layout", layer)
+
     def variant_names(self) -> list[str]:
         """Return the names of the compiled variants (``2 + 2 * len(final_dtypes)``)."""
         return sorted(variant.name for variant in self._variants.values())
@@ -310,10 +341,14 @@ class StateCopyPlan:
         if not self.sealed:
             refuse("unsealed", "the state-copy plan is not sealed; call seal() after prepare() (the worker "
                    "initialization does this) before serving", layer)
-        if (state.dtype != self._dtype or state.shape != self._shape or state.stride() != self._strides
+        # any row count: the launch passes this cache's shape[0] as the kernels' bound
+        if (state.dtype != self._dtype or state.shape[1:] != self._inner or state.stride() != self._strides
                 or state.device != self._device or state.data_ptr() % 16 != self._alignment):
-            refuse("signature", f"cache signature changed since prepare: prepared {self.signature}, got "
-                   f"{layout.cache_signature(state)}; re-initialize the plans after re-binding the KV cache", layer)
+            found = layout.cache_signature(state) if state.dim() == 4 else f"shape {tuple(state.shape)}"
+            change = layout.describe_signature_change(self.signature, found) if state.dim() == 4 else found
+            refuse("signature", f"cache signature changed since prepare ({change}; only the row count may "
+                   f"change): prepared {self.signature}, got {found}; re-initialize the plans after re-binding "
+                   "the KV cache to another layout", layer)
         for kernel in self._kernels:
             if kernel.pre_run_hooks:
                 refuse("jit_hook", f"a JIT pre-run hook appeared on {kernel.__name__} after seal; state-copy "
@@ -362,7 +397,7 @@ class StateCopyPlan:
                 flags = flags.clone(memory_format=torch.contiguous_format)
         packed = state.new_empty((count, *self._inner))  # the prepared dtype and device: _check_call checked both
         if count:
-            self._gathers[indices.dtype].launch(self._grid(count), state, packed, indices, flags)
+            self._gathers[indices.dtype].launch(self._grid(count), state, packed, indices, flags, state.shape[0])
         return packed
 
     def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
@@ -400,12 +435,13 @@ class StateCopyPlan:
             return
         if not packed.is_contiguous() or packed.data_ptr() % 16:
             packed = packed.clone(memory_format=torch.contiguous_format)
-        scatters[indices.dtype].launch(self._grid(count), state, packed, indices, self._true_flags)
+        scatters[indices.dtype].launch(self._grid(count), state, packed, indices, self._true_flags, state.shape[0])
 
     def describe(self) -> dict[str, Any]:
         """Return the plan as a JSON-serialisable dict (for the ledger and the benchmark)."""
         return {"kind": self.kind, "sealed": self.sealed, "max_selected": self.max_selected,
                 "device_kind": device_kind(self._device), "layout": self.layout.as_dict(),
+                "row_bound": f"{ROWS_ARGUMENT} ({ROWS_TYPE}): the cache's shape[0] at each launch",
                 "alignment": self._alignment, "num_warps": self._num_warps, "stream": self._stream,
                 "scatter_evict_first": self._scatter_evict_first, "target": self.target.name,
                 "block": self._block_facts(), "block_limited_by": self.block_limited_by,
@@ -456,8 +492,7 @@ class FusedStatePlan(StateCopyPlan):
                                   block_bytes is not None, layer)
         self._block = block
         self._tiles = triton.cdiv(self.layout.payload, block)
-        self._base = (self.layout.num_rows, self.layout.row_stride, self.layout.payload, block,
-                      self.layout.payload % block == 0)
+        self._base = (self.layout.row_stride, self.layout.payload, block, self.layout.payload % block == 0)
         return num_warps or (self.DEFAULT_NUM_WARPS if block >= 1024 else 2)
 
     def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
@@ -506,10 +541,9 @@ class FallbackStatePlan(StateCopyPlan):
         block = self._limit_block(block, 1, families, block_bytes is not None, layer)
         self._block = block
         self._tiles = triton.cdiv(payload_bytes, block)
-        self._bytes_base = (self.layout.num_rows, self.layout.row_stride * size, payload_bytes, self._tiles, block)
+        self._bytes_base = (self.layout.row_stride * size, payload_bytes, self._tiles, block)
         # the typed cast scatter covers the same bytes per program, so its grid is the byte kernel's
-        self._items_base = (self.layout.num_rows, self.layout.row_stride, self.layout.payload, self._tiles,
-                            max(block // size, 1))
+        self._items_base = (self.layout.row_stride, self.layout.payload, self._tiles, max(block // size, 1))
         return num_warps or (self.DEFAULT_NUM_WARPS if block >= 8192 else 4)
 
     def _variant_kernel(self, key: tuple[Any, ...]) -> Any:

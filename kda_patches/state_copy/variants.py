@@ -9,7 +9,10 @@ took at prepare, with the same argument order, so it too never enters ``Interpre
 
 Pointer arguments of a compiled launch are raw ``data_ptr()`` integers; the compiled signature
 (pointer element types, 16-byte divisibility of each pointer) was fixed at compile time by the
-scratch tensors, and the plan checks each call's tensors against it before launch.
+scratch tensors, and the plan checks each call's tensors against it before launch. The cache's row
+count follows the four pointers as the kernels' one runtime scalar (``num_rows``, never specialized:
+:data:`~kda_patches.state_copy.kernels.ROWS_TYPE`), passed by the plan per launch from the cache's
+``shape[0]``; then the constexprs, so a launch's arguments are in the kernel's parameter order.
 
 Where the Triton release's C launch entry has a known argument order (:data:`DIRECT_ENTRY_RELEASES`)
 and the kernel needs no global or profile scratch, a launch without launch hooks calls that entry
@@ -133,27 +136,28 @@ class CompiledVariant:
             None, None, None)
 
     def launch(self, grid: tuple[int, int], cache: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
-               flags: torch.Tensor) -> None:
+               flags: torch.Tensor, rows: int) -> None:
         """Launch on the current stream. Tensors must satisfy the compiled pointer contract.
 
         Args:
             grid: ``(grid_x, grid_y)``.
             cache, packed, indices, flags: see the kernel's pointer contract.
+            rows: the cache's row count ``shape[0]`` (the kernel's ``num_rows``: valid indices are below it).
         """
         stream = self._get_stream(self._device_index)
         enter = self._runtime.launch_enter_hook
         if enter is None or not getattr(enter, "calls", True):
             if self._entry is not None:
-                self._entry(grid[0], grid[1], 1, stream, *self._entry_head,
-                            cache.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), *self._args)
+                self._entry(grid[0], grid[1], 1, stream, *self._entry_head, cache.data_ptr(), packed.data_ptr(),
+                            indices.data_ptr(), flags.data_ptr(), rows, *self._args)
                 return
             enter = exit_hook = metadata = None
         else:
             exit_hook = self._runtime.launch_exit_hook
             metadata = self._compiled.launch_metadata((*grid, 1), stream, cache.data_ptr(), packed.data_ptr(),
-                                                      indices.data_ptr(), flags.data_ptr(), *self._args)
+                                                      indices.data_ptr(), flags.data_ptr(), rows, *self._args)
         self._run(grid[0], grid[1], 1, stream, self._function, self._metadata, metadata, enter, exit_hook,
-                  cache.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), *self._args)
+                  cache.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), rows, *self._args)
 
 
 class InterpretedVariant:
@@ -181,12 +185,12 @@ class InterpretedVariant:
         self._executor = GridExecutor
 
     def launch(self, grid: tuple[int, int], cache: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
-               flags: torch.Tensor) -> None:
+               flags: torch.Tensor, rows: int) -> None:
         """Run the interpreter over ``grid`` (same contract as :meth:`CompiledVariant.launch`)."""
         if self.takes_bytes:
             cache, packed = as_bytes(cache), as_bytes(packed)
         # no pre-run hooks: direct launches never run them (the plan refuses a kernel that has any)
-        self._executor(self._function, self._arg_names, grid, [])(cache, packed, indices, flags, *self._args)
+        self._executor(self._function, self._arg_names, grid, [])(cache, packed, indices, flags, rows, *self._args)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -202,8 +206,10 @@ def compile_variant(name: str, kernel: Any, scratch: tuple[torch.Tensor, ...], c
         name: variant name.
         kernel: the ``@triton.jit`` kernel.
         scratch: ``(cache, packed, indices, flags)`` disposable tensors with the live call's dtypes and
-            16-byte alignment classes; never the live cache.
-        constexprs: the kernel's constexpr values, in parameter order.
+            16-byte alignment classes; never the live cache. The row count compiled with is the scratch
+            cache's ``shape[0]``; it is a runtime argument the kernels never specialize on, so the variant
+            serves every row count.
+        constexprs: the kernel's constexpr values, in parameter order (after ``num_rows``).
         num_warps: warps per program.
         interpreted: True under ``TRITON_INTERPRET=1``.
         takes_bytes: the kernel addresses cache and packed as bytes.
@@ -213,9 +219,10 @@ def compile_variant(name: str, kernel: Any, scratch: tuple[torch.Tensor, ...], c
     if interpreted:
         return InterpretedVariant(name, kernel, constexprs, takes_bytes)
     cache, packed, indices, flags = scratch
+    rows = cache.shape[0]
     if takes_bytes:
         cache, packed = as_bytes(cache), as_bytes(packed)
-    compiled = kernel.warmup(cache, packed, indices, flags, *constexprs, grid=(1, 1, 1), num_warps=num_warps)
+    compiled = kernel.warmup(cache, packed, indices, flags, rows, *constexprs, grid=(1, 1, 1), num_warps=num_warps)
     if compiled is None or not hasattr(compiled, "packed_metadata"):
         raise RuntimeError(f"Triton did not return a compiled kernel for {name} (async or hooked compilation "
                            "is not supported for state-copy plans)")

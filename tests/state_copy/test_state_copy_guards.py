@@ -18,7 +18,7 @@ class ReenteringPlan(FusedStatePlan):
         indices = self._check_call(state, indices, layer)
         packed = torch.empty((indices.shape[0], *self._inner), dtype=self._dtype, device=self._device)
         flags = self._true_flags[:indices.shape[0]] if flags is None else flags
-        self.kernel[self._grid(indices.shape[0])](state, packed, indices, flags,
+        self.kernel[self._grid(indices.shape[0])](state, packed, indices, flags, state.shape[0],
                                                    *self._variant_constexprs(("gather", indices.dtype)))
         return packed
 

@@ -7,7 +7,7 @@ import torch
 from state_copy_helpers import bits
 
 from kda_patches.ledger import get_ledger
-from kda_patches.state_copy import naive, variants
+from kda_patches.state_copy import kernels, naive, variants
 from kda_patches.state_copy import plan as plan_module
 from kda_patches.state_copy.errors import LayoutError, StateCopyRefused
 from kda_patches.state_copy.plan import FallbackStatePlan, FusedStatePlan
@@ -44,18 +44,43 @@ def test_unsealed_plan_refuses_and_records(cache, device, plan_class):
 def test_signature_change_refused(cache, make_cache, device, plan_class):
     plan = plan_class.prepare(cache.state, 4).seal()
     indices = torch.tensor([0], device=device)
-    other_shape = make_cache(num_rows=7).state
+    # [6, 1, 6, 8] over the same pages with the same strides (a size-1 dimension's stride is free): only the
+    # inner shape differs
+    other_inner = cache.backing.as_strided((6, 1, 6, 8), cache.state.stride(), cache.state.storage_offset())
     other_gap = make_cache(gap=13).state  # other row stride, same 16-byte alignment class: only the stride differs
     assert other_gap.data_ptr() % 16 == cache.state.data_ptr() % 16 and other_gap.stride() != cache.state.stride()
     other_dtype = make_cache(dtype=torch.bfloat16).state
     misaligned = cache.backing.as_strided(cache.state.shape, cache.state.stride(), cache.state.storage_offset() + 1)
-    for state in (other_shape, other_gap, other_dtype, misaligned):
+    for state, changed in ((other_inner, "inner shape"), (other_gap, "strides"), (other_dtype, "dtype"),
+                           (misaligned, "data_ptr % 16")):
         with pytest.raises(StateCopyRefused, match="signature changed") as info:
             plan.gather(state, indices)
-        assert info.value.reason == "signature"
+        assert info.value.reason == "signature" and f"({changed} " in str(info.value)
+        with pytest.raises(StateCopyRefused, match=r"only the row count may change") as info:
+            plan.check_cache(state, "model.layers.3.attn")
+        assert info.value.reason == "signature" and "model.layers.3.attn" in str(info.value)
+        assert f"({changed} " in str(info.value) and "restart the worker" in str(info.value)
     same_layout = make_cache(seed=3)  # same shape, strides, offset -> same alignment class: accepted
     out = plan.gather(same_layout.state, indices)
     assert torch.equal(out, naive.gather_states(same_layout.state, indices))
+
+
+def test_other_row_count_is_accepted_and_bounds_the_indices(cache, device, plan_class):
+    plan = plan_class.prepare(cache.state, 4).seal()
+    fewer = cache.state[:4]  # the same pages, strides and pointer; rows 4 and 5 are beyond its shape[0]
+    plan.check_cache(fewer)  # re-validated without compiling: only the row count differs
+    indices = torch.tensor([4, 3, 5, 0], device=device)
+    flags = torch.ones(4, dtype=torch.bool, device=device)
+    out = plan.gather(fewer, indices, flags)
+    assert torch.equal(bits(out), bits(naive.gather_states(fewer, indices, flags)))
+    assert not bits(out[0]).any() and not bits(out[2]).any()  # rows 4 and 5 exist in the pages, not in the view
+    before = cache.backing.clone()
+    finals = torch.randn((4, *cache.state.shape[1:]), device=device)
+    plan.scatter(fewer, finals, indices)
+    expected = before.clone()
+    naive.scatter_states(expected.as_strided(fewer.shape, fewer.stride(), fewer.storage_offset()), finals, indices)
+    assert torch.equal(bits(cache.backing), bits(expected))  # rows 4 and 5 of the pages, gaps and tail untouched
+    assert not torch.equal(bits(cache.backing), bits(before))  # rows 3 and 0 were written
 
 
 def test_selected_count_limit(cache, device, plan_class):
@@ -158,9 +183,9 @@ def test_aligned_int32_indices_are_not_converted(cache, device, plan_class, monk
     variant_type = type(next(iter(plan._variants.values())))
     original = variant_type.launch
 
-    def spy(self, grid, state, packed, indices, flags):
+    def spy(self, grid, state, packed, indices, flags, rows):
         seen.append(indices)
-        return original(self, grid, state, packed, indices, flags)
+        return original(self, grid, state, packed, indices, flags, rows)
 
     monkeypatch.setattr(variant_type, "launch", spy)
     indices = torch.tensor([3, 1, 4], dtype=torch.int32, device=device)
@@ -210,6 +235,7 @@ def test_scatter_store_hint_is_decided_per_device_at_prepare(make_cache, device,
     assert described["stream"] is False  # the gather's cache reads stay the default policy
     scatter_constexprs = [value for name, value in described["constexprs"].items() if "/scatter/" in name]
     gather_constexprs = [value for name, value in described["constexprs"].items() if "/gather/" in name]
-    if kind == "fused":  # STREAM is the seventh constexpr of copy_rows_kernel
-        assert {values[6] for values in scatter_constexprs} == {str(device.type == "cuda")}
-        assert {values[6] for values in gather_constexprs} == {"False"}
+    if kind == "fused":  # STREAM's place among copy_rows_kernel's constexprs (they follow the pointers and num_rows)
+        stream = kernels.copy_rows_kernel.arg_names.index("STREAM") - 5
+        assert {values[stream] for values in scatter_constexprs} == {str(device.type == "cuda")}
+        assert {values[stream] for values in gather_constexprs} == {"False"}

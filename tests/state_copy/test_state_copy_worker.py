@@ -23,24 +23,27 @@ def facts():
 
 def test_same_signature_shares_one_plan_each_layer_gets_a_binding(make_cache, device):
     first, second = make_cache(seed=1), make_cache(seed=2)  # same layout and alignment class
-    other = make_cache(num_rows=5)
+    fewer = make_cache(num_rows=5, seed=4)  # the same layout but for the row count: a runtime argument, one plan
+    other = make_cache(gap=9)  # another row stride
     half = make_cache(dtype=torch.float16)
     bindings = initialize({"l0.kda": first.state, "l1.kda": second.state, "l2.kda": other.state,
-                           "l3.kda": half.state}, 8)
-    assert set(bindings) == {"l0.kda", "l1.kda", "l2.kda", "l3.kda"}
+                           "l3.kda": half.state, "l4.kda": fewer.state}, 8)
+    assert set(bindings) == {"l0.kda", "l1.kda", "l2.kda", "l3.kda", "l4.kda"}
     assert all(isinstance(binding, LayerStatePlan) for binding in bindings.values())
-    assert bindings["l0.kda"].plan is bindings["l1.kda"].plan
+    assert bindings["l0.kda"].plan is bindings["l1.kda"].plan is bindings["l4.kda"].plan
     assert bindings["l0.kda"].plan is not bindings["l2.kda"].plan
-    assert [bindings[name].kind for name in sorted(bindings)] == ["fused", "fused", "fused", "fallback"]
+    assert [bindings[name].kind for name in sorted(bindings)] == ["fused", "fused", "fused", "fallback", "fused"]
     assert bindings["l0.kda"].layer_name == "l0.kda" and bindings["l1.kda"].layer_name == "l1.kda"
     assert all(binding.plan.sealed for binding in bindings.values())
     recorded = facts()
     assert recorded["l0.kda"]["kind"] == "fused" and recorded["l0.kda"]["table"] == recorded["l1.kda"]["table"]
-    assert recorded["l0.kda"]["shared_by"] == 2 and recorded["l3.kda"]["kind"] == "fallback"
-    assert recorded["initialization"] == {"ok": True, "layers": 4, "tables": 3}
-    indices = torch.tensor([5, 0], device=device)
-    for name, cache in (("l0.kda", first), ("l1.kda", second)):
-        assert torch.equal(bindings[name].gather(cache.state, indices), naive.gather_states(cache.state, indices))
+    assert recorded["l0.kda"]["shared_by"] == 3 and recorded["l3.kda"]["kind"] == "fallback"
+    assert recorded["initialization"] == {"ok": True, "layers": 5, "tables": 3}
+    indices = torch.tensor([5, 0], device=device)  # row 5 exists in the 6-row caches only
+    for name, cache in (("l0.kda", first), ("l1.kda", second), ("l4.kda", fewer)):
+        gathered = bindings[name].gather(cache.state, indices)
+        assert torch.equal(bits(gathered), bits(naive.gather_states(cache.state, indices)))
+    assert not bits(bindings["l4.kda"].gather(fewer.state, indices)[0]).any()
 
 
 def test_any_failure_publishes_nothing_and_names_the_layer(make_cache, device):
@@ -53,12 +56,12 @@ def test_any_failure_publishes_nothing_and_names_the_layer(make_cache, device):
 
 
 def test_compile_failure_on_one_layout_fails_startup(make_cache, monkeypatch):
-    good, other = make_cache(), make_cache(num_rows=9)
+    good, other = make_cache(), make_cache(gap=9)
     original = variants.compile_variant
     plan_module = __import__("kda_patches.state_copy.plan", fromlist=["compile_variant"])
 
     def flaky(name, kernel, scratch, constexprs, *args, **kwargs):
-        if constexprs[0] == 9:
+        if constexprs[0] == other.state.stride(0):  # ROW_STRIDE, the first constexpr
             raise RuntimeError("simulated compiler crash")
         return original(name, kernel, scratch, constexprs, *args, **kwargs)
 
