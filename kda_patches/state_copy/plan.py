@@ -59,9 +59,10 @@ def _same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
 class StateCopyPlan:
     """Compiled state-copy table for one cache signature (shared by every layer with that signature).
 
-    Use :meth:`prepare`, then :meth:`seal`. The plan keeps no live tensors, streams, data pointers or
-    row counts: only the layout numbers, the compiled variants and a read-only all-true flag vector.
-    Each call bounds the indices by the row count ``shape[0]`` of the cache it is given.
+    Use :meth:`prepare`, then :meth:`seal`. The plan keeps no live tensors, streams or data pointers:
+    only the layout numbers, the compiled variants and a read-only all-true flag vector. No row count is
+    compiled or checked: each call bounds the indices by the ``shape[0]`` of the cache it is given (the
+    last shape seen is kept only so that a call with the same shape skips the inner-shape comparison).
 
     Attributes:
         kind: ``"fused"`` or ``"fallback"``.
@@ -112,6 +113,7 @@ class StateCopyPlan:
         self.sealed = False
         self._device = state.device
         self._dtype = state.dtype
+        self._shape = state.shape  # the last shape a call passed with (only to skip re-checking the inner shape)
         self._strides = tuple(state.stride())
         self._inner = self.layout.inner_shape
         self.target = target
@@ -342,8 +344,9 @@ class StateCopyPlan:
             refuse("unsealed", "the state-copy plan is not sealed; call seal() after prepare() (the worker "
                    "initialization does this) before serving", layer)
         # any row count: the launch passes this cache's shape[0] as the kernels' bound
-        if (state.dtype != self._dtype or state.shape[1:] != self._inner or state.stride() != self._strides
-                or state.device != self._device or state.data_ptr() % 16 != self._alignment):
+        if (state.dtype != self._dtype or (state.shape != self._shape and not self._other_rows(state))
+                or state.stride() != self._strides or state.device != self._device
+                or state.data_ptr() % 16 != self._alignment):
             found = layout.cache_signature(state) if state.dim() == 4 else f"shape {tuple(state.shape)}"
             change = layout.describe_signature_change(self.signature, found) if state.dim() == 4 else found
             refuse("signature", f"cache signature changed since prepare ({change}; only the row count may "
@@ -365,6 +368,14 @@ class StateCopyPlan:
         if not indices.is_contiguous() or indices.data_ptr() % 16:
             indices = indices.clone(memory_format=torch.contiguous_format)
         return indices
+
+    def _other_rows(self, state: torch.Tensor) -> bool:
+        """The per-call check's slow path, for a shape other than the last call's: accept (and remember) it when
+        only the row count differs, i.e. the inner ``[H, V, K]`` is the prepared one."""
+        if state.shape[1:] != self._inner:
+            return False
+        self._shape = state.shape
+        return True
 
     def gather(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None = None,
                layer: str | None = None) -> torch.Tensor:

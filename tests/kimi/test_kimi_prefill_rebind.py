@@ -1,50 +1,198 @@
-"""vLLM 0.34's extensible KV cache rebind (``extend_kv_cache`` stood in here): plans re-validated, republished at once.
+"""vLLM 0.34's extensible KV cache rebind (``extend_kv_cache`` stood in here): plans re-validated, republished at once,
+nothing compiled.
 
 The stand-in rebinds each layer's recurrent state to a view with fewer rows (same pointer and strides), as
-vLLM 0.34's ``extend_kv_cache`` does through ``bind_kv_caches``; anything else that changed is refused with the
-layer's name and nothing stays published. (Not yet: the republish compiles again -- issue 27, deliverable 2.)
+vLLM 0.34's ``extend_kv_cache`` does through ``bind_kv_caches``. The plans prepared at ``initialize_kv_cache``
+serve the rebound views without compiling (the row count is a runtime argument of their kernels) and bound the
+indices by the rebound ``shape[0]``; anything else that changed is refused with the layer's name and nothing
+stays published. Compiles are counted at ``compile_variant`` (every variant a plan prepares goes through it), and
+the counter is shown to count at ``initialize_kv_cache`` first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import kimi_workload
 import pytest
+import torch
 
 from kda_patches.ledger import get_ledger
 from kda_patches.routing import rebind
 from kda_patches.routing.proof import PLAN_ATTRIBUTE
+from kda_patches.state_copy import naive, variants
+from kda_patches.state_copy import plan as plan_module
+
+POISON = -3.25  # exactly representable in FP32 and BF16, and not the runner's gap poison
 
 
-def _rebind_rows(world: kimi_workload.World, rows: int, clone: str | None = None):
+class CompileCounter:
+    """Counts :func:`~kda_patches.state_copy.variants.compile_variant` calls, under both names it is bound to."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = variants.compile_variant
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(variants, "compile_variant", counted)
+        monkeypatch.setattr(plan_module, "compile_variant", counted)
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[CompileCounter]:
+    yield CompileCounter(monkeypatch)
+
+
+def _rebind(world: kimi_workload.World, rows: int, change: str | None = None, changed: str | None = None):
+    """Return an ``extend_kv_cache`` stand-in: every layer's state becomes its first ``rows`` rows (same pointer and
+    strides); layer ``changed`` instead gets a copy (``change="pointer"``) or a view with another row stride over
+    the same pages (``change="strides"``)."""
     def extend_kv_cache(runner, kv_cache_config, num_blocks):
         for name, layer in world.layers.items():
             cache = list(layer.kv_cache)
-            cache[1] = cache[1].clone() if name == clone else cache[1][:rows]
+            state = cache[1]
+            if name == changed and change == "pointer":
+                cache[1] = state.clone()
+            elif name == changed and change == "strides":
+                cache[1] = state.as_strided((rows // 2, *state.shape[1:]), (2 * state.stride(0), *state.stride()[1:]),
+                                            state.storage_offset())
+            else:
+                cache[1] = state[:rows]
             layer.kv_cache = type(layer.kv_cache)(cache) if isinstance(layer.kv_cache, tuple) else cache
     return extend_kv_cache
 
 
-def test_rebind_to_fewer_rows_republishes_every_layer_and_records_it(load_reference):
-    world = kimi_workload.build_world(load_reference(patched=True), num_layers=2, max_num_seqs=8)
+def _started(load_reference, cache_dtype: torch.dtype = torch.float32) -> kimi_workload.World:
+    world = kimi_workload.build_world(load_reference(patched=True), num_layers=2, max_num_seqs=8,
+                                      cache_dtype=cache_dtype)
     kimi_workload.start_world(world)
+    return world
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rebind_republishes_the_same_plans_without_compiling_and_bounds_by_the_new_rows(load_reference, compiles,
+                                                                                        cache_dtype):
+    world = _started(load_reference, cache_dtype)
+    assert compiles.count > 0  # the counter sees the plans' compiles at initialize_kv_cache
     before = {name: getattr(layer, PLAN_ATTRIBUTE) for name, layer in world.layers.items()}
-    rows = next(iter(world.layers.values())).kv_cache[1].shape[0]
-    rebind.route_extend_kv_cache(_rebind_rows(world, rows - 3), (world.runner, None, rows - 3), {}, "kimi_prefill")
+    capacity = {name: layer.kv_cache[1] for name, layer in world.layers.items()}
+    old_rows = next(iter(capacity.values())).shape[0]
+    new_rows = old_rows - 7
+    compiles.count = 0
+    rebind.route_extend_kv_cache(_rebind(world, new_rows), (world.runner, None, new_rows), {}, "kimi_prefill")
+    assert compiles.count == 0  # nothing compiled after the rebind
+    facts = get_ledger().snapshot()["facts"]["kimi_prefill"]
+    fact = facts["rebind"]
+    assert fact["ok"] and fact["recompiled"] is False and "without compiling" in fact["reason"]
+    assert fact["layers"] == {name: {"old_rows": old_rows, "new_rows": new_rows, "same_data_ptr": True,
+                                     "same_strides": True} for name in world.layers}
+    generator = torch.Generator().manual_seed(5)
     for name, layer in world.layers.items():
         binding = getattr(layer, PLAN_ATTRIBUTE)
-        assert binding is not None and binding is not before[name]
-    fact = get_ledger().snapshot()["facts"]["kimi_prefill"]["rebind"]
-    assert fact["ok"] and fact["recompiled"]
-    assert {entry["old_rows"] - entry["new_rows"] for entry in fact["layers"].values()} == {3}
-    assert sorted(fact["layers"]) == sorted(world.layers)
+        assert binding is before[name] and binding.plan is before[name].plan  # republished, the same compiled plan
+        state = layer.kv_cache[1]
+        assert state.shape[0] == new_rows and state.data_ptr() == capacity[name].data_ptr()
+        assert facts[name]["cache_shape"] == list(state.shape)
+        capacity[name][new_rows:] = POISON  # the rows the rebind dropped: valid under the old capacity only
+        raw = world.runner.raw_caches[name]
+        indices = torch.tensor([new_rows, 0, old_rows - 1, -1, new_rows - 1, 5, new_rows + 2], dtype=torch.int32)
+        flags = torch.tensor([True, True, True, True, False, True, True])
+        for index_dtype in (torch.int32, torch.int64):
+            gathered = binding.gather(state, indices.to(index_dtype), flags)
+            assert torch.equal(_bits(gathered), _bits(naive.gather_states(state, indices, flags)))
+            assert not _bits(gathered[[0, 2, 6]]).any()  # zero rows, not the poison of the dropped rows
+            finals = torch.randn((len(indices), *state.shape[1:]), generator=generator)
+            expected = raw.clone()
+            naive.scatter_states(expected.as_strided(state.shape, state.stride(), state.storage_offset()), finals,
+                                 indices)
+            binding.scatter(state, finals, indices.to(index_dtype))
+            assert torch.equal(_bits(raw), _bits(expected))  # every byte: rows, gaps, and the dropped rows
+            assert bool((capacity[name][new_rows:] == POISON).all())
+    assert compiles.count == 0
 
 
-def test_rebind_that_moves_a_cache_fails_naming_the_layer_and_publishes_nothing(load_reference):
-    world = kimi_workload.build_world(load_reference(patched=True), num_layers=2, max_num_seqs=8)
-    kimi_workload.start_world(world)
-    moved = sorted(world.layers)[1]
-    rows = world.layers[moved].kv_cache[1].shape[0]
-    with pytest.raises(RuntimeError, match=moved.replace(".", r"\.") + r".*data_ptr"):
-        rebind.route_extend_kv_cache(_rebind_rows(world, rows, clone=moved), (world.runner, None, rows), {},
+def test_an_index_equal_to_the_new_row_count_is_invalid_after_the_rebind(load_reference, compiles):
+    world = _started(load_reference)
+    name, layer = next(iter(world.layers.items()))
+    old_rows = layer.kv_cache[1].shape[0]
+    new_rows = old_rows - 1  # row new_rows still exists in the pages and was valid before the rebind
+    binding = getattr(layer, PLAN_ATTRIBUTE)
+    edge = torch.tensor([new_rows], dtype=torch.int64)
+    assert _bits(binding.gather(layer.kv_cache[1], edge)).any()  # before: a real row
+    rebind.route_extend_kv_cache(_rebind(world, new_rows), (world.runner, None, new_rows), {}, "kimi_prefill")
+    state = layer.kv_cache[1]
+    assert not _bits(binding.gather(state, edge, torch.tensor([True]))).any()  # after: invalid, a zero row
+    raw = world.runner.raw_caches[name]
+    untouched = raw.clone()
+    binding.scatter(state, torch.full((1, *state.shape[1:]), 1.5), edge)
+    assert torch.equal(_bits(raw), _bits(untouched))  # the scatter skipped it
+
+
+def test_routed_prefill_on_the_rebound_cache_equals_the_one_on_the_capacity_view(load_reference, compiles):
+    """The layer's own seam after the rebind: the same outputs and cache bytes as a twin world never rebound."""
+    modules = load_reference(patched=True)
+    worlds = []
+    for _ in range(2):
+        world = kimi_workload.build_world(modules, num_layers=1, max_num_seqs=16)
+        kimi_workload.start_world(world)
+        worlds.append(world)
+    rebound = worlds[0]  # worlds[1] is its twin, never rebound
+    new_rows = 40
+    rebind.route_extend_kv_cache(_rebind(rebound, new_rows), (rebound.runner, None, new_rows), {}, "kimi_prefill")
+    compiles.count = 0
+    layers = [next(iter(world.layers.values())) for world in worlds]
+    batches = kimi_workload.make_batches(3, new_rows, 2, 8, torch.int32, torch.bfloat16, torch.device("cpu"),
+                                         kimi_workload.SMALL_BATCHES)
+    for batch in batches:
+        outputs = [kimi_workload.run_batch(world, layer, batch) for world, layer in zip(worlds, layers, strict=True)]
+        assert torch.equal(outputs[0], outputs[1])
+    raws = [next(iter(world.runner.raw_caches.values())) for world in worlds]
+    assert torch.equal(_bits(raws[0]), _bits(raws[1]))
+    assert compiles.count == 0 and get_ledger().counters("kimi_prefill").get("calls_refused", 0) == 0
+
+
+@pytest.mark.parametrize(("change", "named"), [("pointer", "data_ptr"), ("strides", "strides")])
+def test_rebind_that_changes_more_than_the_rows_fails_naming_the_layer_and_publishes_nothing(load_reference,
+                                                                                           compiles, change, named):
+    world = _started(load_reference)
+    changed = sorted(world.layers)[1]
+    rows = world.layers[changed].kv_cache[1].shape[0]
+    compiles.count = 0
+    with pytest.raises(RuntimeError, match=changed.replace(".", r"\.") + f".*{named}") as raised:
+        rebind.route_extend_kv_cache(_rebind(world, rows, change, changed), (world.runner, None, rows), {},
                                      "kimi_prefill")
+    assert "no state-copy plan was published" in str(raised.value)
     assert all(getattr(layer, PLAN_ATTRIBUTE, None) is None for layer in world.layers.values())
+    fact = get_ledger().snapshot()["facts"]["kimi_prefill"]["rebind"]
+    assert fact["ok"] is False and fact["layer"] == changed
+    assert compiles.count == 0
+
+
+def test_a_seam_layer_without_a_plan_before_the_rebind_fails_it(load_reference, compiles):
+    world = _started(load_reference)
+    bare = sorted(world.layers)[0]
+    setattr(world.layers[bare], PLAN_ATTRIBUTE, None)  # bound by another path than the patched runner
+    rows = world.layers[bare].kv_cache[1].shape[0] - 2
+    compiles.count = 0
+    with pytest.raises(RuntimeError, match="'" + bare.replace(".", r"\.") + r"' holds no state-copy plan"):
+        rebind.route_extend_kv_cache(_rebind(world, rows), (world.runner, None, rows), {}, "kimi_prefill")
+    assert all(getattr(layer, PLAN_ATTRIBUTE, None) is None for layer in world.layers.values())
+    assert compiles.count == 0
+
+
+def test_rebind_without_published_plans_republishes_nothing(load_reference, compiles):
+    world = kimi_workload.build_world(load_reference(patched=False), num_layers=2)
+    kimi_workload.start_world(world)  # no overlay: no seam layer, no plan
+    rows = next(iter(world.layers.values())).kv_cache[1].shape[0] - 3
+    rebind.route_extend_kv_cache(_rebind(world, rows), (world.runner, None, rows), {}, "kimi_prefill")
+    fact = get_ledger().snapshot()["facts"]["kimi_prefill"]["rebind"]
+    assert fact == {"ok": True, "layers": {}, "recompiled": False, "reason": rebind.NOTHING_PUBLISHED_REASON}
+    assert compiles.count == 0 and all(layer.kv_cache[1].shape[0] == rows for layer in world.layers.values())
