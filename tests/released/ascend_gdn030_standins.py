@@ -165,11 +165,12 @@ def gdn030_standin_modules(version: str) -> dict[str, dict[str, Any]]:
     return table
 
 
-def count_kernel_launches(module: types.ModuleType) -> dict[str, int]:
-    """Count launches of the fork's state-index kernels through Triton's own ``add_pre_run_hook`` (the kernel
-    objects are unchanged); return the live ``kernel name -> launches`` table."""
-    launches = dict.fromkeys(STATE_KERNELS, 0)
-    for name in STATE_KERNELS:
+def count_kernel_launches(module: types.ModuleType, kernels: tuple[str, ...] = STATE_KERNELS) -> dict[str, int]:
+    """Count launches of a release module's Triton kernels (default: the fork's state-index kernels) through
+    Triton's own ``add_pre_run_hook`` (the kernel objects are unchanged); return the live ``kernel name ->
+    launches`` table."""
+    launches = dict.fromkeys(kernels, 0)
+    for name in kernels:
         def count(*args: Any, _name: str = name, **kwargs: Any) -> None:
             launches[_name] += 1
 

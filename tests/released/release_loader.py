@@ -14,6 +14,12 @@ file) and executed verbatim; the only thing changed is how its ``import`` statem
   classes): each becomes a placeholder class that raises :class:`StandInNotProvided` when called or
   instantiated, so an unexpected use fails loudly instead of computing something of ours.
 
+One more thing may be declared per release file: ``lifted`` device guards, ``assert`` statements whose test
+is exactly a given expression (e.g. ``state.is_cuda or state.is_xpu`` in vLLM 0.34's Triton state ops) are
+left out of that file's compiled code, so its host function launches its kernel under the Triton interpreter
+on CPU tensors; every other line is the release's. A declared guard the file does not contain fails the import
+(recorded as ``lifted`` in :attr:`ReleaseStack.bound`).
+
 Anything undeclared raises ImportError naming the release file and the module. Every name bound this way
 is recorded in :attr:`ReleaseStack.bound` (printed by the tests). The stack also answers
 ``importlib.metadata`` for the release's distribution, which is where the overlay reads the version of a
@@ -94,14 +100,17 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             ours that the overlay must see, e.g. a runner module; recorded as ``standin``).
         absent_inert: a ``real`` module or name the installed packages lack becomes inert (a newer
             release's file on an older install: what it imports that is new must then stay unused).
+        lifted: release module -> the ``assert`` tests (source text, as ``ast.unparse`` writes them) left out
+            of its code (device guards; see the module docstring).
     """
 
     def __init__(self, root: pathlib.Path, dist: str, version: str, release: Iterable[str],
                  real: Iterable[str] = (), standins: Mapping[str, Mapping[str, Any]] | None = None,
                  inert: Iterable[str] = (), modules: Mapping[str, types.ModuleType] | None = None,
-                 absent_inert: bool = False) -> None:
+                 absent_inert: bool = False, lifted: Mapping[str, Iterable[str]] | None = None) -> None:
         self.root = pathlib.Path(root)
         self.absent_inert = absent_inert
+        self.lifted = {module: tuple(tests) for module, tests in (lifted or {}).items()}
         self.dist, self.version = dist, version
         self.release = set(release)
         self.real = tuple(real)
@@ -177,12 +186,40 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 self.record(name, "*", "standin")
             return
         path = self.path_of(name)
-        code = compile(path.read_text(), str(path), "exec", dont_inherit=True)
+        source: Any = path.read_text()
+        if name in self.lifted:
+            source = self._without_guards(name, path, source)
+        code = compile(source, str(path), "exec", dont_inherit=True)
         module.__file__ = str(path)
         namespace = dict(vars(builtins))
         namespace["__import__"] = self._importer(name, str(path))
         module.__builtins__ = namespace
         exec(code, module.__dict__)
+
+    def _without_guards(self, name: str, path: pathlib.Path, source: str) -> ast.Module:
+        """Return ``source`` parsed, without the ``assert`` statements declared lifted for ``name``.
+
+        Raises:
+            ImportError: a declared guard is not in the file (the release changed: re-read it).
+        """
+        tree = ast.parse(source, str(path))
+        wanted, found = set(self.lifted[name]), set()
+
+        class Lift(ast.NodeTransformer):
+            def visit_Assert(self, node: ast.Assert) -> Any:
+                text = ast.unparse(node.test)
+                if text in wanted:
+                    found.add(text)
+                    return None
+                return node
+
+        tree = Lift().visit(tree)
+        missing = sorted(wanted - found)
+        if missing:
+            raise ImportError(f"{path}: declared lifted guard(s) {missing} not found (assert tests there differ)")
+        for text in sorted(found):
+            self.record(name, f"assert {text}", "lifted")
+        return ast.fix_missing_locations(tree)
 
     # -- import resolution inside release files --------------------------------------------------
     def _importer(self, importer: str, filename: str) -> Any:

@@ -108,8 +108,10 @@ def describe_standins(run: dict[str, Any]) -> str:
     lines = [f"  {name}: {what}" for name, what in sorted(run["standins"].items())]
     bound = {kind: sorted(f"{module}.{name}" for module, names in run["bound"].items()
                           for name, k in names.items() if k == kind)
-             for kind in ("standin", "inert", "release")}
+             for kind in ("standin", "inert", "release", "lifted")}
     lines.append(f"  bound as stand-in: {', '.join(bound['standin'])}")
+    if bound["lifted"]:
+        lines.append(f"  device guards lifted from release files: {', '.join(bound['lifted'])}")
     lines.append(f"  bound inert (placeholders, unused by the executed path): {', '.join(bound['inert'])}")
     lines.append(f"  executed from the release: {', '.join(bound['release'])}")
     return "\n".join(lines)

@@ -134,10 +134,17 @@ def _initialize_4(self: StandInRunner, kv_cache_config: dict[str, PageSpec], is_
     self.bind_caches(kv_cache_config)
 
 
+def _initialize_5(self: StandInRunner, kv_cache_config: dict[str, PageSpec], is_profiling: bool = False,
+                  kv_cache_allocation_context: Any = None, extensible: bool = False) -> None:
+    self.bind_caches(kv_cache_config)
+
+
 _BY_PARAMETERS = {("self", "kv_cache_config"): _initialize_2,
                   ("self", "kv_cache_config", "kv_cache_allocation_context"): _initialize_3,
                   ("self", "kv_cache_config", "is_profiling"): _initialize_3p,
-                  ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"): _initialize_4}
+                  ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"): _initialize_4,
+                  ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context", "extensible"):
+                  _initialize_5}
 
 
 def make_runner_module(path: pathlib.Path, module_name: str, class_name: str,

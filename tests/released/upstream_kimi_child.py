@@ -67,6 +67,34 @@ def metadata_of(batch: tuple) -> tuple[object, tuple[int, ...]]:
         non_spec_state_indices_tensor=torch.tensor(rows, dtype=index_dtype)), tuple(bounds)
 
 
+def run_forward_batches(layers: dict, raw_caches: dict, generator: torch.Generator
+                        ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Run every batch of :data:`BATCHES` through each Kimi layer's ``_forward`` in vLLM's forward context.
+
+    Returns:
+        ``(outputs, snapshots)``: one output per (batch, layer); ``len(BATCHES) + 1`` raw-cache snapshots.
+    """
+    from vllm.forward_context import ForwardContext, override_forward_context  # after the child's stack install
+
+    outputs, snapshots = [], [{name: raw.clone() for name, raw in raw_caches.items()}]
+    projection = HEADS * HEAD_DIM
+    for batch in BATCHES:
+        metadata, bounds = metadata_of(batch)
+        tokens = bounds[-1]
+        mixed_qkv = torch.randn((tokens, 3 * projection), generator=generator).to(torch.bfloat16)
+        g1 = torch.randn((1, tokens, HEADS, HEAD_DIM), generator=generator).to(torch.bfloat16)
+        g2 = torch.randn((tokens, HEADS, HEAD_DIM), generator=generator).to(torch.bfloat16)
+        beta = torch.randn((1, tokens, HEADS), generator=generator).to(torch.bfloat16)
+        for name, layer in layers.items():
+            core = torch.zeros((1, tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16)
+            context = ForwardContext(no_compile_layers=layers, attn_metadata={name: metadata}, slot_mapping={})
+            with override_forward_context(context):
+                layer._forward(mixed_qkv, g1, g2, beta, core)
+            outputs.append(core)
+        snapshots.append({name: raw.clone() for name, raw in raw_caches.items()})
+    return outputs, snapshots
+
+
 def main(kind: str, source: str, seed: int, cache_dtype: str, conv_layout: str, out: str) -> None:
     os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = conv_layout
     import upstream_standins
@@ -93,8 +121,6 @@ def main(kind: str, source: str, seed: int, cache_dtype: str, conv_layout: str, 
     runner_module = importlib.import_module(upstream_standins.RUNNER_MODULE)  # the worker's runner first
     module_name, class_name, _ = upstream_standins.LAYERS[kind]
     layer_module = importlib.import_module(module_name)
-    from vllm.forward_context import ForwardContext, override_forward_context
-
     cls = getattr(layer_module, class_name)
     generator = torch.Generator().manual_seed(seed)
     layers = {f"model.layers.{i}.self_attn": build_layer(cls, f"model.layers.{i}.self_attn", generator)
@@ -103,22 +129,7 @@ def main(kind: str, source: str, seed: int, cache_dtype: str, conv_layout: str, 
     config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH,
                              conv_layout=conv_layout) for name in layers}
     runner.initialize_kv_cache(config, False, None)
-    outputs, snapshots = [], [{name: raw.clone() for name, raw in runner.raw_caches.items()}]
-    projection = HEADS * HEAD_DIM
-    for batch in BATCHES:
-        metadata, bounds = metadata_of(batch)
-        tokens = bounds[-1]
-        mixed_qkv = torch.randn((tokens, 3 * projection), generator=generator).to(torch.bfloat16)
-        g1 = torch.randn((1, tokens, HEADS, HEAD_DIM), generator=generator).to(torch.bfloat16)
-        g2 = torch.randn((tokens, HEADS, HEAD_DIM), generator=generator).to(torch.bfloat16)
-        beta = torch.randn((1, tokens, HEADS), generator=generator).to(torch.bfloat16)
-        for name, layer in layers.items():
-            core = torch.zeros((1, tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16)
-            context = ForwardContext(no_compile_layers=layers, attn_metadata={name: metadata}, slot_mapping={})
-            with override_forward_context(context):
-                layer._forward(mixed_qkv, g1, g2, beta, core)
-            outputs.append(core)
-        snapshots.append({name: raw.clone() for name, raw in runner.raw_caches.items()})
+    outputs, snapshots = run_forward_batches(layers, runner.raw_caches, generator)
     layer_file = cls._forward.__code__.co_filename
     torch.save({"layer_file": layer_file, "outputs": outputs, "snapshots": snapshots,
                 "ledger": kda_patches.get_ledger().snapshot(),

@@ -122,10 +122,14 @@ class GatedRMSNorm:
         return (y * g.reshape(x.shape).float().sigmoid()).to(x.dtype)
 
 
-def install() -> None:
-    """Put the stand-ins at their module-level names (before the layer module is imported)."""
-    gather = importlib.import_module(GATHER_MODULE)
-    gather.gather_initial_states = gather_initial_states
+def install(gather: bool = True) -> None:
+    """Put the stand-ins at their module-level names (before the layer module is imported).
+
+    Args:
+        gather: also stand in ``gather_initial_states`` (False where the release's own op file is executed).
+    """
+    if gather:
+        importlib.import_module(GATHER_MODULE).gather_initial_states = gather_initial_states
     ops = importlib.import_module(KDA_OPS_MODULE)
     ops.chunk_kda_with_fused_gate = chunk_kda_with_fused_gate
     ops.fused_recurrent_kda_packed_decode = fused_recurrent_kda_packed_decode

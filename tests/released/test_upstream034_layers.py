@@ -1,0 +1,144 @@
+"""vLLM 0.34.0's Qwen, Kimi Linear, Kimi K3 and Olmo seams on the CPU, overlay off vs on in both GDN-ops choices.
+
+:mod:`upstream034_child` three times with the same fresh seed, all cases in each process (the 0.34 coverage costs
+three fresh processes, not a pair per case: issue 28):
+
+- ``baseline``: ``KDA_PATCHES=0`` (STRICT): upstream's own ``gather_initial_states`` / ``scatter_states`` copy the
+  states of Qwen and Kimi Linear, ``gather_initial_states`` and an index assignment those of Kimi K3, indexing
+  those of Olmo;
+- ``upstream``: ``KDA_PATCHES=1`` STRICT, ``KDA_PATCHES_GDN_OPS`` at its default: the overlay stands aside on Qwen
+  and Kimi Linear (their seams unwrapped, ``not-applicable`` with the reason in ``kda-patches status``, upstream's
+  ops launched as in the baseline) and routes Kimi K3 and Olmo;
+- ``overlay``: ``KDA_PATCHES_GDN_OPS=overlay``: all four routed (routed == seen), upstream's two kernels never
+  launched.
+
+Every case (layer x FP32/BF16 cache x SD/DS conv layout): the patched side's outputs and every byte of every page
+equal the baseline's (NaN-poisoned gaps, offset and untouched conv state checked), through the shared batch plan
+(prefill, mixed decode + prefill, decode-only, continued; INT32 and INT64 indices).
+"""
+
+from __future__ import annotations
+
+import pytest
+import released_ab
+import torch
+from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
+from runner_standin import PageSpec, poison_problems
+from upstream034_standins import GATHER_MODULE, LAYERS, SCATTER_MODULE, SECTION
+
+RELEASE = "0.34.0"
+CASES = ("qwen:float32:SD", "qwen:bfloat16:DS", "linear:float32:DS", "linear:bfloat16:SD",
+         "k3:float32:SD", "k3:bfloat16:DS", "olmo:bfloat16:SD", "olmo:float32:DS")
+GATHER, SCATTER = "_gather_initial_states_kernel", "_scatter_states_kernel"
+# which layers each side routes through the overlay's plans
+ROUTED = {"baseline": (), "upstream": ("k3", "olmo"), "overlay": ("qwen", "linear", "k3", "olmo")}
+# upstream's kernels a layer launches per run of the batch plan when its seam is not routed (Olmo indexes)
+UPSTREAM_LAUNCHES = {"qwen": {GATHER: PREFILL_CALLS, SCATTER: PREFILL_CALLS},
+                     "linear": {GATHER: PREFILL_CALLS, SCATTER: PREFILL_CALLS},
+                     "k3": {GATHER: PREFILL_CALLS, SCATTER: 0}, "olmo": {GATHER: 0, SCATTER: 0}}
+# seams whose scatter takes the FP32 final state and writes the cache dtype (folded into the plan's scatter)
+CASTING = ("qwen", "linear", "olmo")
+_GDN = "vllm.model_executor.layers.mamba.gdn"
+CHOSEN_SEAMS = {"qwen": f"{_GDN}.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention._forward_core",
+                "linear": f"{_GDN}.kimi_gdn_linear_attn:KimiGatedDeltaNetAttention._forward"}
+ROUTED_SEAMS = {"olmo": f"{_GDN}.olmo_gdn_linear_attn:OlmoHybridGatedDeltaNetAttention._forward_core",
+                "k3": "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention._forward"}
+STANDS_ASIDE = "KDA_PATCHES_GDN_OPS=overlay routes those two calls"
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[int, str, dict[str, dict]]:
+    """The three sides over every case: ``(seed, release root, side -> saved dict)``."""
+    from kda_patches.releases.fetch import release_dir
+
+    root = str(release_dir("vllm", RELEASE))
+    seed = released_ab.fresh_seed()
+    sides = released_ab.run_sides("upstream034_child.py", [root, str(seed), *CASES], {
+        "baseline": released_ab.child_env(False),
+        "upstream": released_ab.child_env(True),
+        "overlay": released_ab.child_env(True, {"KDA_PATCHES_GDN_OPS": "overlay"})})
+    return seed, root, sides
+
+
+def context_of(runs: tuple, case: str, side: str) -> str:
+    """Record the layer as executed (with its stand-ins) and return the failure-message context."""
+    seed, _, sides = runs
+    kind, run = case.split(":")[0], sides["baseline"]["cases"][case]
+    title = f"vLLM {RELEASE} {run['class']}.{LAYERS[kind][2]} ({run['layer_file']})"
+    executed = {"standins": sides["baseline"]["standins"][kind], "bound": sides["baseline"]["bound"]}
+    return released_ab.note_run(title, executed) + f"\nseed {seed}, case {case}, side {side}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_baseline_runs_the_releases_own_code(runs: tuple, case: str) -> None:
+    _, root, sides = runs
+    run, kind = sides["baseline"]["cases"][case], case.split(":")[0]
+    context = context_of(runs, case, "baseline")
+    assert run["layer_file"].startswith(root), context  # the release's file ran, not the installed 0.32's
+    assert run["wrapped"] == "function" and run["conv"] == "causal_conv1d_fn_cpu", context
+    assert run["launches"] == UPSTREAM_LAUNCHES[kind], context + f"\nlaunches {run['launches']}"
+    assert not run["counters"].get(SECTION[kind]), context + f"\n{run['counters']}"
+    bound = sides["baseline"]["bound"]
+    for module, op in ((GATHER_MODULE, "gather_initial_states"), (SCATTER_MODULE, "scatter_states")):
+        assert bound[module][op] == "release", context + f"\n{module}: {bound[module]}"  # upstream's op, executed
+    helper = bound["vllm.model_executor.warmup.jit_warmup_triton_helper"]
+    assert helper["triton_kernel_dispatcher_with_warmup"] == "release", context + f"\n{helper}"
+
+
+@pytest.mark.parametrize("side", ("upstream", "overlay"))
+@pytest.mark.parametrize("case", CASES)
+def test_patched_equals_baseline(runs: tuple, case: str, side: str) -> None:
+    _, _, sides = runs
+    kind, cache_dtype, conv_layout = case.split(":")
+    baseline, patched = sides["baseline"]["cases"][case], sides[side]["cases"][case]
+    context = context_of(runs, case, side)
+
+    problems = released_ab.compare_runs(baseline, patched)
+    assert not problems, context + "\n" + "\n".join(problems)
+    spec = PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout=conv_layout)
+    for run in (baseline, patched):  # the layers' own convolutions write conv state: compared above
+        for name, raw in run["snapshots"][-1].items():
+            problems = poison_problems(raw, spec, conv_rows=range(BLOCKS))
+            assert not problems, context + f"\n{name}: {problems}"
+
+    seen = patched["counters"].get(SECTION[kind], {})
+    plans = patched["facts"][SECTION[kind]]
+    if kind in ROUTED[side]:
+        assert patched["wrapped"] != "function", context + "\nthe seam is not wrapped"
+        assert seen.get("calls_seen") == seen.get("calls_routed") == PREFILL_CALLS, context + f"\nledger: {seen}"
+        assert not seen.get("calls_bypassed"), context + f"\nledger: {seen}"
+        folds = PREFILL_CALLS if cache_dtype == "bfloat16" and kind in CASTING else 0
+        assert seen.get("casts_folded", 0) == folds and not seen.get("casts_materialized"), context + f"\n{seen}"
+        assert all(fact and fact.get("plan_kind") for fact in plans.values()), context + f"\n{plans}"
+        assert patched["launches"] == {GATHER: 0, SCATTER: 0}, context + f"\nupstream's ops ran: {patched['launches']}"
+    else:  # stands aside: upstream's ops copy the states, the overlay neither wraps nor prepares anything here
+        assert patched["wrapped"] == "function", context + "\nthe seam was wrapped though the overlay stands aside"
+        assert not seen, context + f"\nledger: {seen}"
+        assert not any(plans.values()), context + f"\n{plans}"
+        assert patched["launches"] == UPSTREAM_LAUNCHES[kind], context + f"\nlaunches {patched['launches']}"
+
+
+def test_the_choice_is_in_the_ledger_and_status(runs: tuple) -> None:
+    seed, _, sides = runs
+    context = f"seed {seed}"
+    assert all(patch["state"] == "disabled" for patch in sides["baseline"]["ledger"]["patches"].values()), context
+
+    targets = {side: {**sides[side]["ledger"]["patches"]["gdn_state_copy"]["targets"],
+                      **{f"kimi_prefill {key}": value for key, value in
+                         sides[side]["ledger"]["patches"]["kimi_prefill"]["targets"].items()}}
+               for side in ("upstream", "overlay")}
+    status = sides["upstream"]["status"]
+    for kind, key in CHOSEN_SEAMS.items():  # default: stands aside, visibly
+        target = targets["upstream"][key]
+        assert target["state"] == "not-applicable" and STANDS_ASIDE in target["reason"], context + f"\n{key}: {target}"
+        line = next((line for line in status.splitlines() if key in line), "")
+        assert line.split()[:1] == ["not-applicable"] and "stands aside" in line, context + f"\n{kind}: {line!r}"
+        assert targets["overlay"][key]["state"] == "applied", context + f"\n{key}: {targets['overlay'][key]}"
+        routing = sides["overlay"]["ledger"]["facts"]["gdn_state_copy"][f"routing {key}"]
+        assert routing["mechanism"] == "rewrite", context + f"\n{routing}"
+        replaced = " ".join(routing["replaced"])
+        assert "gather_initial_states call" in replaced and "scatter_states call" in replaced, context + f"\n{routing}"
+    for kind, key in ROUTED_SEAMS.items():  # routed in either choice
+        key = key if kind == "olmo" else f"kimi_prefill {key}"
+        for side in ("upstream", "overlay"):
+            assert targets[side][key]["state"] == "applied", context + f"\n{side} {key}: {targets[side][key]}"

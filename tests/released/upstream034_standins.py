@@ -1,0 +1,195 @@
+"""What :mod:`upstream034_child` executes of vLLM 0.34.0 and what it stands in: the declared difference from 0.33.
+
+0.33's layers run through :mod:`upstream_gdn_child` / :mod:`upstream_kimi_child` with the stand-ins of
+:mod:`gdn_standins` / :mod:`upstream_standins`; 0.34 reuses all of them (layer construction, metadata, batch
+plan, kernels) and declares here only what differs:
+
+- **executed from the release** (:data:`RELEASE_MODULES`): the four layer files, and what 0.34's seams copy states
+  with -- ``gather_initial_states`` and ``scatter_states`` (``vllm.model_executor.layers.mamba.ops``), the latter
+  launched through 0.34's warmup dispatcher (``vllm.model_executor.warmup.jit_warmup{,_triton_helper}``, no warmup
+  runs: only its launch path) -- and Kimi K3's ``ops.kda_conv`` (its packed convolution declines CPU tensors, so
+  the stock per-part convolution runs, vLLM's own CPU kernel). The two state ops' Triton kernels run under the
+  Triton interpreter: their host functions assert ``state.is_cuda or state.is_xpu``, the one line lifted
+  (:data:`LIFTED`); ``launch_pdl`` is False (the CPU platform's ``is_arch_support_pdl``), so the PDL calls
+  ``gdc_wait`` / ``gdc_launch_dependents`` sit in a branch not taken -- the kernels' copies are what runs;
+- ``vllm.triton_utils`` for the release's files: the real ``triton`` (what it is on a device with Triton; vLLM's
+  CPU build disables it), as for vllm-ascend's releases (:func:`ascend_standins.triton_utils`);
+- the runner: the V2 ``vllm.v1.worker.gpu.model_runner`` (0.34 has no V1 runner), 5-parameter
+  ``initialize_kv_cache`` (``+ extensible``; :mod:`runner_standin`);
+- Kimi K3 / Kimi Linear: the FLA KDA kernels stood in as for 0.33, ``gather_initial_states`` NOT stood in;
+- ``vllm.v1.worker.extensible_kv_cache`` (absent from 0.32) executed from the release: its ``extend_kv_cache`` is a
+  member of 0.34's runner group, so the overlay must see it; it is never called here.
+
+:data:`STANDINS` is the written list per layer, the two interpreter fixes (harness, not vLLM) included.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import gdn_standins
+import torch
+import upstream_standins
+from ascend_standins import REAL as REAL_STDLIB
+from ascend_standins import triton_utils
+from batch_plan import run_forward_core_batches
+
+_OPS = "vllm.model_executor.layers.mamba.ops"
+GATHER_MODULE = f"{_OPS}.gather_initial_states"
+SCATTER_MODULE = f"{_OPS}.scatter_states"
+KDA_CONV_MODULE = "vllm.models.kimi_k3.nvidia.ops.kda_conv"
+RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+RUNNER_FILE = "vllm/v1/worker/gpu/model_runner.py"
+EXTENSIBLE_MODULE = "vllm.v1.worker.extensible_kv_cache"  # extend_kv_cache: a member of 0.34's runner group
+# layer kind -> (module, class, seam method)
+LAYERS = {"qwen": (gdn_standins.QWEN_MODULE, "QwenGatedDeltaNetAttention", "_forward_core"),
+          "olmo": (gdn_standins.OLMO_MODULE, "OlmoHybridGatedDeltaNetAttention", "_forward_core"),
+          "linear": (*upstream_standins.LAYERS["linear"][:2], "_forward"),
+          "k3": (*upstream_standins.LAYERS["k3"][:2], "_forward")}
+SUFFIX = {"qwen": "linear_attn", "olmo": "linear_attn", "linear": "self_attn", "k3": "self_attn"}
+SECTION = {"qwen": "gdn_state_copy", "olmo": "gdn_state_copy", "linear": "gdn_state_copy", "k3": "kimi_prefill"}
+KERNELS = ((GATHER_MODULE, "_gather_initial_states_kernel"), (SCATTER_MODULE, "_scatter_states_kernel"))
+RELEASE_MODULES = (*(module for module, _, _ in LAYERS.values()), GATHER_MODULE, SCATTER_MODULE,
+                   "vllm.model_executor.warmup.jit_warmup", "vllm.model_executor.warmup.jit_warmup_triton_helper",
+                   KDA_CONV_MODULE, EXTENSIBLE_MODULE)
+DEVICE_GUARD = "state.is_cuda or state.is_xpu"
+LIFTED = {GATHER_MODULE: (DEVICE_GUARD,), SCATTER_MODULE: (DEVICE_GUARD,)}
+# the warmup modules import more of the standard library than the layer files: all of it is real
+REAL = ("vllm", "transformers", *REAL_STDLIB, *sorted(sys.stdlib_module_names - set(REAL_STDLIB)))
+# 0.34's GDN metadata field that 0.32's class lacks: None = no FlashInfer checkpoint plan (as for 0.33)
+GDN_EXTRA_FIELDS = {"flashinfer_checkpoint_plan": None}
+
+_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+_COMMON = {
+    _RUNNER: "stand-in V2 runner: 0.34's initialize_kv_cache signature (+ extensible), binds poisoned pages",
+    "vllm.triton_utils.{triton,tl,HAS_TRITON} (release files)": "the real triton (vLLM's CPU build disables it)",
+    f"{EXTENSIBLE_MODULE} (release, imported only)": "its extend_kv_cache is wrapped (a member of 0.34's runner "
+    "group) but never called: the extensible KV cache's rebind is not exercised here",
+}
+_GATHER = {
+    f"{GATHER_MODULE} (release, not stood in)": "upstream's gather_initial_states, Triton interpreter; "
+    f"`assert {DEVICE_GUARD}` lifted; launch_pdl False on the CPU platform (PDL branch not taken)",
+    "triton.runtime.interpreter masked load/store (harness fix, not vLLM)": "an integer mask is read as mask != 0 "
+    "(Triton 3.9's interpreter mistypes gather_initial_states' `mask & flag.to(tl.int1)` as int8)",
+}
+_SCATTER = {
+    f"{SCATTER_MODULE} (release, not stood in)": "upstream's scatter_states through 0.34's warmup dispatcher "
+    f"(released jit_warmup{{,_triton_helper}}), Triton interpreter; `assert {DEVICE_GUARD}` lifted; launch_pdl False",
+    "triton.runtime.interpreter FP32->BF16 create_fp_trunc (harness fix, not vLLM)": "rounds to nearest even as "
+    "compiled Triton does (the interpreter truncates): scatter_states' store of FP32 finals into a BF16 cache",
+}
+_GDN_METADATA = {"GDNAttentionMetadata.flashinfer_checkpoint_plan (0.34 field)": "None on 0.32's metadata (no "
+                 "FlashInfer checkpoint plan)"}
+_KIMI = {name: what for name, what in upstream_standins.STANDINS.items()
+         if not name.startswith(("vllm.v1.worker", GATHER_MODULE))}
+# layer kind -> what was stood in (printed per executed layer; the harness fixes of the interpreter included)
+STANDINS = {
+    "qwen": {**{name: what for name, what in gdn_standins.STANDINS.items()
+                if not name.startswith(("vllm.v1.worker", "GDNAttentionMetadata"))}, **_GDN_METADATA,
+             "QwenGatedDeltaNetAttention.gdn_prefill_backend (layer attribute)": "'triton' (the chunk path, not "
+             "FlashInfer)",
+             "vllm._aiter_ops.rocm_aiter_ops (Qwen file)": "are_gdn_triton_kernels_available / "
+             "are_rdna_gdn_triton_kernels_available -> False (not ROCm), nothing else",
+             **_GATHER, **_SCATTER, **_COMMON},
+    "linear": {**_KIMI, **_GATHER, **_SCATTER, **_COMMON},
+    "k3": {**_KIMI, **_GATHER, **_COMMON,
+           f"{KDA_CONV_MODULE} (release, not stood in)": "packed_causal_conv1d_supported declines CPU tensors: "
+           "the stock per-part convolution (vLLM's CPU kernel) runs"},
+    "olmo": {**{name: what for name, what in gdn_standins.STANDINS_OLMO.items() if not name.startswith("vllm.v1")},
+             **_GDN_METADATA, **_COMMON},
+}
+
+
+class RocmAiterOps:
+    """Stand-in of ``vllm._aiter_ops.rocm_aiter_ops`` for 0.34's Qwen file: the two ROCm capability queries it asks
+    at import answer no (this is no ROCm device; 0.32's class lacks ``are_rdna_gdn_triton_kernels_available``)."""
+
+    @staticmethod
+    def are_gdn_triton_kernels_available() -> bool:
+        return False
+
+    @staticmethod
+    def are_rdna_gdn_triton_kernels_available() -> bool:
+        return False
+
+
+def interpreter_rounds_bf16_downcasts() -> None:
+    """Make the Triton interpreter's implicit FP32 -> BF16 conversion round to nearest even, as compiled Triton does.
+
+    ``scatter_states`` stores FP32 final states into a BF16 cache: ``tl.store`` converts through ``create_fp_trunc``
+    (``arith.truncf``, round to nearest even: ``triton.language.semantic.cast`` says so, and NVIDIA lowers it to
+    ``cvt.rn.bf16.f32``; the H200 measurement of issue 27 found upstream's scatter bit-identical to the plan's).
+    Triton 3.9's interpreter truncates there instead (``cast_impl`` with no rounding mode), which would make
+    upstream's own op differ from torch's ``.to()`` -- an interpreter artifact, not vLLM's behaviour. Only that one
+    conversion of the interpreter is replaced, by torch's (round to nearest even; NaN patterns are not modelled:
+    no NaN reaches a scatter here); the kernels are vLLM's, unchanged.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_kda_bf16_rtne", False):
+        return
+    truncate = builder.create_fp_trunc
+
+    def create_fp_trunc(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            return interpreter.TensorHandle(values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                                            tl.bfloat16)
+        return truncate(self, src, dst_type)
+
+    builder.create_fp_trunc = create_fp_trunc
+    builder._kda_bf16_rtne = True
+
+
+def standin_modules() -> dict[str, dict[str, Any]]:
+    """Return the stand-in import table of 0.34's executed files (module -> {name: object})."""
+    return {"vllm.triton_utils": triton_utils(), "vllm._aiter_ops": {"rocm_aiter_ops": RocmAiterOps}}
+
+
+def install() -> None:
+    """Put the device-kernel stand-ins at the module-level names the layer files import (before importing them)."""
+    gdn_standins.install_upstream()
+    upstream_standins.install(gather=False)  # 0.34's own gather_initial_states is executed
+
+
+def install_layer_standins(modules: dict[str, Any]) -> None:
+    """Stand-ins set on imported layer modules (Olmo's Triton gating, as for 0.33)."""
+    modules["olmo"].fused_olmo_hybrid_gdn_gating = gdn_standins.fused_olmo_hybrid_gdn_gating
+
+
+def set_conv_layout(layout: str) -> None:
+    """Make ``layout`` (``SD`` / ``DS``) vLLM's conv-state layout from now on (its cached answer cleared)."""
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = layout
+    importlib.import_module("vllm.model_executor.layers.mamba.mamba_utils").get_conv_state_layout.cache_clear()
+
+
+def build_layer(kind: str, cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
+    """Return the release's layer class built as for 0.33 (only what the seam reads is set)."""
+    if kind in ("qwen", "olmo"):
+        from upstream_gdn_child import build_layer as build_gdn
+
+        layer = build_gdn(cls, name, generator)
+        object.__setattr__(layer, "gdn_prefill_backend", "triton")
+        return layer
+    from upstream_kimi_child import build_layer as build_kimi
+
+    return build_kimi(cls, name, generator)
+
+
+def run_batches(kind: str, layers: dict, raw_caches: dict, generator: torch.Generator
+                ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Run the shared batch plan through the layers' seam (``_forward_core`` / ``_forward``)."""
+    if kind in ("qwen", "olmo"):
+        from upstream_gdn_child import metadata_of
+
+        return run_forward_core_batches(layers, raw_caches, lambda batch: metadata_of(batch, GDN_EXTRA_FIELDS),
+                                        generator)
+    from upstream_kimi_child import run_forward_batches
+
+    return run_forward_batches(layers, raw_caches, generator)
