@@ -54,3 +54,26 @@ def test_release_file_runs_under_its_name_with_its_filename_and_declared_imports
 def test_undeclared_import_in_a_release_file_fails_naming_it(release_tree) -> None:
     with pytest.raises(ImportError, match=r"import of .requests. is not declared"):
         importlib.import_module("fakefork.ops.undeclared")
+
+
+def test_lifted_device_guard_is_left_out_and_only_that_one(tmp_path) -> None:
+    package = tmp_path / "guarded"
+    package.mkdir()
+    (package / "op.py").write_text(
+        "def copy(state, rows):\n    assert state.is_cuda or state.is_xpu\n    assert rows >= 0\n"
+        "    return state[rows]\n")
+    (package / "other.py").write_text("def copy(state):\n    assert state.is_cuda\n    return state\n")
+    stack = ReleaseStack(tmp_path, "guarded", "0.1", ["guarded.op", "guarded.other"],
+                         lifted={"guarded.op": ("state.is_cuda or state.is_xpu",),
+                                 "guarded.other": ("state.is_cuda or state.is_xpu",)}).install()
+    try:
+        module = importlib.import_module("guarded.op")
+        assert module.copy(torch.arange(4.0), 2).item() == 2.0  # a CPU tensor passes the lifted guard
+        with pytest.raises(AssertionError):
+            module.copy(torch.arange(4.0), -1)  # every other assert is the release's, kept
+        assert module.copy.__code__.co_filename == str(stack.path_of("guarded.op"))
+        assert stack.bound["guarded.op"] == {"assert state.is_cuda or state.is_xpu": "lifted"}
+        with pytest.raises(ImportError, match=r"lifted guard\(s\) \[.state.is_cuda or state.is_xpu.\] not found"):
+            importlib.import_module("guarded.other")  # the file's guard differs: the declaration is stale
+    finally:
+        stack.uninstall()
