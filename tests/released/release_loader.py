@@ -312,6 +312,21 @@ def classes_defining(path: pathlib.Path, method: str) -> list[str]:
             and any(isinstance(item, ast.FunctionDef) and item.name == method for item in node.body)]
 
 
+def function_stubs(path: pathlib.Path, names: Iterable[str]) -> dict[str, Any]:
+    """Return stubs of module-level functions of a release file, with the release's parameter lists.
+
+    For a stand-in module (a release module whose imports are too costly or absent here, executed path never
+    calls it) that the overlay must still see with the release's signatures; see :func:`method_stubs`.
+    """
+    tree = ast.parse(path.read_text(), str(path))
+    wanted = set(names)
+    stubs = _stubs(path, "<module>", [item for item in tree.body if getattr(item, "name", None) in wanted])
+    missing = sorted(wanted - set(stubs))
+    if missing:
+        raise LookupError(f"{path} defines no module-level function {missing}")
+    return stubs
+
+
 def method_stubs(path: pathlib.Path, cls: str, skip: Iterable[str] = ()) -> dict[str, Any]:
     """Return stubs of every method ``cls`` defines in a release file, with the release's parameter lists.
 
@@ -321,9 +336,17 @@ def method_stubs(path: pathlib.Path, cls: str, skip: Iterable[str] = ()) -> dict
     """
     tree = ast.parse(path.read_text(), str(path))
     node = next(item for item in tree.body if isinstance(item, ast.ClassDef) and item.name == cls)
+    skipped = set(skip)
+    return _stubs(path, cls, [item for item in node.body if getattr(item, "name", None) not in skipped])
+
+
+def _stubs(path: pathlib.Path, cls: str, definitions: list[ast.stmt]) -> dict[str, Any]:
+    """Stubs of the function definitions among ``definitions`` (the first definition of a repeated name is kept);
+    ``cls`` is the class they belong to, or ``"<module>"``."""
     stubs: dict[str, Any] = {}
-    for item in node.body:
-        if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) or item.name in skip or item.name in stubs:
+    owner = "module" if cls == "<module>" else "class"
+    for item in definitions:
+        if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) or item.name in stubs:
             continue  # (a property's setter repeats its name: the first definition is kept)
         args = item.args
         arguments = ast.arguments(
@@ -335,7 +358,8 @@ def method_stubs(path: pathlib.Path, cls: str, skip: Iterable[str] = ()) -> dict
         for extra in (arguments.vararg, arguments.kwarg):
             if extra is not None:
                 extra.annotation = None
-        message = f"{cls}.{item.name} of {path} is a stub of the stand-in class (not executed here)"
+        where = item.name if cls == "<module>" else f"{cls}.{item.name}"
+        message = f"{where} of {path} is a stub of the stand-in {owner} (not executed here)"
         body = [ast.Raise(exc=ast.Call(func=ast.Name("StandInNotProvided", ast.Load()),
                                        args=[ast.Constant(message)], keywords=[]), cause=None)]
         function = ast.FunctionDef(name=item.name, args=arguments, body=body, decorator_list=[], returns=None)

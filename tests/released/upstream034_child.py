@@ -73,7 +73,8 @@ def main(root: str, seed: int, out: str, cases: list[str]) -> None:
     assert not early, f"installed modules already imported under release names (would shadow the release): {early}"
     stack = ReleaseStack(root, "", RELEASE, standins.RELEASE_MODULES, real=standins.REAL, absent_inert=True,
                          standins=standins.standin_modules(), lifted=standins.LIFTED,
-                         modules={standins.RUNNER_MODULE: runner}).install()
+                         modules={standins.RUNNER_MODULE: runner,
+                                  standins.EXTENSIBLE_MODULE: standins.extensible_module(root)}).install()
     # 0.34's runner-group members first, then the overlay (activated late, as vLLM's plugin entry point does): a
     # group's verdict reads members not imported yet from the installed tree's source, which is 0.32's here (a V2
     # runner without `extensible`, no extensible_kv_cache module); imported, they are read live -- the release's

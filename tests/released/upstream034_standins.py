@@ -17,8 +17,9 @@ plan, kernels) and declares here only what differs:
 - the runner: the V2 ``vllm.v1.worker.gpu.model_runner`` (0.34 has no V1 runner), 5-parameter
   ``initialize_kv_cache`` (``+ extensible``; :mod:`runner_standin`);
 - Kimi K3 / Kimi Linear: the FLA KDA kernels stood in as for 0.33, ``gather_initial_states`` NOT stood in;
-- ``vllm.v1.worker.extensible_kv_cache`` (absent from 0.32) executed from the release: its ``extend_kv_cache`` is a
-  member of 0.34's runner group, so the overlay must see it; it is never called here.
+- ``vllm.v1.worker.extensible_kv_cache`` (absent from 0.32): a stand-in module whose ``extend_kv_cache`` has the
+  release's parameters (:func:`release_loader.function_stubs`; calling it raises): a member of 0.34's runner group,
+  so the overlay must see it; the rebind is not exercised here.
 
 :data:`STANDINS` is the written list per layer, the two interpreter fixes (harness, not vLLM) included.
 """
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import pathlib
 import sys
+import types
 from typing import Any
 
 import gdn_standins
@@ -36,6 +39,7 @@ import upstream_standins
 from ascend_standins import REAL as REAL_STDLIB
 from ascend_standins import triton_utils
 from batch_plan import run_forward_core_batches
+from release_loader import function_stubs
 
 _OPS = "vllm.model_executor.layers.mamba.ops"
 GATHER_MODULE = f"{_OPS}.gather_initial_states"
@@ -44,6 +48,7 @@ KDA_CONV_MODULE = "vllm.models.kimi_k3.nvidia.ops.kda_conv"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 RUNNER_FILE = "vllm/v1/worker/gpu/model_runner.py"
 EXTENSIBLE_MODULE = "vllm.v1.worker.extensible_kv_cache"  # extend_kv_cache: a member of 0.34's runner group
+EXTENSIBLE_FILE = "vllm/v1/worker/extensible_kv_cache.py"
 # layer kind -> (module, class, seam method)
 LAYERS = {"qwen": (gdn_standins.QWEN_MODULE, "QwenGatedDeltaNetAttention", "_forward_core"),
           "olmo": (gdn_standins.OLMO_MODULE, "OlmoHybridGatedDeltaNetAttention", "_forward_core"),
@@ -54,7 +59,7 @@ SECTION = {"qwen": "gdn_state_copy", "olmo": "gdn_state_copy", "linear": "gdn_st
 KERNELS = ((GATHER_MODULE, "_gather_initial_states_kernel"), (SCATTER_MODULE, "_scatter_states_kernel"))
 RELEASE_MODULES = (*(module for module, _, _ in LAYERS.values()), GATHER_MODULE, SCATTER_MODULE,
                    "vllm.model_executor.warmup.jit_warmup", "vllm.model_executor.warmup.jit_warmup_triton_helper",
-                   KDA_CONV_MODULE, EXTENSIBLE_MODULE)
+                   KDA_CONV_MODULE)
 DEVICE_GUARD = "state.is_cuda or state.is_xpu"
 LIFTED = {GATHER_MODULE: (DEVICE_GUARD,), SCATTER_MODULE: (DEVICE_GUARD,)}
 # the warmup modules import more of the standard library than the layer files: all of it is real
@@ -66,8 +71,9 @@ _RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 _COMMON = {
     _RUNNER: "stand-in V2 runner: 0.34's initialize_kv_cache signature (+ extensible), binds poisoned pages",
     "vllm.triton_utils.{triton,tl,HAS_TRITON} (release files)": "the real triton (vLLM's CPU build disables it)",
-    f"{EXTENSIBLE_MODULE} (release, imported only)": "its extend_kv_cache is wrapped (a member of 0.34's runner "
-    "group) but never called: the extensible KV cache's rebind is not exercised here",
+    f"{EXTENSIBLE_MODULE}.extend_kv_cache": "stub with the release's parameters in a stand-in module (0.32 has no "
+    "such module): a member of 0.34's runner group the overlay wraps, never called here (the extensible KV cache's "
+    "rebind is not exercised; executing the file would import vLLM's KV-transfer stack, ~3 s per process)",
 }
 _GATHER = {
     f"{GATHER_MODULE} (release, not stood in)": "upstream's gather_initial_states, Triton interpreter; "
@@ -145,6 +151,15 @@ def interpreter_rounds_bf16_downcasts() -> None:
 
     builder.create_fp_trunc = create_fp_trunc
     builder._kda_bf16_rtne = True
+
+
+def extensible_module(root: pathlib.Path) -> types.ModuleType:
+    """Return the stand-in ``vllm.v1.worker.extensible_kv_cache``: ``extend_kv_cache`` with the release's parameters."""
+    module = types.ModuleType(EXTENSIBLE_MODULE)
+    for name, stub in function_stubs(root / EXTENSIBLE_FILE, ("extend_kv_cache",)).items():
+        stub.__module__ = EXTENSIBLE_MODULE
+        setattr(module, name, stub)
+    return module
 
 
 def standin_modules() -> dict[str, dict[str, Any]]:
