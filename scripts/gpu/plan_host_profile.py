@@ -51,12 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         "binding.scatter (checks + launch)": best_us(lambda: binding.scatter(state, last, indices), torch),
         "plan._check_call": best_us(lambda: plan._check_call(state, indices, None), torch),
         "torch.empty of the packed rows": best_us(lambda: torch.empty((1, 8, 128, 128), device=device), torch),
-        "CompiledVariant.launch (gather)": best_us(lambda: gather.launch(grid, state, packed, indices, flags), torch),
+        "CompiledVariant.launch (gather)": best_us(
+            lambda: gather.launch(grid, state, packed, indices, flags, state.shape[0]), torch),
         "CompiledVariant.launch (scatter)": best_us(
-            lambda: scatter.launch(grid, state, last, indices, plan._true_flags), torch),
+            lambda: scatter.launch(grid, state, last, indices, plan._true_flags, state.shape[0]), torch),
         "Triton launcher alone (compiled.run)": best_us(lambda: gather._run(
             grid[0], grid[1], 1, driver.active.get_current_stream(0), gather._function, gather._metadata, None, None,
-            None, state.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), *gather._args), torch),
+            None, state.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr(), state.shape[0],
+            *gather._args), torch),
         "torch gather state[indices]": best_us(lambda: state[indices], torch),
         "torch copy_ of one row": best_us(lambda: packed.copy_(last), torch),
     }
