@@ -28,7 +28,8 @@ Shared contract (checked on the host by :mod:`kda_patches.state_copy.layout` bef
   (caller precondition, never checked here).
 - ``num_rows`` is the one runtime scalar (:data:`ROWS_ARGUMENT`, right after ``flag_ptr``): listed in
   ``do_not_specialize``, so Triton neither folds its value nor specializes it on 1 or on divisibility
-  by 16. A host int below ``2**31`` is typed ``i32`` (:data:`ROWS_TYPE`), so every row count compiles
+  by 16. A host int below ``2**31`` is typed ``i32`` (:data:`ROWS_TYPE`; no cache of recurrent states
+  comes near that many rows, and a compiled launch cannot pass more), so every row count compiles
   to the same code and a cache rebound to another ``shape[0]`` (vLLM 0.34's extensible KV cache) keeps
   the compiled variants. Every other layout number (row stride, payload, block, tiles) is a constexpr of
   the cache layout; the selected count is the grid, never an argument.

@@ -44,7 +44,7 @@ from kda_patches.state_copy.device import (
     target_facts,
 )
 from kda_patches.state_copy.errors import refuse
-from kda_patches.state_copy.kernels import ROWS_ARGUMENT, ROWS_TYPE
+from kda_patches.state_copy.kernels import ROWS_ARGUMENT, ROWS_INDEX, ROWS_TYPE
 from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
 
 MAX_GRID_ROWS = 65535  # grid dimension 1 limit: the fused plan puts selected rows there
@@ -155,7 +155,7 @@ class StateCopyPlan:
             takes_bytes = kernel is kernels.copy_row_bytes_kernel
             source = plan._dtype if key[0] == "gather" else key[2]
             pointers = (torch.uint8, torch.uint8) if takes_bytes else (plan._dtype, source)
-            names = kernel.arg_names[5:]  # after the four pointers and num_rows
+            names = kernel.arg_names[ROWS_INDEX + 1:]  # after the four pointers and num_rows
             specs.append({"name": plan._variant_name(key), "kernel": kernel,
                           "pointers": (*pointers, key[1], torch.bool), "scalars": {ROWS_ARGUMENT: ROWS_TYPE},
                           "constexprs": dict(zip(names, plan._variant_constexprs(key), strict=True)),

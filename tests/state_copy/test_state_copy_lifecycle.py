@@ -236,6 +236,6 @@ def test_scatter_store_hint_is_decided_per_device_at_prepare(make_cache, device,
     scatter_constexprs = [value for name, value in described["constexprs"].items() if "/scatter/" in name]
     gather_constexprs = [value for name, value in described["constexprs"].items() if "/gather/" in name]
     if kind == "fused":  # STREAM's place among copy_rows_kernel's constexprs (they follow the pointers and num_rows)
-        stream = kernels.copy_rows_kernel.arg_names.index("STREAM") - 5
+        stream = kernels.copy_rows_kernel.arg_names.index("STREAM") - kernels.ROWS_INDEX - 1
         assert {values[stream] for values in scatter_constexprs} == {str(device.type == "cuda")}
         assert {values[stream] for values in gather_constexprs} == {"False"}

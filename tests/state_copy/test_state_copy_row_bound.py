@@ -56,7 +56,7 @@ for plan_class, cache_dtype in ((FusedStatePlan, torch.bfloat16), (FallbackState
             _, specialization, _ = binder(*pointers, count, *spec["constexprs"].values())
             per_rows[count] = [list(map(str, item)) for item in specialization]
         found[spec["name"] + " " + kernel.__name__] = {
-            "rows_parameter": kernel.arg_names[4], "per_rows": per_rows}
+            "rows_parameter": kernel.arg_names[4], "per_rows": per_rows}  # ROWS_INDEX, checked by the test
 print(json.dumps(found))
 """
 
@@ -73,7 +73,7 @@ def test_no_row_count_changes_the_compiled_specialization() -> None:
         assert facts["rows_parameter"] == kernels.ROWS_ARGUMENT, name
         specializations = [facts["per_rows"][str(count)] for count in ROW_COUNTS]
         assert all(item == specializations[0] for item in specializations), name  # one compile for every count
-        assert specializations[0][4] == [kernels.ROWS_TYPE, "None"], name  # a runtime i32, no value facts
+        assert specializations[0][kernels.ROWS_INDEX] == [kernels.ROWS_TYPE, "None"], name  # runtime i32, no facts
 
 
 class Recorder:
@@ -136,5 +136,6 @@ def test_compiled_launch_passes_the_row_count_in_parameter_order(path: str) -> N
                 assert metadata_call[2:] == kernel_arguments
         bound = inspect.signature(kernel.fn).bind(*kernel_arguments)  # one value per parameter, none missing
         assert bound.arguments[kernels.ROWS_ARGUMENT] == 3001, kernel.__name__
-        assert tuple(bound.arguments.values())[:4] == pointers
-        assert tuple(bound.arguments.values())[5:] == constexprs
+        assert list(bound.arguments).index(kernels.ROWS_ARGUMENT) == kernels.ROWS_INDEX
+        assert tuple(bound.arguments.values())[:kernels.ROWS_INDEX] == pointers
+        assert tuple(bound.arguments.values())[kernels.ROWS_INDEX + 1:] == constexprs
