@@ -8,6 +8,8 @@
 - On the CPU the state-copy kernels run under the Triton interpreter: ``TRITON_INTERPRET=1`` is set here,
   before any test module imports triton, so ``pytest tests -k kimi`` run directly answers like ``make test``
   (Triton reads it when a kernel is defined; a module collected first must not define them compiled).
+- Tests that start real vLLM engines use the ``fast_exit`` fixture (or put ``tests/fast_exit`` on the children's
+  ``PYTHONPATH`` themselves): vLLM's spawned processes skip the seconds of interpreter teardown after their work.
 - Under pytest-xdist (``make test`` runs ``-n 2 --dist loadfile``) files are the unit and the files of the tests
   that start a real vLLM engine (marked ``engine``) are one unit, so one worker runs them one after another
   and two engines never compete for the machine's cores (``xdist_scheduling.py``).
@@ -29,6 +31,9 @@ if os.environ.get("KDA_TESTS_RUN_GPU") != "1":
 import pytest
 import vllm_stack
 import xdist_scheduling
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_exit"))
+import kda_test_fast_exit
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -100,6 +105,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     counts = Counter(skip_reason(report) for report in reports)
     rendered = "; ".join(f"{count} x {reason}" for reason, count in sorted(counts.items())) or "none"
     terminalreporter.write_line(f"skips ({len(reports)}): {rendered}")
+
+
+@pytest.fixture
+def fast_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The processes this test starts put ``tests/fast_exit`` first on ``PYTHONPATH``: their spawned children
+    (vLLM's engine core and workers) end without the interpreter teardown, with the same exit code
+    (``kda_test_fast_exit``)."""
+    monkeypatch.setenv("PYTHONPATH", kda_test_fast_exit.with_fast_exit(dict(os.environ))["PYTHONPATH"])
 
 
 @pytest.fixture

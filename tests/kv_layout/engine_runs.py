@@ -16,6 +16,7 @@ from kda_patches.ledger import read_ledger_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "engine_ab_child.py")
+FAST_EXIT = os.path.join(os.path.dirname(HERE), "fast_exit")  # engine_shim's sitecustomize installs it
 GDN_LAYERS = ("model.layers.0.linear_attn", "model.layers.2.linear_attn")
 PROMPT_LENGTHS = "5,17,40"  # tokens that do not move with the block count (see test_kv_engine_ab)
 
@@ -47,7 +48,7 @@ def run_engine(model: str, workdir: str, name: str, **env: str) -> tuple[list[li
     child_env = {key: value for key, value in os.environ.items() if not key.startswith("KDA_PATCHES")}
     child_env.update(env, KDA_PATCHES_STATUS_DIR=status, VLLM_CPU_KVCACHE_SPACE="1",
                      KDA_TEST_PROMPT_LENGTHS=PROMPT_LENGTHS,
-                     PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(HERE, "engine_shim"),
+                     PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(HERE, "engine_shim"), FAST_EXIT,
                                                               os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, CHILD, model, out], env=child_env, capture_output=True, text=True,
                             timeout=540)

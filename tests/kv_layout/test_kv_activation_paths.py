@@ -20,7 +20,7 @@ import sysconfig
 from typing import Any
 
 import pytest
-from engine_runs import GDN_LAYERS, PROMPT_LENGTHS, layout_facts
+from engine_runs import FAST_EXIT, GDN_LAYERS, PROMPT_LENGTHS, layout_facts
 
 from kda_patches.install import PTH_NAME
 from kda_patches.ledger import read_ledger_dir
@@ -54,8 +54,9 @@ def run_path(path: str, model: str, workdir: pathlib.Path, name: str, pth_python
     status, out = workdir / f"status-{name}", workdir / f"{name}.json"
     child_env = {key: value for key, value in os.environ.items()
                  if not key.startswith("KDA_PATCHES") and key != "PYTHONPATH"}
+    # the test-only fast exit of spawned children (tests/fast_exit; it does not activate the overlay)
     child_env.update(env, KDA_PATCHES_STATUS_DIR=str(status), VLLM_CPU_KVCACHE_SPACE="1",
-                     KDA_TEST_PROMPT_LENGTHS=PROMPT_LENGTHS)
+                     KDA_TEST_PROMPT_LENGTHS=PROMPT_LENGTHS, PYTHONPATH=FAST_EXIT)
     command = {"plugin": [sys.executable, str(CHILD)],
                "pth": [pth_python or "", str(CHILD)],
                "launcher": [str(pathlib.Path(sys.executable).parent / "kda-run"), sys.executable, str(CHILD)]}[path]

@@ -13,7 +13,7 @@ vllm_stack.import_vllm("vllm")
 
 
 @pytest.mark.engine
-def test_tiny_qwen3_next_tokens_equal_and_gdn_host_flags_exercised() -> None:
+def test_tiny_qwen3_next_tokens_equal_and_gdn_host_flags_exercised(fast_exit: None) -> None:
     report = run_ab(resolve_workload(DEFAULT_WORKLOAD))
     text = format_report(report)
     assert report.verdict == "equal", text

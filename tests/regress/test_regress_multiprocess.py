@@ -48,7 +48,7 @@ ENGINE = {"tensor_parallel_size": 2, "max_model_len": 128, "max_num_seqs": 4, "e
 
 
 @pytest.fixture
-def tp2_inputs(tmp_path, monkeypatch) -> dict:
+def tp2_inputs(tmp_path, monkeypatch, fast_exit) -> dict:
     """Tiny model dir, a JSON-lines prompts file, and the CPU engine's environment for two ranks."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

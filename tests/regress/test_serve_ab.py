@@ -60,7 +60,7 @@ def test_ratios_over_rounds() -> None:
 
 
 @pytest.mark.engine
-def test_throughput_ab_on_the_tiny_model_writes_json_and_png(tmp_path, monkeypatch, capsys) -> None:
+def test_throughput_ab_on_the_tiny_model_writes_json_and_png(tmp_path, monkeypatch, capsys, fast_exit) -> None:
     vllm_stack.import_vllm("vllm")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     out = tmp_path / "ab"
