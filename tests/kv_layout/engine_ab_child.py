@@ -26,6 +26,7 @@ def main(model_dir: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
+    from kda_patches.regress.worker_ledger import with_ledger_writer
     from kda_patches.regress.workloads import generate_together, shutdown_engine
 
     extra = {}
@@ -33,8 +34,10 @@ def main(model_dir: str, out_path: str) -> None:
         extra["num_gpu_blocks_override"] = int(os.environ["KDA_TEST_NUM_BLOCKS"])
     if os.environ.get("KDA_TEST_NO_PREFIX_CACHING") == "1":
         extra["enable_prefix_caching"] = False
+    # every worker writes its ledger on request before the engine stops (shutdown_engine), not only at its exit,
+    # which vLLM's executor may cut short with SIGTERM when a loaded machine makes the worker slow to exit
     llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=512,
-              max_num_batched_tokens=96, max_num_seqs=8, seed=0, **extra)
+              max_num_batched_tokens=96, max_num_seqs=8, seed=0, **with_ledger_writer(extra))
     lengths = tuple(int(x) for x in os.environ.get("KDA_TEST_PROMPT_LENGTHS", "").split(",") if x) or PROMPT_LENGTHS
     # All requests reach the scheduler in one step: LLM.generate's one-by-one submission makes the first
     # batches (and so bf16 results) depend on timing, which would make any A/B flaky.
