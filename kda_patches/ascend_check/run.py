@@ -1,10 +1,14 @@
 """Run the Ascend compile check: every plan variant, the block-limit table, the hints, the calibration.
 
 :func:`run_check` returns one JSON-serialisable report; :func:`summary_lines` prints one line per chip
-class. Compiles run in a pool of one process per core (each with its own toolchain per chip class and its own
-Triton cache), so the report does not depend on their order. Each distinct piece of code (chip class, kernel,
-signature, constexprs) is compiled once: a block-limit probe or a hint run that is the same code as a plan
-variant (or as another probe), and the byte copy listed under two cache dtypes, reuse that one result.
+class. Compiles run in a pool of one process per core, fed one compile at a time (so that the processes
+finish together), each process keeping one toolchain per chip class for all its compiles (in a folder of
+the run's temporary folder, removed at the end). A compile's result does not depend on what its process
+compiled before: no Triton cache is read or written (the backend's stages are called directly), and each
+compile gets its own MLIR context and bishengir temporary folder, so the report does not depend on the
+order or on which process compiled what. Each distinct piece of code (chip class, kernel, signature,
+constexprs) is compiled once: a block-limit probe or a hint run that is the same code as a plan variant (or
+as another probe), and the byte copy listed under two cache dtypes, reuse that one result.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ PROBE_MAX_ITEMS = 65536  # families that fit this many items have no limit in th
 
 _TOOLCHAINS: dict[str, Any] = {}
 _WORKDIR: list[pathlib.Path] = []
+
+
+def _start_worker(root: str) -> None:
+    """Pool initializer: this process's toolchains work in a new folder under ``root`` (the run's)."""
+    _TOOLCHAINS.clear()
+    _WORKDIR[:] = [pathlib.Path(tempfile.mkdtemp(prefix="worker-", dir=root))]
 
 
 def _toolchain(chip: str) -> Any:
@@ -81,7 +91,7 @@ def compile_once(pool: Any, tasks: list[tuple[str, tuple[Any, ...]]], keys: list
     for position, key in enumerate(keys):
         first.setdefault(key, position)
     unique = list(first.values())
-    results = dict(zip(unique, pool.map(_compile_task, [tasks[position] for position in unique], chunksize=4),
+    results = dict(zip(unique, pool.map(_compile_task, [tasks[position] for position in unique], chunksize=1),
                        strict=True))
     return [dict(results[first[key]]) for key in keys]
 
@@ -163,7 +173,9 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
             for chip, index in variant_tasks]
     keys += [code_key(task[0], *probe_kernel(task[0], task[1], task[2], task[3] == "stream", task[4]))
              for task in limit_tasks + hint_tasks]
-    with ProcessPoolExecutor(max_workers=jobs or len(os.sched_getaffinity(0)) or 1) as pool:
+    with tempfile.TemporaryDirectory(prefix="kda-ascend-check-") as root, \
+            ProcessPoolExecutor(max_workers=jobs or len(os.sched_getaffinity(0)) or 1, initializer=_start_worker,
+                                initargs=(root,)) as pool:
         calibration_results = pool.map(_compile_calibration, range(len(kernels_to_calibrate)))
         compiled = compile_once(pool, tasks, keys)
         variant_results = compiled[:len(variant_tasks)]

@@ -7,19 +7,28 @@ the A5 build for the 950 class). bishengir is run with ``--save-temps=DIR``; aft
 to the final HIVM IR (``module.hivm.opt.mlir``) it needs CANN's ``hivmc``, which no registry package
 provides. Reaching that file is the last stage this machine can check (:data:`STAGE_HIVM`).
 
-Only two things are stood in, both outside the kernel's compilation:
+Only three things are stood in, all outside the kernel's compilation:
 
 - triton-ascend's A2/A3 binary stage builds a CANN helper (``NPUUtils``) only to read the chip name for
   ``--target``; it is answered with the chip class's arch instead;
 - bishengir's command gets ``--save-temps=DIR`` appended, so the final IR can be read (this bishengir
-  has no option that prints the unified-buffer size it allocated; an overflow is an error message).
+  has no option that prints the unified-buffer size it allocated; an overflow is an error message);
+- A5 only: CANN's ``hivmc-a5``, the stage after the final HIVM IR, is a program that exits 0 without
+  writing a binary (:data:`HIVMC_STAND_IN`). When ``bishengir-compile-a5`` does not find it, it runs its
+  whole pipeline again four more times, writing the same HIVM IR each time (four fifths of an A5
+  compile's time here); with the stand-in it stops after the first, as it does on a machine with CANN.
+  The A2/A3 ``bishengir-compile`` runs its pipeline once either way and keeps no stand-in (it asks
+  ``hivmc --version`` first, and a stand-in's answer could change what it emits).
 
 Every other option is the backend's own (the chip class picks triton-ascend's ``compile_on_910_95``
-defaults for A5, as its ``NPUOptions`` would on a 950 machine).
+defaults for A5, as its ``NPUOptions`` would on a 950 machine). What the backend asks about bishengir
+itself (``--help``: is it the newer API, is it register-based) is asked once per process and binary:
+the answer is the binary's, and each compile asked it up to twice (:func:`answered_once`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -50,12 +59,15 @@ class ChipClass:
         arch: the ``--target`` bishengir gets (a chip of that class).
         compiler: the bishengir binary of that class in ``ascendnpuir/bin``.
         options: triton-ascend ``NPUOptions`` fields that differ on that class.
+        hivmc: the name under which that bishengir runs CANN's ``hivmc`` when it is given the
+            :data:`HIVMC_STAND_IN` (None: it gets none).
     """
 
     name: str
     arch: str
     compiler: str
     options: dict[str, Any] = field(default_factory=dict)
+    hivmc: str | None = None
 
 
 CHIP_CLASSES: dict[str, ChipClass] = {
@@ -63,8 +75,11 @@ CHIP_CLASSES: dict[str, ChipClass] = {
     # triton-ascend 3.2 hard-codes is_compile_on_910_95 = False; on a 950 these are NPUOptions' defaults
     "a5": ChipClass("a5", "Ascend950PR_9599", "bishengir-compile-a5",
                     {"compile_on_910_95": True, "multibuffer": False, "enable_auto_bind_sub_block": False,
-                     "enable_select_analysis": True}),
+                     "enable_select_analysis": True}, hivmc="hivmc-a5"),
 }
+# What stands in for CANN's hivmc-a5: it writes no binary and exits 0, so that bishengir-compile-a5 stops
+# after the final HIVM IR instead of running its pipeline four more times looking for the real one.
+HIVMC_STAND_IN = "#!/bin/sh\n# kda-patches ascend check: CANN's hivmc is not installed; no binary written\nexit 0\n"
 
 
 @dataclass
@@ -125,17 +140,23 @@ class Toolchain:
     Args:
         chip: the chip class.
         workdir: a folder for the compiler's temporary files (created; the caller removes it).
+        stand_in_hivmc: put :data:`HIVMC_STAND_IN` on bishengir's PATH as ``chip.hivmc`` (where the chip class
+            names one); False only to compare with bishengir's own behaviour without it (the tests).
     """
 
-    def __init__(self, chip: ChipClass, workdir: pathlib.Path) -> None:
+    def __init__(self, chip: ChipClass, workdir: pathlib.Path, stand_in_hivmc: bool = True) -> None:
         self.chip = chip
         self.workdir = workdir
         # bishengir must be found as "bishengir-compile" (triton-ascend checks the name) on PATH
-        self._bin = workdir / f"bin-{chip.name}"
+        self._bin = workdir / f"bin-{chip.name}{'' if stand_in_hivmc else '-no-hivmc'}"
         self._bin.mkdir(parents=True, exist_ok=True)
         link = self._bin / "bishengir-compile"
         if not link.exists():
             link.symlink_to(compiler_dir() / chip.compiler)
+        if stand_in_hivmc and chip.hivmc:
+            hivmc = self._bin / chip.hivmc
+            hivmc.write_text(HIVMC_STAND_IN, encoding="utf-8")
+            hivmc.chmod(0o755)
         # the backend reads ASCEND_HOME_PATH before its stages (never a file under it for these stages)
         os.environ.setdefault("ASCEND_HOME_PATH", str(workdir / "no-cann"))
         os.environ["TRITON_CACHE_DIR"] = str(workdir / "triton-cache")
@@ -234,3 +255,32 @@ class Toolchain:
         shim.run = run
         namespace["NPUUtils"] = ArchOnly
         namespace["subprocess"] = shim
+        for name in HELP_CHECKS:
+            namespace[name] = answered_once(namespace[name])
+
+
+# triton-ascend's questions about bishengir (each runs ``bishengir-compile --help``), asked by its binary stages
+HELP_CHECKS = ("_check_bishengir_api_change", "_check_bishengir_is_regbased", "_check_bishengir_able_save_ir")
+
+
+def answered_once(check: Any) -> Any:
+    """Return ``check`` (a triton-ascend question about the bishengir on PATH) answering once per binary.
+
+    The first call for each bishengir that ``_get_npucompiler_path`` finds (each chip class's link) runs the
+    real check; later calls in this process return that answer. Idempotent: a check already wrapped is
+    returned as it is. The wrapper's ``answers`` maps each binary's path to its answer.
+    """
+    if hasattr(check, "answers"):
+        return check
+    answers: dict[str, Any] = {}
+    binary = check.__globals__["_get_npucompiler_path"]
+
+    @functools.wraps(check)
+    def once() -> Any:
+        path = binary()
+        if path not in answers:
+            answers[path] = check()
+        return answers[path]
+
+    once.answers = answers  # type: ignore[attr-defined]
+    return once
