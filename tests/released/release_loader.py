@@ -18,13 +18,8 @@ One more thing may be declared per release file: ``lifted`` device guards, ``ass
 is exactly a given expression (e.g. ``state.is_cuda or state.is_xpu`` in vLLM 0.34's Triton state ops) are
 left out of that file's compiled code, so its host function launches its kernel under the Triton interpreter
 on CPU tensors; every other line is the release's. A declared guard the file does not contain fails the import
-(recorded as ``lifted`` in :attr:`ReleaseStack.bound`).
-
-And per release file, ``unused`` imports: names a file imports that the executed path never uses (e.g. vLLM
-0.34's ``kv_transfer_state`` imports the KV-connector classes it only needs when a connector is configured),
-bound as placeholders for that file only, without importing their module; a declared name the file does not
-import fails the import (recorded as ``inert``). :func:`release_function` compiles one function or method of a
-release file as written there, with a namespace of ours as its globals (a method of a class whose module is
+(recorded as ``lifted`` in :attr:`ReleaseStack.bound`). :func:`release_function` compiles one function or method
+of a release file as written there, with a namespace of ours as its globals (a method of a class whose module is
 too costly to execute).
 
 Anything undeclared raises ImportError naming the release file and the module. Every name bound this way
@@ -110,19 +105,13 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             release's file on an older install: what it imports that is new must then stay unused).
         lifted: release module -> the ``assert`` tests (source text, as ``ast.unparse`` writes them) left out
             of its code (device guards; see the module docstring).
-        unused: release module -> {imported module: names} that file imports but the executed path never uses:
-            placeholders for that file only, the module not imported (see the module docstring).
     """
 
     def __init__(self, root: pathlib.Path, dist: str, version: str, release: Iterable[str],
                  real: Iterable[str] = (), standins: Mapping[str, Mapping[str, Any]] | None = None,
                  inert: Iterable[str] = (), modules: Mapping[str, types.ModuleType] | None = None,
-                 absent_inert: bool = False, lifted: Mapping[str, Iterable[str]] | None = None,
-                 unused: Mapping[str, Mapping[str, Iterable[str]]] | None = None) -> None:
+                 absent_inert: bool = False, lifted: Mapping[str, Iterable[str]] | None = None) -> None:
         self.root = pathlib.Path(root)
-        self.unused = {importer: {module: frozenset(names) for module, names in table.items()}
-                       for importer, table in (unused or {}).items()}
-        self._unused_bound: dict[str, set[tuple[str, str]]] = {}  # importer -> (module, name) bound as unused
         self.absent_inert = absent_inert
         self.lifted = {module: tuple(tests) for module, tests in (lifted or {}).items()}
         self.dist, self.version = dist, version
@@ -209,10 +198,6 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         namespace["__import__"] = self._importer(name, str(path))
         module.__builtins__ = namespace
         exec(code, module.__dict__)
-        declared = {(imported, item) for imported, items in self.unused.get(name, {}).items() for item in items}
-        missing = sorted(f"{imported}.{item}" for imported, item in declared - self._unused_bound.get(name, set()))
-        if missing:
-            raise ImportError(f"{path}: declared unused import(s) {missing} not imported by the file (re-read it)")
 
     def _without_guards(self, name: str, path: pathlib.Path, source: str) -> ast.Module:
         """Return ``source`` parsed, without the ``assert`` statements declared lifted for ``name``.
@@ -248,27 +233,15 @@ class ReleaseStack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             if level:
                 base = package.rsplit(".", level - 1)[0] if level > 1 else package
                 name = f"{base}.{name}" if name else base
-            return self.resolve(name, tuple(fromlist or ()), filename, importer)
+            return self.resolve(name, tuple(fromlist or ()), filename)
 
         return release_import
 
     def _matches(self, name: str, prefixes: tuple[str, ...]) -> bool:
         return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
 
-    def resolve(self, name: str, fromlist: tuple[str, ...], filename: str, importer: str = "") -> Any:
-        """Return what ``import name`` / ``from name import fromlist`` gives a release file (``importer``)."""
-        unused = self.unused.get(importer, {}).get(name)
-        if unused is not None:  # declared unused by this file's executed path: placeholders, nothing imported
-            undeclared = [item for item in fromlist if item not in unused]
-            if undeclared or not fromlist:
-                raise ImportError(f"{filename}: 'from {name} import {', '.join(fromlist) or '*'}' is declared unused "
-                                  f"for {importer} only as {sorted(unused)}; {undeclared} is not")
-            module = types.ModuleType(name)
-            for item in fromlist:
-                setattr(module, item, placeholder(name, item))
-                self.record(name, item, "inert")
-                self._unused_bound.setdefault(importer, set()).add((name, item))
-            return module
+    def resolve(self, name: str, fromlist: tuple[str, ...], filename: str) -> Any:
+        """Return what ``import name`` / ``from name import fromlist`` gives a release file."""
         if name in self.release or name in self.modules:
             module = importlib.import_module(name)
             kind = "release" if name in self.release else "standin"
