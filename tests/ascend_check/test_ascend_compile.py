@@ -3,6 +3,8 @@
 Runs the check once, in the Ascend environment ``.venv-ascend`` (``make setup-ascend``; ``make test``
 builds it; ``KDA_ASCEND_PYTHON`` names another interpreter), with triton-ascend and bishengir up to the
 final HIVM IR, and reads its JSON report. A missing environment is a failure, not a skip: CI builds it.
+Two more processes (``ascend_child.py``, one per chip class, side by side) compile a few of the report's
+tasks again, to check what the check's per-process reuse and its stand-ins promise.
 """
 
 from __future__ import annotations
@@ -23,18 +25,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def ascend_python() -> pathlib.Path:
     python = pathlib.Path(os.environ.get("KDA_ASCEND_PYTHON") or ROOT / ".venv-ascend" / "bin" / "python")
     if not python.exists():
         pytest.fail(f"no Ascend check environment at {python}: run `make setup-ascend` (make test does)")
+    return python
+
+
+def ascend_env() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    python = ascend_python()
     from kda_patches.ascend_check.calibration import release_root
 
     release_root()  # fetched with this interpreter's pip (the Ascend environment has no sdist build tools)
     output = tmp_path_factory.mktemp("ascend-check") / "report.json"
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([str(python), "-m", "kda_patches.ascend_check", "--json", str(output)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=3600)
+    done = subprocess.run([str(python), "-m", "kda_patches.ascend_check", "--json", str(output)], cwd=ROOT,
+                          env=ascend_env(), capture_output=True, text=True, timeout=3600)
     sys.stdout.write(done.stdout)
     if not output.exists():
         pytest.fail(f"the Ascend check wrote no report (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -92,3 +102,106 @@ def test_evict_first_is_dropped_and_the_targets_say_so(report: dict) -> None:
 def test_the_committed_matrix_matches_a_fresh_check(report: dict) -> None:
     committed = (ROOT / MATRIX_PATH).read_text(encoding="utf-8")
     assert committed == render_matrix(report), f"{MATRIX_PATH} is stale: run `{REGENERATE}` and commit it"
+
+
+RESULT_FIELDS = ("stage", "message", "ub_retry", "ub_required_bits", "ub_available_bits", "hivm_sha")
+
+
+def result_of(entry: dict) -> dict:
+    return {name: entry[name] for name in RESULT_FIELDS}
+
+
+def recompiled(report: dict, chip: str) -> dict:
+    """The chip class's last variant (X; late in its pool process), the last one before it of the same kernel
+    parameters with other HIVM IR (Z), and for A5 a block-limit probe that overflows the unified buffer (P)."""
+    from kda_patches.state_copy import casts
+
+    entries = [entry for entry in report["variants"] if entry["chip"] == chip]  # in enumeration order
+    last = len(entries) - 1
+    other = max(index for index, entry in enumerate(entries[:last])
+                if entry["hivm_sha"] not in (None, entries[last]["hivm_sha"])
+                and set(entry["constexprs"]) == set(entries[last]["constexprs"]))
+    picked = {"X": (("variant", [chip, last]), entries[last]), "Z": (("variant", [chip, other]), entries[other])}
+    if chip == "a5":
+        rules = {name: rule for rule, name in casts.NAN_RULES.items()}
+        probe = next(entry for entry in report["limits"] if entry["chip"] == chip and entry["ub_required_bits"])
+        picked["P"] = (("probe", [chip, probe["family"], probe["items"], "default", rules.get(probe["nan_rule"])]),
+                       probe)
+    return picked
+
+
+@pytest.fixture(scope="module")
+def children(report: dict) -> dict:
+    """Per chip class: the picked report entries and one fresh process's compiles of them (``ascend_child.py``).
+
+    A2/A3: X (the process's first compile), Z, X again. A5: the same, then P, then X and P by a toolchain
+    without the hivmc-a5 stand-in."""
+    plans = {}
+    for chip in ("a2a3", "a5"):
+        picked = recompiled(report, chip)
+        order = ["X", "Z", "X"] + (["P", "X-", "P-"] if chip == "a5" else [])
+        tasks = [{"task": picked[name.rstrip("-")][0], "stand_in_hivmc": not name.endswith("-")} for name in order]
+        plans[chip] = (picked, order, tasks)
+    env = {**ascend_env(), "PYTHONPATH": str(ROOT)}
+    started = {chip: subprocess.Popen([str(ascend_python()), str(ROOT / "tests" / "ascend_check" / "ascend_child.py"),
+                                       json.dumps(tasks)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+               for chip, (_, _, tasks) in plans.items()}
+    found = {}
+    for chip, process in started.items():
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, f"{chip} child failed:\n{err[-4000:]}"
+        picked, order, _ = plans[chip]
+        output = json.loads(out)
+        found[chip] = {"picked": {name: entry for name, (_, entry) in picked.items()},
+                       "compiles": list(zip(order, output["compiles"], strict=True)), "answers": output["answers"]}
+    return found
+
+
+@pytest.mark.parametrize("chip", ["a2a3", "a5"])
+def test_a_fresh_process_compiles_what_the_pooled_run_reported(children: dict, chip: str) -> None:
+    """Per-process reuse: X, compiled late in a pool process, equals X as a fresh process's first compile."""
+    first_name, first = children[chip]["compiles"][0]
+    assert first_name == "X"
+    assert first["result"] == result_of(children[chip]["picked"]["X"])
+    assert first["result"]["stage"] == "hivm"
+
+
+@pytest.mark.parametrize("chip", ["a2a3", "a5"])
+def test_compiles_in_one_process_do_not_leak_into_each_other(children: dict, chip: str) -> None:
+    """Z (other constexprs of the same kernel) after X, then X again, in one process: each its own result."""
+    picked = children[chip]["picked"]
+    assert picked["X"]["hivm_sha"] != picked["Z"]["hivm_sha"]  # the comparison can tell them apart
+    for name, compiled in children[chip]["compiles"]:
+        if not name.endswith("-"):
+            assert compiled["result"] == result_of(picked[name]), name
+
+
+@pytest.mark.parametrize("chip", ["a2a3", "a5"])
+def test_bishengir_help_is_asked_once_per_process_and_binary(children: dict, chip: str) -> None:
+    answers = children[chip]["answers"]
+    kept = sum(len(facts["kept"]) for facts in answers.values())
+    asked = [run for _, compiled in children[chip]["compiles"] for run in compiled["runs"] if run["help"]]
+    compiles = [run for _, compiled in children[chip]["compiles"] for run in compiled["runs"]
+                if run["program"] == "bishengir-compile" and not run["help"]]
+    assert kept and len(asked) == kept < len(compiles)
+    for name, facts in answers.items():
+        assert facts["kept"] == facts["fresh"], name
+    # A2/A3's stage asks two questions of its one binary; A5's asks one, of the two toolchains' links
+    assert {name: len(facts["kept"]) for name, facts in answers.items() if facts["kept"]} == \
+        ({"_check_bishengir_api_change": 1, "_check_bishengir_is_regbased": 1} if chip == "a2a3"
+         else {"_check_bishengir_api_change": 2})
+
+
+def test_the_hivmc_a5_stand_in_stops_bishengir_after_the_final_ir_and_changes_no_result(children: dict) -> None:
+    """Without the stand-in bishengir-compile-a5 runs its pipeline five times (hivmc-a5 missing each time);
+    with it once; the results are the same, an unified-buffer overflow before hivmc included."""
+    compiles = dict(children["a5"]["compiles"])
+    missing = {name: [run["hivmc_missing"] for run in compiled["runs"]
+                      if run["program"] == "bishengir-compile" and not run["help"]]
+               for name, compiled in children["a5"]["compiles"]}
+    assert missing["X-"] == [5] and missing["X"] == [0]
+    assert compiles["X-"]["result"] == compiles["X"]["result"]
+    assert compiles["P"]["result"]["stage"] != "hivm" and compiles["P"]["result"]["ub_required_bits"]
+    assert compiles["P-"]["result"] == compiles["P"]["result"]
+    assert all(count == 0 for name, counts in missing.items() if not name.endswith("-") for count in counts)
