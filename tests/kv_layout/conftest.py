@@ -1,8 +1,10 @@
 """Shared fixtures of the ``kv_cache_layout`` tests (both vLLM eras; vLLM is imported lazily), among them the
-session's tiny model and its one unpatched SD engine run, shared by the two engine test modules."""
+session's tiny model, its one unpatched SD engine run and its one run per activation path and state mode, shared
+by the two engine test modules."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,3 +50,44 @@ def sd_baseline(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> tu
                           VLLM_SSM_CONV_STATE_LAYOUT="SD")
     except AssertionError as error:
         pytest.fail(f"shared fixture sd_baseline ({SD_BASELINE}) failed: {error}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def pth_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An interpreter environment whose site-packages holds the main venv's path and ``kda_patches.pth``."""
+    from engine_runs import make_pth_python
+
+    return make_pth_python(tmp_path_factory.mktemp("pth-env"))
+
+
+ACTIVATION_RUN = ("KDA_PATCHES_STRICT=1, KDA_PATCHES_KV_STATE_MODE={mode}, activated through {path} only, prompts "
+                  "5,17,40, engine_ab_child.py on the tiny model (vLLM's default SD conv states)")
+
+
+@pytest.fixture(scope="session")
+def activation_run(tiny_model: str, pth_python: str, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Callable[[str, str], tuple[list[list[int]], list[Any]]]:
+    """``activation_run(path, mode)``: one STRICT engine run per activation path and state mode per session
+    (:data:`ACTIVATION_RUN`), shared: ``test_kv_activation_paths`` asserts on every one, and
+    ``test_kv_engine_ab[SD]`` asserts its layout A/B on the ``.pth`` runs (the overlay imported at interpreter
+    start, as ``engine_shim``'s sitecustomize does for the DS runs). A failed run fails every test that asks for
+    it, each naming the configuration."""
+    from engine_runs import run_activation_path
+
+    runs: dict[tuple[str, str], Any] = {}
+
+    def run(path: str, mode: str) -> tuple[list[list[int]], list[Any]]:
+        if (path, mode) not in runs:
+            try:
+                runs[path, mode] = run_activation_path(path, tiny_model, tmp_path_factory.mktemp(f"{path}-{mode}"),
+                                                       f"{path}-{mode}", pth_python, KDA_PATCHES_STRICT="1",
+                                                       KDA_PATCHES_KV_STATE_MODE=mode)
+            except AssertionError as error:
+                runs[path, mode] = error
+        outcome = runs[path, mode]
+        if isinstance(outcome, AssertionError):
+            pytest.fail(f"shared fixture activation_run ({ACTIVATION_RUN.format(path=path, mode=mode)}) failed: "
+                        f"{outcome}", pytrace=False)
+        return outcome
+
+    return run

@@ -1,17 +1,22 @@
 """Real-engine runs of the ``kv_cache_layout`` tests: the tiny model, one engine run per fresh process, facts.
 
-Shared by ``test_kv_engine_ab`` and ``test_kv_activation_paths``; their common fixtures (one tiny model and one
-unpatched SD baseline per session) are in this folder's ``conftest.py``.
+Shared by ``test_kv_engine_ab`` and ``test_kv_activation_paths``; their common fixtures (one tiny model, one
+unpatched SD baseline and one run per activation path and state mode per session) are in this folder's
+``conftest.py``. :func:`run_engine` activates the overlay through ``engine_shim``'s sitecustomize;
+:func:`run_activation_path` through the path a user picks (plugin, ``.pth``, launcher).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
+import sysconfig
 from typing import Any
 
+from kda_patches.install import PTH_NAME
 from kda_patches.ledger import read_ledger_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,3 +73,46 @@ def layout_facts(ledgers: list[dict[str, Any]]) -> dict[str, Any]:
             counters[key] = counters.get(key, 0) + value
     facts["counters"] = counters
     return facts
+
+
+def make_pth_python(env_dir: pathlib.Path) -> str:
+    """Create an interpreter environment in ``env_dir`` whose site-packages holds the main venv's path and the
+    ``kda_patches.pth`` that ``kda-patches install --prefix`` writes; return its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+    python = env_dir / "bin" / "python"
+    site_dir = pathlib.Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                            "['purelib'])"], check=True, capture_output=True, text=True)
+                            .stdout.strip())
+    # .pth files run in name order: the main venv's packages first, then the overlay's own line, written by
+    # the real installer (`kda-patches install --prefix ENV` targets ENV/lib/pythonX.Y/site-packages)
+    root = pathlib.Path(HERE).parents[1]
+    (site_dir / "00_main_venv.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n{root}\n")
+    done = subprocess.run([sys.executable, "-m", "kda_patches", "install", "--prefix", str(env_dir)],
+                          capture_output=True, text=True, check=True)
+    assert (site_dir / PTH_NAME).is_file(), done.stdout + done.stderr
+    return str(python)
+
+
+def run_activation_path(path: str, model: str, workdir: pathlib.Path, name: str, pth_python: str,
+                        **env: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Run the engine workload with the overlay activated only through ``path`` (``plugin``: vLLM's plugin entry
+    point alone; ``pth``: ``pth_python``'s ``kda_patches.pth``; ``launcher``: ``kda-run``); return its tokens and
+    every process's ledger.
+
+    Raises:
+        AssertionError: the run failed; the message names the run and ends with its output.
+    """
+    status, out = workdir / f"status-{name}", workdir / f"{name}.json"
+    child_env = {key: value for key, value in os.environ.items()
+                 if not key.startswith("KDA_PATCHES") and key != "PYTHONPATH"}
+    # the test-only fast exit of spawned children (tests/fast_exit; it does not activate the overlay)
+    child_env.update(env, KDA_PATCHES_STATUS_DIR=str(status), VLLM_CPU_KVCACHE_SPACE="1",
+                     KDA_TEST_PROMPT_LENGTHS=PROMPT_LENGTHS, PYTHONPATH=FAST_EXIT)
+    command = {"plugin": [sys.executable, CHILD],
+               "pth": [pth_python, CHILD],
+               "launcher": [str(pathlib.Path(sys.executable).parent / "kda-run"), sys.executable, CHILD]}[path]
+    result = subprocess.run([*command, model, str(out)], env=child_env, capture_output=True, text=True,
+                            timeout=540)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    tokens = json.loads(out.read_text())["tokens"]
+    return tokens, read_ledger_dir(str(status)) if status.is_dir() else []

@@ -8,8 +8,10 @@ changing only ``num_gpu_blocks_override`` (4096 -> 2688, prefix caching off) alr
 of a 77-token prompt. The separate mode shrinks the block count by design (its memory is taken from the KV
 budget), so the A/B workload is one whose baseline tokens do not move with the block count.
 
-The SD baseline is the session's ``sd_baseline`` (``conftest.py``), shared with ``test_kv_activation_paths``;
-the DS baseline is this test's own.
+The SD runs are the session's (``conftest.py``), shared with ``test_kv_activation_paths``: the baseline is
+``sd_baseline``, the patched runs are ``activation_run``'s ``.pth`` runs in separate and auto mode (STRICT, the
+overlay imported at interpreter start in every process). The DS runs are this test's own, activated by
+``engine_shim``'s sitecustomize.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ def test_engine_ab_identical_tokens_and_ledger_verdicts(tiny_model: str, tmp_pat
     else:
         baseline, base_ledgers = run_engine(tiny_model, workdir, "baseline", KDA_PATCHES="0", **layout)
     assert "summary" not in layout_facts(base_ledgers)
-    separate, sep_ledgers = run_engine(tiny_model, workdir, "separate", KDA_PATCHES_KV_STATE_MODE="separate",
-                                       KDA_PATCHES_STRICT="1", **layout)
+    if conv_layout == "SD":  # the same patched processes as the .pth activation path's: run once (conftest)
+        separate, sep_ledgers = request.getfixturevalue("activation_run")("pth", "separate")
+    else:
+        separate, sep_ledgers = run_engine(tiny_model, workdir, "separate", KDA_PATCHES_KV_STATE_MODE="separate",
+                                           KDA_PATCHES_STRICT="1", **layout)
     assert separate == baseline
     facts = layout_facts(sep_ledgers)
     for name in GDN_LAYERS:
@@ -44,7 +49,7 @@ def test_engine_ab_identical_tokens_and_ledger_verdicts(tiny_model: str, tmp_pat
     assert facts["summary"]["separate_bytes"] == budget["workers"][0]["reserved_bytes"] > 0
     print(f"\n[{conv_layout}] separate mode: {budget['workers'][0]}")
     if conv_layout == "SD":
-        auto, auto_ledgers = run_engine(tiny_model, workdir, "auto", KDA_PATCHES_STRICT="1", **layout)
+        auto, auto_ledgers = request.getfixturevalue("activation_run")("pth", "auto")
         assert auto == baseline
         facts = layout_facts(auto_ledgers)
         for name in GDN_LAYERS:
