@@ -135,6 +135,7 @@ def test_plans_are_republished_after_the_real_rebind_without_compiling(runs: tup
         context + f"\n{result['bindings']}"  # the very binding published at initialize_kv_cache, republished
     fact = result["facts"][section]
     rebind = fact["rebind"]
+    assert rebind is not None, context + f"\nno ledger fact rebind in {section}: {fact}"
     assert rebind["ok"] and rebind["recompiled"] is False and "without compiling" in rebind["reason"], \
         context + f"\n{rebind}"
     names = sorted(result["bindings"])
