@@ -205,3 +205,10 @@ def test_the_hivmc_a5_stand_in_stops_bishengir_after_the_final_ir_and_changes_no
     assert compiles["P"]["result"]["stage"] != "hivm" and compiles["P"]["result"]["ub_required_bits"]
     assert compiles["P-"]["result"] == compiles["P"]["result"]
     assert all(count == 0 for name, counts in missing.items() if not name.endswith("-") for count in counts)
+
+
+def test_the_a2a3_bishengir_runs_its_pipeline_once_without_a_stand_in(children: dict) -> None:
+    """bishengir-compile (A2/A3) looks for hivmc twice (its ``--version``, then the one run) and stops."""
+    counts = [run["hivmc_missing"] for _, compiled in children["a2a3"]["compiles"] for run in compiled["runs"]
+              if run["program"] == "bishengir-compile" and not run["help"]]
+    assert counts and all(count == 2 for count in counts)
