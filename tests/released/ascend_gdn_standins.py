@@ -139,9 +139,12 @@ def gdn_standin_modules(version: str, fused: bool) -> dict[str, dict[str, Any]]:
 
 
 def install_c_ascend_gdn() -> None:
-    """Install ``torch.ops._C_ascend`` with the GDN kernels the fork's ``_forward_core`` calls."""
-    torch.ops._C_ascend = types.SimpleNamespace(npu_causal_conv1d_custom=npu_causal_conv1d_custom,
-                                                npu_recurrent_gated_delta_rule=npu_recurrent_gated_delta_rule)
+    """Install the GDN kernels the fork's ``_forward_core`` calls in ``torch.ops._C_ascend`` (beside the Kimi
+    kernels :func:`ascend_standins.install_c_ascend` installed there, when a process runs both layers)."""
+    from ascend_standins import c_ascend
+
+    c_ascend().__dict__.update(npu_causal_conv1d_custom=npu_causal_conv1d_custom,
+                               npu_recurrent_gated_delta_rule=npu_recurrent_gated_delta_rule)
 
 
 STANDINS = {

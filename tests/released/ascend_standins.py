@@ -112,10 +112,19 @@ def make_torch_npu() -> types.ModuleType:
     return module
 
 
+def c_ascend() -> types.SimpleNamespace:
+    """Return the stood-in ``torch.ops._C_ascend`` namespace (what the fork's .so registers), installed once."""
+    namespace = vars(torch.ops).get("_C_ascend")  # torch.ops.<name> would create an op namespace of torch's
+    if not isinstance(namespace, types.SimpleNamespace):
+        namespace = types.SimpleNamespace()
+        torch.ops._C_ascend = namespace
+    return namespace
+
+
 def install_c_ascend() -> types.SimpleNamespace:
-    """Install ``torch.ops._C_ascend`` with the stood-in prefill kernels (what the fork's .so registers)."""
-    namespace = types.SimpleNamespace(chunk_kda_fwd=chunk_kda_fwd, kda_gate_cumsum=kda_gate_cumsum)
-    torch.ops._C_ascend = namespace
+    """Install the stood-in Kimi prefill kernels in ``torch.ops._C_ascend`` (what the fork's .so registers)."""
+    namespace = c_ascend()
+    namespace.__dict__.update(chunk_kda_fwd=chunk_kda_fwd, kda_gate_cumsum=kda_gate_cumsum)
     return namespace
 
 

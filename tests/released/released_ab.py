@@ -1,12 +1,17 @@
-"""Parent side of the released-code A/B runs: two fresh processes per case, then bitwise comparison.
+"""Parent side of the released-code A/B runs: fresh processes per side, each running a batch of cases.
 
-Baseline = ``KDA_PATCHES=0``; patched = ``KDA_PATCHES=1``; both ``KDA_PATCHES_STRICT=1`` and
-``TRITON_INTERPRET=1``; same seed (fresh per test run, printed on failure). Each child saves a
-``torch.save`` dict (see the child scripts); this module runs both at once and compares them.
+Baseline = ``KDA_PATCHES=0``; patched = ``KDA_PATCHES=1`` (some batches add switches, or a third side); all
+``KDA_PATCHES_STRICT=1`` and ``TRITON_INTERPRET=1``. A :class:`Batch` declares one configuration (a child script
+and its group arguments, e.g. a release) and its cases; :func:`run_batch` runs each side's child once, all cases
+in it (:mod:`batch_child`; issue 28: a fresh process costs ~12 s of imports and ~1 s per case), each case with
+its own fresh seed (printed on failure), and keeps every case's results for the per-case tests, which compare
+the sides bitwise (:func:`compare_runs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pathlib
 import subprocess
@@ -36,32 +41,137 @@ def child_env(patched: bool, extra: dict[str, str] | None = None) -> dict[str, s
     return env
 
 
-def run_pair(script: str, args: list[str], extra: dict[str, str] | None = None,
-             base_extra: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run ``script ARGS... OUT`` unpatched and patched (concurrently); return both saved dicts.
+@dataclasses.dataclass(frozen=True)
+class Side:
+    """One side of a batch: the overlay off (``KDA_PATCHES=0``) or on, plus extra switches (``(name, value)``)."""
 
-    Raises:
-        AssertionError: a child failed (its exit status and stderr tail are in the message).
+    patched: bool
+    extra: tuple[tuple[str, str], ...] = ()
+
+    def env(self) -> dict[str, str]:
+        """Return the side's environment (:func:`child_env`)."""
+        return child_env(self.patched, dict(self.extra))
+
+    def switches(self) -> str:
+        """Return the side's switches as written in failure messages (the overlay's, then the extra ones)."""
+        env = self.env()
+        named = [key for key in sorted(env) if key.startswith("KDA_PATCHES")]
+        named += [key for key, _ in self.extra if key not in named]
+        return " ".join(f"{key}={env[key]}" for key in named)
+
+
+AB = (("baseline", Side(False)), ("patched", Side(True)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Declaration: one child process per side runs every case of one configuration (:mod:`batch_child`).
+
+    Cases can share a process when they load the same release files under the same module names with the same
+    switches; each case draws from its own fresh seed. :func:`run_batch` runs a batch once per pytest process
+    (tests in several files that declare the same batch share its processes).
+
+    Attributes:
+        title: the configuration, in every failure message (with the case, its seed and the side's switches).
+        script: the child script (``setup`` / ``run_case`` / ``describe`` served by :func:`batch_child.serve`).
+        args: the group arguments the child's ``setup`` gets (e.g. the release).
+        cases: case ids, run in this order.
+        sides: ``(name, Side)`` pairs; every side runs at once, in its own fresh process.
+        only: ``(case, sides)`` pairs for cases that run on some sides only (default: every side).
     """
-    runs = run_sides(script, args, {"baseline": child_env(False, base_extra), "patched": child_env(True, extra)})
-    return runs["baseline"], runs["patched"]
+
+    title: str
+    script: str
+    args: tuple[str, ...]
+    cases: tuple[str, ...]
+    sides: tuple[tuple[str, Side], ...] = AB
+    only: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def runs_on(self, case: str, side: str) -> bool:
+        """Whether ``case`` runs on ``side``."""
+        return side in dict(self.only).get(case, dict(self.sides))
 
 
-def run_sides(script: str, args: list[str], envs: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
-    """Run ``script ARGS... OUT`` once per named environment (concurrently); return ``side -> saved dict``.
+@dataclasses.dataclass
+class BatchRun:
+    """What one run of a :class:`Batch` left: per side the saved dict, or why the side's process failed."""
 
-    Raises:
-        AssertionError: a child failed (its side, exit status and stderr tail are in the message).
+    batch: Batch
+    seeds: dict[str, int]
+    saved: dict[str, dict[str, Any]]
+    failures: dict[str, str]
+
+    def context(self, case: str) -> str:
+        """Return the failure-message line naming the configuration, the case and its seed."""
+        return f"{self.batch.title}: case {case}, seed {self.seeds[case]}"
+
+    def process(self, side: str, case: str | None = None) -> dict[str, Any]:
+        """Return the side's saved dict (every case); ``case`` only names the test asking in a failure.
+
+        Raises:
+            AssertionError: the side's process failed (exit status, output tail, the configuration).
+        """
+        if side in self.failures:
+            named = f"{self.context(case)}\n" if case is not None else f"{self.batch.title}\n"
+            raise AssertionError(f"{named}{side} ({dict(self.batch.sides)[side].switches()}): "
+                                 f"{self.failures[side]}")
+        return self.saved[side]
+
+    def case(self, case: str, side: str) -> dict[str, Any]:
+        """Return one case's results on one side, with the process-wide entries (``bound``, ...) beside them.
+
+        Its ``ledger`` is the snapshot right after the case with the counters of setup and of this case only.
+        Raises:
+            AssertionError: the side's process failed, or this case raised there (its traceback).
+        """
+        saved = self.process(side, case)
+        if case not in saved["cases"]:
+            raise AssertionError(f"{self.context(case)}\n{side}: the case did not run on this side")
+        result = saved["cases"][case]
+        if "error" in result:
+            raise AssertionError(f"{self.context(case)}\n{side} ({dict(self.batch.sides)[side].switches()}) "
+                                 f"raised in this case:\n{result['error']}")
+        return {**{key: value for key, value in saved.items() if key != "cases"}, **result}
+
+    def pair(self, case: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Return ``(baseline, patched)`` results of one case of an A/B batch."""
+        return self.case(case, "baseline"), self.case(case, "patched")
+
+
+_RUNS: dict[Batch, BatchRun] = {}
+
+
+def run_batch(batch: Batch) -> BatchRun:
+    """Run ``batch`` (every side at once, fresh seeds per case) the first time it is asked for; return its run.
+
+    A side whose process fails (non-zero exit, no results, a timeout) is recorded, not raised: each case's test
+    then fails naming it (:meth:`BatchRun.case`).
     """
+    if batch in _RUNS:
+        return _RUNS[batch]
+    seeds = {case: fresh_seed() for case in batch.cases}
+    saved, failures = {}, {}
     with tempfile.TemporaryDirectory(prefix="kda-released-") as folder:
-        outs = {side: os.path.join(folder, f"{side}.pt") for side in envs}
-        procs = {side: subprocess.Popen([sys.executable, str(HERE / script), *args, outs[side]], env=env,
-                                        cwd=str(HERE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for side, env in envs.items()}
-        logs = {side: proc.communicate(timeout=CHILD_TIMEOUT_S)[0] for side, proc in procs.items()}
+        procs, outs = {}, {}
+        for side, spec in batch.sides:
+            outs[side] = os.path.join(folder, f"{side}.pt")
+            cases = [[case, seeds[case]] for case in batch.cases if batch.runs_on(case, side)]
+            command = [sys.executable, str(HERE / batch.script),
+                       json.dumps({"args": list(batch.args), "cases": cases}), outs[side]]
+            procs[side] = subprocess.Popen(command, env=spec.env(), cwd=str(HERE), stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
         for side, proc in procs.items():
-            assert proc.returncode == 0, f"{side} child {script} {args} exited {proc.returncode}:\n{logs[side][-6000:]}"
-        return {side: torch.load(out, weights_only=False) for side, out in outs.items()}
+            try:
+                log = proc.communicate(timeout=CHILD_TIMEOUT_S)[0]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                log = proc.communicate()[0] + f"\n(killed after {CHILD_TIMEOUT_S} s)"
+            if proc.returncode != 0 or not os.path.isfile(outs[side]):
+                failures[side] = f"child {batch.script} {list(batch.args)} exited {proc.returncode}:\n{log[-6000:]}"
+            else:
+                saved[side] = torch.load(outs[side], weights_only=False)
+    _RUNS[batch] = BatchRun(batch, seeds, saved, failures)
+    return _RUNS[batch]
 
 
 def raw_bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,28 +1,32 @@
 """vllm-ascend 0.30's released ``AscendGatedDeltaNetAttention._forward_core``, FLA prefill branch, baseline only.
 
-:mod:`ascend_gdn030_child` twice with ``KDA_PATCHES=0`` (STRICT, Triton interpreter) and the same fresh seed:
+:mod:`ascend_child` in two fresh processes with ``KDA_PATCHES=0`` (STRICT, Triton interpreter) -- the ``baseline`` and
+``second`` sides of :func:`released_batches.ascend030` (shared with :mod:`test_ascend_gdn030_overlay`) -- each case
+with its own fresh seed, the same on both:
 the release's ``gdn.py`` takes its FLA branch for every prefill call -- the fork's Triton
 ``gather_ssm_states`` (zero rows for fresh sequences), ``DeviceOperator.fla_gdn_prefill`` (stood in: the
 device call), ``scatter_ssm_states_`` of the FP32 finals cast to the cache dtype -- over the shared batch
 plan (prefill, mixed decode + prefill, decode-only, continued; INT32 / INT64 indices; FP32 / BF16 caches).
 Checked: the branch, the fork's kernels launched, both runs bitwise equal, page poison and unselected rows
 intact, and the first batch against a direct computation (causal conv, L2 norm, gates, delta rule written out
-here). The ``KDA_PATCHES=1`` side and the A/B comparison come on top of this child.
+here). The ``KDA_PATCHES=1`` sides and the A/B comparison are :mod:`test_ascend_gdn030_overlay`'s.
 """
 
 from __future__ import annotations
 
 import filecmp
+from collections.abc import Callable
 
 import pytest
 import released_ab
+import released_batches
 import torch
 import torch.nn.functional as F
-from ascend_gdn_child import build_layer
+from ascend_gdn_layers import build_layer
 from batch_plan import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, PREFILL_CALLS
+from released_batches import GDN030_CASES as CASES
 from runner_standin import PageSpec, bits, poison_problems
 
-CASES = [("0.30.0rc2", "float32"), ("0.30.0rc2", "bfloat16"), ("0.30.0rc1", "bfloat16")]
 STATE_INDEX = "vllm_ascend.ops.triton.mamba.state_index"
 # batch-0 tolerances: outputs are BF16 (an ulp flip is ~0.4%); finals FP32 (order of sums) or one BF16 ulp
 OUTPUT_TOLERANCE = {"atol": 1e-3, "rtol": 1e-2}
@@ -46,7 +50,7 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 def direct_first_batch(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, batch 0 (fresh prefills: zero conv and recurrent states) computed directly from the seed.
 
-    The child's draws are replayed (layers via :func:`ascend_gdn_child.build_layer`, then the batch's BF16
+    The child's draws are replayed (layers via :func:`ascend_gdn_layers.build_layer`, then the batch's BF16
     ``mixed_qkv``, ``b``, ``a``); everything after is written out here, rounding to BF16 where the fork's
     pipeline stores BF16 (conv output, L2-normed q/k, beta).
     Returns:
@@ -95,15 +99,19 @@ def test_releases_030_share_the_fla_prefill_code() -> None:
         assert filecmp.cmp(first / path, second / path, shallow=False), path
 
 
+@pytest.fixture(scope="module")
+def ascend030() -> Callable[[str], released_ab.BatchRun]:
+    """``release -> its batch's run``: each release's processes run once, when a case first asks for them."""
+    return lambda release: released_ab.run_batch(released_batches.ascend030(release))
+
+
 @pytest.mark.parametrize(("release", "cache_dtype"), CASES, ids=[f"{r}-{d}" for r, d in CASES])
-def test_released_gdn030_fla_baseline(release: str, cache_dtype: str) -> None:
-    seed = released_ab.fresh_seed()
-    env = released_ab.child_env(False)
-    runs = released_ab.run_sides("ascend_gdn030_child.py", [release, "fla", str(seed), cache_dtype],
-                                 {"first": env, "second": dict(env)})
-    run = runs["first"]
+def test_released_gdn030_fla_baseline(ascend030: Callable, release: str, cache_dtype: str) -> None:
+    batch, case = ascend030(release), f"gdn:{cache_dtype}"
+    seed = batch.seeds[case]
+    run, second = batch.case(case, "baseline"), batch.case(case, "second")
     context = released_ab.note_run(f"vllm-ascend {release} {run['class']}._forward_core (fla, baseline)", run)
-    context += f"\nseed {seed}, {cache_dtype} cache"
+    context += f"\n{batch.context(case)}: {cache_dtype} cache"
 
     assert run["branch"] == {"fla": PREFILL_CALLS, "triton": 0}, context + f"\nbranch {run['branch']}"
     assert not run["fused"] and run["wrapped"] == "function", context
@@ -111,7 +119,7 @@ def test_released_gdn030_fla_baseline(release: str, cache_dtype: str) -> None:
     launches = {"_gather_ssm_states_kernel": PREFILL_CALLS, "_scatter_ssm_states_kernel": PREFILL_CALLS}
     assert run["kernel_launches"] == launches, context + f"\nkernel launches {run['kernel_launches']}"
 
-    problems = released_ab.compare_runs(run, runs["second"])
+    problems = released_ab.compare_runs(run, second)
     assert not problems, context + "\nnot deterministic across two runs:\n" + "\n".join(problems)
 
     spec = PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout="SD")

@@ -1,7 +1,9 @@
 """``KDA_PATCHES_GDN_PLAN`` on vllm-ascend 0.30's released ``AscendGatedDeltaNetAttention._forward_core``, A/B.
 
-:mod:`ascend_gdn030_child` (the release's ``gdn.py``, FLA prefill branch, the fork's Triton ``gather_ssm_states``
-/ ``scatter_ssm_states_`` under the interpreter) three times with the same fresh seed:
+:mod:`ascend_child` (the release's ``gdn.py``, FLA prefill branch, the fork's Triton ``gather_ssm_states`` /
+``scatter_ssm_states_`` under the interpreter), one fresh process per side for all the cases of one release
+(:func:`released_batches.ascend030`, shared with :mod:`test_ascend_gdn030_fla_baseline` and the release's Kimi
+case), each case with its own fresh seed; the sides:
 
 - ``baseline``: ``KDA_PATCHES=0``;
 - ``fork``: ``KDA_PATCHES=1``, STRICT, the switch at its default (``fork``): the overlay stands aside -- the seam
@@ -15,29 +17,36 @@ rows a batch selects must be intact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import released_ab
+import released_batches
 import torch
 from batch_plan import BATCHES, BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
+from released_batches import GDN030_CASES as CASES
 from runner_standin import PageSpec, poison_problems
 
-CASES = [("0.30.0rc2", "float32"), ("0.30.0rc2", "bfloat16"), ("0.30.0rc1", "bfloat16")]
 SEAM_KEY = "vllm_ascend.ops.gdn:AscendGatedDeltaNetAttention._forward_core"
 RUNNER_KEY = "vllm_ascend.worker.model_runner_v1:NPUModelRunner.initialize_kv_cache"
 FORK_LAUNCHES = {"_gather_ssm_states_kernel": PREFILL_CALLS, "_scatter_ssm_states_kernel": PREFILL_CALLS}
 WRITTEN_ROWS = {row for batch in BATCHES for row in batch[0]}
 
 
+@pytest.fixture(scope="module")
+def ascend030() -> Callable[[str], released_ab.BatchRun]:
+    """``release -> its batch's run``: each release's processes run once, when a case first asks for them."""
+    return lambda release: released_ab.run_batch(released_batches.ascend030(release))
+
+
 @pytest.mark.parametrize(("release", "cache_dtype"), CASES, ids=[f"{r}-{d}" for r, d in CASES])
-def test_gdn_plan_overlay_equals_the_forks_kernels_and_fork_stands_aside(release: str, cache_dtype: str) -> None:
-    seed = released_ab.fresh_seed()
-    runs = released_ab.run_sides("ascend_gdn030_child.py", [release, "fla", str(seed), cache_dtype], {
-        "baseline": released_ab.child_env(False),
-        "fork": released_ab.child_env(True),
-        "overlay": released_ab.child_env(True, {"KDA_PATCHES_GDN_PLAN": "overlay"})})
+def test_gdn_plan_overlay_equals_the_forks_kernels_and_fork_stands_aside(ascend030: Callable, release: str,
+                                                                         cache_dtype: str) -> None:
+    batch, case = ascend030(release), f"gdn:{cache_dtype}"
+    runs = {side: batch.case(case, side) for side in ("baseline", "fork", "overlay")}
     baseline, fork, overlay = runs["baseline"], runs["fork"], runs["overlay"]
     context = released_ab.note_run(f"vllm-ascend {release} {baseline['class']}._forward_core (fla)", baseline)
-    context += f"\nseed {seed}, {cache_dtype} cache"
+    context += f"\n{batch.context(case)}: {cache_dtype} cache"
     for run in runs.values():
         assert run["branch"] == {"fla": PREFILL_CALLS, "triton": 0}, context + f"\nbranch {run['branch']}"
 

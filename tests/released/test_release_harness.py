@@ -77,3 +77,33 @@ def test_lifted_device_guard_is_left_out_and_only_that_one(tmp_path) -> None:
             importlib.import_module("guarded.other")  # the file's guard differs: the declaration is stale
     finally:
         stack.uninstall()
+
+
+def test_a_batch_keeps_each_cases_result_and_each_sides_failure(tmp_path) -> None:
+    """One process per side runs every case; a raising case is reported for itself, the others keep their results;
+    a side whose setup exits (any status) or raises fails every case's lookup naming the case, its seed, the
+    configuration and the status; the processes end with the real status after running their atexit handlers."""
+    marker = str(tmp_path / "atexit")
+    sides = {"ok": "ok", "exits": "exit:3", "raises": "raise"}
+    batch = released_ab.Batch("harness batch (harness_child.py)", "harness_child.py", (marker,),
+                              ("first", "boom", "last"),
+                              tuple((side, released_ab.Side(False, (("HARNESS_SIDE", side), ("HARNESS_SETUP", mode))))
+                                    for side, mode in sides.items()))
+    run = released_ab.run_batch(batch)
+    assert released_ab.run_batch(batch) is run  # asked again (another test file): not run again
+
+    for case in ("first", "last"):
+        assert run.case(case, "ok")["outputs"][0].tolist() == [run.seeds[case]]
+    assert len(set(run.seeds.values())) == 3  # a fresh seed per case
+    assert run.process("ok")["pid"] == run.process("ok")["ledger"]["pid"]  # the driver's ledger is the child's
+    boom = rf"case boom, seed {run.seeds['boom']}\nok \(KDA_PATCHES=0 .*\) raised in this case:\n(.|\n)*ValueError"
+    with pytest.raises(AssertionError, match=boom):
+        run.case("boom", "ok")
+
+    with pytest.raises(AssertionError, match=r"harness batch \(harness_child.py\): case last, seed \d+\nexits "
+                                             r"\(KDA_PATCHES=0 .*\): child harness_child.py .* exited 3:"):
+        run.case("last", "exits")
+    with pytest.raises(AssertionError, match=r"raises .* exited 1:\n(.|\n)*RuntimeError: setup refused"):
+        run.case("first", "raises")
+    for side in sides:  # atexit handlers ran before the fast exit, whatever the status
+        assert (tmp_path / f"atexit.{side}").exists(), side

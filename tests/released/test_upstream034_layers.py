@@ -1,7 +1,7 @@
 """vLLM 0.34.0's Qwen, Kimi Linear, Kimi K3 and Olmo seams on the CPU, overlay off vs on in both GDN-ops choices.
 
-:mod:`upstream034_child` three times with the same fresh seed, all cases in each process (the 0.34 coverage costs
-three fresh processes, not a pair per case: issue 28):
+:mod:`upstream034_child` three times, all cases in each process (:func:`released_ab.run_batch`; the 0.34 coverage costs
+three fresh processes, not a pair per case: issue 28), each case with its own fresh seed, the same on every side:
 
 - ``baseline``: ``KDA_PATCHES=0`` (STRICT): upstream's own ``gather_initial_states`` / ``scatter_states`` copy the
   states of Qwen and Kimi Linear, ``gather_initial_states`` and an index assignment those of Kimi K3, indexing
@@ -46,39 +46,40 @@ ROUTED_SEAMS = {"olmo": f"{_GDN}.olmo_gdn_linear_attn:OlmoHybridGatedDeltaNetAtt
 STANDS_ASIDE = "KDA_PATCHES_GDN_OPS=overlay routes those two calls"
 
 
+SIDES = (("baseline", released_ab.Side(False)), ("upstream", released_ab.Side(True)),
+         ("overlay", released_ab.Side(True, (("KDA_PATCHES_GDN_OPS", "overlay"),))))
+
+
 @pytest.fixture(scope="module")
-def runs() -> tuple[int, str, dict[str, dict]]:
-    """The three sides over every case: ``(seed, release root, side -> saved dict)``."""
+def runs() -> tuple[str, released_ab.BatchRun]:
+    """The three sides over every case: ``(release root, the batch's run)``."""
     from kda_patches.releases.fetch import release_dir
 
     root = str(release_dir("vllm", RELEASE))
-    seed = released_ab.fresh_seed()
-    sides = released_ab.run_sides("upstream034_child.py", [root, str(seed), *CASES], {
-        "baseline": released_ab.child_env(False),
-        "upstream": released_ab.child_env(True),
-        "overlay": released_ab.child_env(True, {"KDA_PATCHES_GDN_OPS": "overlay"})})
-    return seed, root, sides
+    batch = released_ab.Batch(f"vLLM {RELEASE}'s four seam layers (upstream034_child.py)", "upstream034_child.py",
+                              (root,), CASES, SIDES)
+    return root, released_ab.run_batch(batch)
 
 
 def context_of(runs: tuple, case: str, side: str) -> str:
     """Record the layer as executed (with its stand-ins) and return the failure-message context."""
-    seed, _, sides = runs
-    kind, run = case.split(":")[0], sides["baseline"]["cases"][case]
+    _, batch = runs
+    kind, run = case.split(":")[0], batch.case(case, "baseline")
     title = f"vLLM {RELEASE} {run['class']}.{LAYERS[kind][2]} ({run['layer_file']})"
-    executed = {"standins": sides["baseline"]["standins"][kind], "bound": sides["baseline"]["bound"]}
-    return released_ab.note_run(title, executed) + f"\nseed {seed}, case {case}, side {side}"
+    executed = {"standins": run["standins"][kind], "bound": run["bound"]}
+    return released_ab.note_run(title, executed) + f"\n{batch.context(case)}, side {side}"
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_baseline_runs_the_releases_own_code(runs: tuple, case: str) -> None:
-    _, root, sides = runs
-    run, kind = sides["baseline"]["cases"][case], case.split(":")[0]
+    root, batch = runs
+    run, kind = batch.case(case, "baseline"), case.split(":")[0]
     context = context_of(runs, case, "baseline")
     assert run["layer_file"].startswith(root), context  # the release's file ran, not the installed 0.32's
     assert run["wrapped"] == "function" and run["conv"] == "causal_conv1d_fn_cpu", context
     assert run["launches"] == UPSTREAM_LAUNCHES[kind], context + f"\nlaunches {run['launches']}"
     assert not run["counters"].get(SECTION[kind]), context + f"\n{run['counters']}"
-    bound = sides["baseline"]["bound"]
+    bound = run["bound"]
     for module, op in ((GATHER_MODULE, "gather_initial_states"), (SCATTER_MODULE, "scatter_states")):
         assert bound[module][op] == "release", context + f"\n{module}: {bound[module]}"  # upstream's op, executed
     helper = bound["vllm.model_executor.warmup.jit_warmup_triton_helper"]
@@ -88,9 +89,9 @@ def test_baseline_runs_the_releases_own_code(runs: tuple, case: str) -> None:
 @pytest.mark.parametrize("side", ("upstream", "overlay"))
 @pytest.mark.parametrize("case", CASES)
 def test_patched_equals_baseline(runs: tuple, case: str, side: str) -> None:
-    _, _, sides = runs
+    _, batch = runs
     kind, cache_dtype, conv_layout = case.split(":")
-    baseline, patched = sides["baseline"]["cases"][case], sides[side]["cases"][case]
+    baseline, patched = batch.case(case, "baseline"), batch.case(case, side)
     context = context_of(runs, case, side)
 
     problems = released_ab.compare_runs(baseline, patched)
@@ -119,8 +120,9 @@ def test_patched_equals_baseline(runs: tuple, case: str, side: str) -> None:
 
 
 def test_the_choice_is_in_the_ledger_and_status(runs: tuple) -> None:
-    seed, _, sides = runs
-    context = f"seed {seed}"
+    _, batch = runs
+    sides = {side: batch.process(side) for side, _ in SIDES}
+    context = f"{batch.batch.title}, seeds {batch.seeds}"
     assert all(patch["state"] == "disabled" for patch in sides["baseline"]["ledger"]["patches"].values()), context
 
     targets = {side: {**sides[side]["ledger"]["patches"]["gdn_state_copy"]["targets"],

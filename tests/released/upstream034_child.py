@@ -1,24 +1,24 @@
 """Child process: vLLM 0.34.0's four seam layers, every case in one process, on the CPU.
 
-``python upstream034_child.py ROOT SEED CASE... OUT``: ``ROOT`` is the release's folder in the release cache (the
-parent fetches it: importing :mod:`kda_patches.releases.fetch` here would activate the overlay too early), ``CASE``
-is ``LAYER:CACHE_DTYPE:CONV_LAYOUT`` with ``LAYER`` one of :data:`upstream034_standins.LAYERS` (``qwen``,
-``linear``, ``k3``, ``olmo``). One process runs all its cases, so the
-0.34 coverage costs one process per side (issue 28: each fresh process costs 20-40 s here) instead of one pair per
-case; the parent runs the same cases with ``KDA_PATCHES=0`` and with the overlay on in each choice.
+``python upstream034_child.py SPEC OUT`` (:mod:`batch_child`): group argument ``ROOT``, the release's folder in the
+release cache (the parent fetches it: importing :mod:`kda_patches.releases.fetch` here would activate the overlay
+too early); cases ``LAYER:CACHE_DTYPE:CONV_LAYOUT`` with ``LAYER`` one of :data:`upstream034_standins.LAYERS`
+(``qwen``, ``linear``, ``k3``, ``olmo``). One process runs all its cases, so the 0.34 coverage costs one process
+per side (issue 28: each fresh process costs 20-40 s here) instead of one pair per case; the parent runs the same
+cases with ``KDA_PATCHES=0`` and with the overlay on in each choice.
 
-The frame is :mod:`upstream_gdn_child`'s / :mod:`upstream_kimi_child`'s: the overlay activated first, the
-release's files executed under their real module names on the installed vLLM 0.32 (``vllm.__version__`` reports
-0.34.0, so the overlay picks 0.34's targets) -- the four layer files, upstream's own state ops
-``gather_initial_states`` / ``scatter_states`` with the warmup dispatcher ``scatter_states`` launches through
-(their Triton kernels run by the interpreter) and Kimi K3's packed-convolution module. Only device kernels are
-stood in (:mod:`upstream034_standins` declares what differs from 0.33). The V2 runner (0.34 has no other) is the
-stand-in with 0.34's 5-parameter ``initialize_kv_cache``: each case's runner binds poisoned pages for its two
-layers, and the overlay's startup hook prepares their plans.
+The frame is :mod:`upstream_child`'s: the overlay activated, the release's files executed under their real module
+names on the installed vLLM 0.32 (``vllm.__version__`` reports 0.34.0, so the overlay picks 0.34's targets) --
+the four layer files, upstream's own state ops ``gather_initial_states`` / ``scatter_states`` with the warmup
+dispatcher ``scatter_states`` launches through (their Triton kernels run by the interpreter) and Kimi K3's
+packed-convolution module. Only device kernels are stood in (:mod:`upstream034_standins` declares what differs
+from 0.33). The V2 runner (0.34 has no other) is the stand-in with 0.34's 5-parameter ``initialize_kv_cache``:
+each case's runner binds poisoned pages for its two layers, and the overlay's startup hook prepares their plans.
+Here the overlay is activated late, after 0.34's runner-group members (see :func:`setup`).
 
-Each case draws its layers and inputs from its own generator (``SEED`` and the case's position), so a case's
-results do not depend on the others. vLLM caches the conv-state layout per process (``get_conv_state_layout``):
-the cases run grouped by layout, the cache cleared between the groups.
+Each case draws its layers and inputs from its own generator (its own fresh seed), so a case's results do not
+depend on the others. vLLM caches the conv-state layout per process (``get_conv_state_layout``): each case sets
+its own (:func:`upstream_standins.set_conv_layout`, the cache cleared).
 
 Saved (``torch.save``): ``cases`` -> per case ``outputs``, ``snapshots``, ``counters`` (the case's ledger counter
 increments per section), ``launches`` (upstream's two kernels launched during the case), ``facts`` (its layers'
@@ -28,14 +28,31 @@ plan facts per section), ``class``, ``layer_file``, ``wrapped`` (the seam's type
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import os
 import pathlib
 import sys
+from typing import Any
 
+import batch_child
 import torch
 
 RELEASE = "0.34.0"
+
+
+@dataclasses.dataclass
+class State:
+    """What the cases of one process share."""
+
+    stack: Any
+    runner_module: Any
+    modules: dict[str, Any]
+    kernel_tables: list[dict[str, int]]
+    cases_run: int = 0
+
+    def launched(self) -> dict[str, int]:
+        """Return upstream's two kernels' launches so far."""
+        return {name: count for table in self.kernel_tables for name, count in table.items()}
 
 
 def parse_case(case: str) -> tuple[str, str, str]:
@@ -44,25 +61,14 @@ def parse_case(case: str) -> tuple[str, str, str]:
     return kind, dtype, layout
 
 
-def counter_delta(before: dict, after: dict) -> dict[str, dict[str, int]]:
-    """Return the ledger counters that changed between two snapshots, as increments per section."""
-    delta: dict[str, dict[str, int]] = {}
-    for section, values in after.get("counters", {}).items():
-        old = before.get("counters", {}).get(section, {})
-        changed = {key: value - old.get(key, 0) for key, value in values.items() if value != old.get(key, 0)}
-        if changed:
-            delta[section] = changed
-    return delta
-
-
-def main(root: str, seed: int, out: str, cases: list[str]) -> None:
+def setup(args: list[str], cases: list[str]) -> State:
     import upstream034_standins as standins
     import vllm
     from ascend_gdn030_standins import count_kernel_launches, interpreter_accepts_integer_masks
-    from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, MAX_NUM_SEQS
     from release_loader import ReleaseStack
-    from runner_standin import PageSpec, make_runner_module
+    from runner_standin import make_runner_module
 
+    (root,) = args
     assert "kda_patches" not in sys.modules, "the overlay was activated before the release's runner group was imported"
     vllm.__version__ = RELEASE  # the overlay reads the stack's version here (the executed files are the release's)
     root = pathlib.Path(root)
@@ -80,48 +86,55 @@ def main(root: str, seed: int, out: str, cases: list[str]) -> None:
     # runner without `extensible`, no extensible_kv_cache module); imported, they are read live -- the release's
     runner_module = importlib.import_module(standins.RUNNER_MODULE)
     importlib.import_module(standins.EXTENSIBLE_MODULE)
-    import kda_patches
-    from kda_patches.cli import format_ledger
+    import kda_patches  # noqa: F401  (activated here, late: see above)
 
     standins.install()  # after the stack: the kernels' packages import release modules (Kimi's package: its layers)
     modules = {kind: importlib.import_module(module) for kind, (module, _, _) in standins.LAYERS.items()}
     standins.install_layer_standins(modules)
     tables = [count_kernel_launches(importlib.import_module(module), (kernel,)) for module, kernel in standins.KERNELS]
+    return State(stack, runner_module, modules, tables)
 
-    def launched() -> dict[str, int]:
-        return {name: count for table in tables for name, count in table.items()}
 
-    results = {}
-    layout = None
-    for index, case in sorted(enumerate(cases), key=lambda item: parse_case(item[1])[2]):  # grouped by layout
-        kind, cache_dtype, conv_layout = parse_case(case)
-        if conv_layout != layout:
-            standins.set_conv_layout(conv_layout)
-            layout = conv_layout
-        _, class_name, method = standins.LAYERS[kind]
-        cls = getattr(modules[kind], class_name)
-        generator = torch.Generator().manual_seed(seed + 7919 * (index + 1))
-        names = [f"model.layers.{2 * index + i}.{standins.SUFFIX[kind]}" for i in range(2)]
-        layers = {name: standins.build_layer(kind, cls, name, generator) for name in names}
-        case_runner = runner_module.GPUModelRunner(layers, MAX_NUM_SEQS, seed + index)
-        config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype),
-                                 CONV_WIDTH, conv_layout=conv_layout) for name in layers}
-        before, launches_before = kda_patches.get_ledger().snapshot(), launched()
-        case_runner.initialize_kv_cache(config, False, None, False)
-        outputs, snapshots = standins.run_batches(kind, layers, case_runner.raw_caches, generator)
-        after, launches_after = kda_patches.get_ledger().snapshot(), launched()
-        results[case] = {
-            "outputs": outputs, "snapshots": snapshots, "counters": counter_delta(before, after),
-            "launches": {name: launches_after[name] - launches_before[name] for name in launches_after},
-            "facts": {section: {name: after.get("facts", {}).get(section, {}).get(name) for name in layers}
-                      for section in ("gdn_state_copy", "kimi_prefill")},
-            "class": cls.__qualname__, "layer_file": getattr(cls, method).__code__.co_filename,
-            "wrapped": type(vars(cls)[method]).__name__, "conv": modules[kind].causal_conv1d_fn.__name__}
-    snapshot = kda_patches.get_ledger().snapshot()
-    torch.save({"cases": results, "ledger": snapshot, "bound": stack.bound, "standins": standins.STANDINS,
-                "status": format_ledger(snapshot)}, out)
+def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
+    import upstream034_standins as standins
+    from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, MAX_NUM_SEQS
+    from runner_standin import PageSpec
+
+    import kda_patches
+
+    kind, cache_dtype, conv_layout = parse_case(case)
+    standins.set_conv_layout(conv_layout)
+    _, class_name, method = standins.LAYERS[kind]
+    cls = getattr(state.modules[kind], class_name)
+    generator = torch.Generator().manual_seed(seed)
+    first, state.cases_run = 2 * state.cases_run, state.cases_run + 1
+    names = [f"model.layers.{first + i}.{standins.SUFFIX[kind]}" for i in range(2)]
+    layers = {name: standins.build_layer(kind, cls, name, generator) for name in names}
+    case_runner = state.runner_module.GPUModelRunner(layers, MAX_NUM_SEQS, seed)
+    config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype),
+                             CONV_WIDTH, conv_layout=conv_layout) for name in layers}
+    launches_before = state.launched()
+    case_runner.initialize_kv_cache(config, False, None, False)
+    outputs, snapshots = standins.run_batches(kind, layers, case_runner.raw_caches, generator)
+    after, launches_after = kda_patches.get_ledger().snapshot(), state.launched()
+    return {
+        "outputs": outputs, "snapshots": snapshots,
+        "launches": {name: launches_after[name] - launches_before[name] for name in launches_after},
+        "facts": {section: {name: after.get("facts", {}).get(section, {}).get(name) for name in layers}
+                  for section in ("gdn_state_copy", "kimi_prefill")},
+        "class": cls.__qualname__, "layer_file": getattr(cls, method).__code__.co_filename,
+        "wrapped": type(vars(cls)[method]).__name__, "conv": state.modules[kind].causal_conv1d_fn.__name__}
+
+
+def describe(state: State) -> dict[str, Any]:
+    import upstream034_standins as standins
+
+    import kda_patches
+    from kda_patches.cli import format_ledger
+
+    return {"bound": state.stack.bound, "standins": standins.STANDINS,
+            "status": format_ledger(kda_patches.get_ledger().snapshot())}
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[-1], sys.argv[3:-1])
+    batch_child.serve(setup, run_case, describe)

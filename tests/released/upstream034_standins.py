@@ -1,8 +1,8 @@
 """What :mod:`upstream034_child` executes of vLLM 0.34.0 and what it stands in: the declared difference from 0.33.
 
-0.33's layers run through :mod:`upstream_gdn_child` / :mod:`upstream_kimi_child` with the stand-ins of
-:mod:`gdn_standins` / :mod:`upstream_standins`; 0.34 reuses all of them (layer construction, metadata, batch
-plan, kernels) and declares here only what differs:
+0.33's layers run through :mod:`upstream_child` (:mod:`upstream_gdn_layers`, :mod:`upstream_kimi_layers`) with
+the stand-ins of :mod:`gdn_standins` / :mod:`upstream_standins`; 0.34 reuses all of them (layer construction,
+metadata, batch plan, kernels) and declares here only what differs:
 
 - **executed from the release** (:data:`RELEASE_MODULES`): the four layer files, and what 0.34's seams copy states
   with -- ``gather_initial_states`` and ``scatter_states`` (``vllm.model_executor.layers.mamba.ops``), the latter
@@ -26,8 +26,6 @@ plan, kernels) and declares here only what differs:
 
 from __future__ import annotations
 
-import importlib
-import os
 import pathlib
 import sys
 import types
@@ -40,6 +38,7 @@ from ascend_standins import REAL as REAL_STDLIB
 from ascend_standins import triton_utils
 from batch_plan import run_forward_core_batches
 from release_loader import function_stubs
+from upstream_standins import set_conv_layout  # noqa: F401  (the 0.34 child sets it per case)
 
 _OPS = "vllm.model_executor.layers.mamba.ops"
 GATHER_MODULE = f"{_OPS}.gather_initial_states"
@@ -178,21 +177,15 @@ def install_layer_standins(modules: dict[str, Any]) -> None:
     modules["olmo"].fused_olmo_hybrid_gdn_gating = gdn_standins.fused_olmo_hybrid_gdn_gating
 
 
-def set_conv_layout(layout: str) -> None:
-    """Make ``layout`` (``SD`` / ``DS``) vLLM's conv-state layout from now on (its cached answer cleared)."""
-    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = layout
-    importlib.import_module("vllm.model_executor.layers.mamba.mamba_utils").get_conv_state_layout.cache_clear()
-
-
 def build_layer(kind: str, cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
     """Return the release's layer class built as for 0.33 (only what the seam reads is set)."""
     if kind in ("qwen", "olmo"):
-        from upstream_gdn_child import build_layer as build_gdn
+        from upstream_gdn_layers import build_layer as build_gdn
 
         layer = build_gdn(cls, name, generator)
         object.__setattr__(layer, "gdn_prefill_backend", "triton")
         return layer
-    from upstream_kimi_child import build_layer as build_kimi
+    from upstream_kimi_layers import build_layer as build_kimi
 
     return build_kimi(cls, name, generator)
 
@@ -201,10 +194,10 @@ def run_batches(kind: str, layers: dict, raw_caches: dict, generator: torch.Gene
                 ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Run the shared batch plan through the layers' seam (``_forward_core`` / ``_forward``)."""
     if kind in ("qwen", "olmo"):
-        from upstream_gdn_child import metadata_of
+        from upstream_gdn_layers import metadata_of
 
         return run_forward_core_batches(layers, raw_caches, lambda batch: metadata_of(batch, GDN_EXTRA_FIELDS),
                                         generator)
-    from upstream_kimi_child import run_forward_batches
+    from upstream_kimi_layers import run_forward_batches
 
     return run_forward_batches(layers, raw_caches, generator)

@@ -17,6 +17,7 @@ The causal convolution is vLLM's own CPU implementation (``causal_conv1d_fn_cpu`
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import torch
@@ -133,3 +134,13 @@ def install(gather: bool = True) -> None:
     ops = importlib.import_module(KDA_OPS_MODULE)
     ops.chunk_kda_with_fused_gate = chunk_kda_with_fused_gate
     ops.fused_recurrent_kda_packed_decode = fused_recurrent_kda_packed_decode
+
+
+def set_conv_layout(layout: str) -> None:
+    """Make ``layout`` (``SD`` / ``DS``) vLLM's conv-state layout from now on (its cached answer cleared).
+
+    vLLM reads ``VLLM_SSM_CONV_STATE_LAYOUT`` once per process (``get_conv_state_layout`` is cached); a batch
+    child sets it per case, so cases of both layouts share a process.
+    """
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = layout
+    importlib.import_module("vllm.model_executor.layers.mamba.mamba_utils").get_conv_state_layout.cache_clear()

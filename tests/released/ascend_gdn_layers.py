@@ -1,23 +1,18 @@
-"""Child process: run vllm-ascend's released ``AscendGatedDeltaNetAttention._forward_core`` on the CPU.
+"""vllm-ascend's released ``AscendGatedDeltaNetAttention`` as :mod:`ascend_child` runs it: layers, pages, metadata.
 
-``python ascend_gdn_child.py RELEASE VARIANT SEED CACHE_DTYPE OUT``; ``VARIANT`` = ``fused`` (the CANN fused
-prefill is present: gather/scatter on the cache layout) or ``triton`` (absent: the fork's
-``.transpose(-1, -2).contiguous()`` gather/scatter around its Triton chunk). The release's ``gdn.py`` and
-``clear_ssm_states`` are imported under their real names (the overlay's hooks wrap them), the stand-in
-runner binds poisoned hybrid pages (SD conv state, the fork's layout) and the overlay's startup hook
-prepares the plans; then prefill, mixed decode + prefill, decode-only and continued batches run through the
-fork's own ``_forward_core``.
+:func:`build_layer` builds the release's class without vLLM's config (only what ``_forward_core`` reads);
+:func:`bind_layers` binds poisoned hybrid pages (SD conv state, the fork's layout) through the stand-in runner,
+whose ``initialize_kv_cache`` the overlay's startup hook wraps; :func:`metadata_of` returns a batch's metadata
+with the fields the Ascend GDN builder fills (decodes first). Prefill, mixed decode + prefill, decode-only and
+continued batches then run through the fork's own ``_forward_core`` (:func:`batch_plan.run_forward_core_batches`).
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 import types
 
 import torch
-from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS, run_forward_core_batches
+from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS
 from runner_standin import PageSpec
 
 
@@ -42,17 +37,18 @@ def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Mo
     return layer
 
 
-def bind_layers(cls: type, runner_class: type, seed: int, cache_dtype: str
+def bind_layers(cls: type, runner_class: type, seed: int, cache_dtype: str, first: int = 0
                 ) -> tuple[dict[str, torch.nn.Module], object, torch.Generator]:
     """Build the release's layers from ``seed`` and bind their poisoned hybrid pages through the stand-in runner.
 
     Its ``initialize_kv_cache`` is the one the overlay's startup hook wraps (the plans are prepared there).
+    ``first`` is the first layer index of their names (layers of several cases in one process keep apart).
     Returns:
         ``(layers by name, the runner, the generator)``; the batches draw from the same generator next.
     """
     generator = torch.Generator().manual_seed(seed)
-    layers = {f"model.layers.{i}.linear_attn": build_layer(cls, f"model.layers.{i}.linear_attn", generator)
-              for i in range(LAYERS)}
+    names = [f"model.layers.{first + i}.linear_attn" for i in range(LAYERS)]
+    layers = {name: build_layer(cls, name, generator) for name in names}
     runner = runner_class(layers, MAX_NUM_SEQS, seed)
     runner.initialize_kv_cache({name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH,
                                                conv_layout="SD") for name in layers})
@@ -81,37 +77,3 @@ def metadata_of(batch: tuple, metadata_class: type) -> tuple[object, int]:
         prefill_state_indices=indices[decodes:] if prefills else None,
         prefill_has_initial_state=has_initial[decodes:] if prefills else None), bounds[-1]
 
-
-def main(release: str, variant: str, seed: int, cache_dtype: str, out: str) -> None:
-    import ascend_gdn_standins as standins
-    from ascend_standins import CLEAR_MODULE, INERT, REAL, RUNNER_MODULE
-    from release_loader import ReleaseStack
-    from runner_standin import make_runner_module
-
-    import kda_patches
-    from kda_patches.releases.fetch import release_dir
-
-    root = release_dir("vllm-ascend", release)
-    standins.install_c_ascend_gdn()
-    runner = make_runner_module(root / "vllm_ascend/worker/model_runner_v1.py", RUNNER_MODULE, "NPUModelRunner")
-    stack = ReleaseStack(root, "vllm-ascend", release, [standins.GDN_MODULE, CLEAR_MODULE],
-                         real=REAL + standins.REAL_MODULES, inert=INERT,
-                         standins=standins.gdn_standin_modules(release, variant == "fused"),
-                         modules={RUNNER_MODULE: runner}).install()
-    runner_module = importlib.import_module(RUNNER_MODULE)  # the worker's runner first
-    gdn = importlib.import_module(standins.GDN_MODULE)
-
-    cls = gdn.AscendGatedDeltaNetAttention
-    layers, runner, generator = bind_layers(cls, runner_module.NPUModelRunner, seed, cache_dtype)
-    metadata_class = standins.GDNAttentionMetadata
-    outputs, snapshots = run_forward_core_batches(layers, runner.raw_caches,
-                                                  lambda batch: metadata_of(batch, metadata_class), generator)
-    torch.save({"outputs": outputs, "snapshots": snapshots, "ledger": kda_patches.get_ledger().snapshot(),
-                "bound": stack.bound, "standins": standins.STANDINS, "class": cls.__qualname__, "init_error": None,
-                "wrapped": type(vars(cls)["_forward_core"]).__name__,
-                "fused": bool(cls._probe_fused_chunk()) if hasattr(cls, "_probe_fused_chunk") else False}, out)
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
