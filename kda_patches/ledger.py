@@ -4,7 +4,8 @@ Every decision the overlay makes lands here: patch states per target, path count
 seen / routed / bypassed, builds flagged, ...), and free-form facts per section (bootstrap
 steps, plan choices, layout verdicts). With ``KDA_PATCHES_STATUS_DIR`` set the ledger is written
 atomically to ``<dir>/ledger-<pid>.json`` on every state change, at most once per second while
-counters move, and at interpreter exit. Stdlib only.
+counters move, and at interpreter exit (SIGTERM / SIGINT held during that last write:
+:class:`DeferredSignals`). Stdlib only.
 """
 
 from __future__ import annotations
@@ -258,14 +259,55 @@ def get_ledger() -> Ledger:
         return _LEDGER
 
 
+DEFERRED_SIGNALS = ("SIGTERM", "SIGINT")
+
+
+class DeferredSignals:
+    """Hold SIGTERM / SIGINT while the final ledger is written, then deliver them to the handlers they had.
+
+    vLLM stops its workers with SIGTERM a few seconds after asking them to exit, and its handler raises
+    ``SystemExit`` wherever the main thread is: arriving during the exit-time write, it would leave the ledger
+    without its ``final`` mark (seen on a loaded 2-core machine with two TP workers). Only the main thread can
+    change handlers; elsewhere, and for a handler that is not a Python callable or ``SIG_DFL``, nothing is held.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> DeferredSignals:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in DEFERRED_SIGNALS:
+            number = getattr(signal, name, None)
+            previous = signal.getsignal(number) if number is not None else None
+            if previous is None or previous == signal.SIG_IGN:
+                continue
+            self._previous[number] = previous
+            signal.signal(number, lambda received, frame: self.held.append(received))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        import signal
+
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        for number in dict.fromkeys(self.held):  # each signal once, to the handler it had
+            signal.raise_signal(number)
+
+
 def _flush_at_exit() -> None:
     ledger = _LEDGER
     if ledger is not None and ledger.pid == os.getpid():
         ledger.final = True  # readers can tell a complete ledger from one cut off by a kill
-        try:
-            ledger.flush(force=True)
-        except OSError:
-            pass
+        with DeferredSignals():
+            try:
+                ledger.flush(force=True)
+            except OSError:
+                pass
 
 
 atexit.register(_flush_at_exit)

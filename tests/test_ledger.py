@@ -65,3 +65,68 @@ def test_forked_child_inherits_states_but_not_counters():
     assert pid == child.pid and pid != parent.pid
     assert state == "applied"
     assert counters == {}
+
+
+EXIT_WRITE = '''
+import json, os, signal, sys
+import kda_patches.ledger as ledger_module
+
+status, marker = sys.argv[1], sys.argv[2]
+
+def on_term(number, frame):  # as vLLM's worker: SIGTERM raises SystemExit wherever the main thread is
+    written = [name for name in os.listdir(status) if name.startswith("ledger-")]
+    final = json.load(open(os.path.join(status, written[0])))["final"] if written else None
+    open(marker, "w").write(json.dumps({"final_on_disk": final}))
+    raise SystemExit(143)
+
+signal.signal(signal.SIGTERM, on_term)
+ledger = ledger_module.get_ledger()
+ledger.status_dir = status
+ledger.count("section", "calls")
+original = ledger_module.write_ledger_file
+
+def write_with_term(snapshot, folder):  # the executor's SIGTERM arrives during the exit-time write
+    if snapshot["final"]:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return original(snapshot, folder)
+
+ledger_module.write_ledger_file = write_with_term
+'''
+
+
+def test_a_sigterm_during_the_exit_write_is_delivered_after_it(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    status, marker, script = tmp_path / "status", tmp_path / "marker.json", tmp_path / "exit_write.py"
+    status.mkdir()
+    script.write_text(EXIT_WRITE)
+    subprocess.run([sys.executable, str(script), str(status), str(marker)], timeout=60, capture_output=True)
+    # the handler ran (the signal was not lost) and saw the complete ledger already written
+    assert json.loads(marker.read_text()) == {"final_on_disk": True}
+    [written] = status.glob("ledger-*.json")
+    assert json.loads(written.read_text())["final"] is True
+
+
+def test_deferred_signals_restore_the_handlers_and_hold_nothing_off_the_main_thread():
+    import signal
+    import threading
+
+    from kda_patches.ledger import DeferredSignals
+
+    def mine(number, frame):
+        raise AssertionError("not expected")
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with DeferredSignals() as held:
+            assert signal.getsignal(signal.SIGTERM) is not mine
+        assert signal.getsignal(signal.SIGTERM) is mine and held.held == []
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(DeferredSignals().__enter__()._previous))
+        worker.start()
+        worker.join()
+        assert seen == [{}]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
