@@ -146,19 +146,13 @@ REMEMBERED = "flags is not None and indices is checked[0] and flags is checked[1
 REMEMBERED_TEST = (f"{DIRECT_TESTS}::test_a_remembered_foldable_pair_is_folded_again_only_for_the_same_indices_"
                    "flags_and_device")
 
-# tests/released: one process per side runs every case of a configuration (issue 28); these show that a shared
-# batch still fails the one case the mutant breaks (the other cases of its batch run in the same processes)
+# tests/released: one process per side runs every case of a configuration (issue 28); the mutants killed there show
+# that a shared batch still fails the one case the mutant breaks (the other cases of its batch share its processes)
 RELEASED_UPSTREAM_GDN = ("tests/released/test_upstream_gdn_forward_core.py::"
                          "test_gdn_forward_core_patched_equals_baseline")
 RELEASED_GDN030 = ("tests/released/test_ascend_gdn030_overlay.py::"
                    "test_gdn_plan_overlay_equals_the_forks_kernels_and_fork_stands_aside")
 RELEASED_WHY = "the same mutant against the released-code A/B, one case of a batch sharing its processes"
-FOLD_CAST_NEVER_DEFERRED = Mutant(
-    "fold-cast-never-deferred", ROUTING_ALIAS,
-    "        return (self.open and dtype is self.state.dtype and final.dtype is not dtype\n",
-    "        return False and (self.open and dtype is self.state.dtype and final.dtype is not dtype\n",
-    (f"{FOLD_TESTS}::test_the_cast_is_folded_and_bit_exact",), "E (routing)",
-    "the final-state cast is never folded into the routed scatter (a separate cast kernel runs)")
 CHOSEN_TARGET_ALWAYS_LIVE = Mutant(
     "chosen-target-always-live", "kda_patches/verdicts.py",
     "        if getattr(current_flags(), attribute) == value:\n            return None",
@@ -280,9 +274,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "",
            (f"{KIMI_ROUTING_TESTS}::test_a_fork_gathering_with_index_select_is_reported_bypassed",), "E (routing)",
            "a bypassed prefill call is not counted calls_bypassed"),
-    FOLD_CAST_NEVER_DEFERRED,
-    against(FOLD_CAST_NEVER_DEFERRED, "released", (f"{RELEASED_UPSTREAM_GDN}[qwen-installed-bfloat16-DS]",),
-            RELEASED_WHY),
+    Mutant("fold-cast-never-deferred", ROUTING_ALIAS,
+           "        return (self.open and dtype is self.state.dtype and final.dtype is not dtype\n",
+           "        return False and (self.open and dtype is self.state.dtype and final.dtype is not dtype\n",
+           (f"{FOLD_TESTS}::test_the_cast_is_folded_and_bit_exact",), "E (routing)",
+           "the final-state cast is never folded into the routed scatter (a separate cast kernel runs)"),
+    Mutant("direct-cast-never-folded", DIRECT,
+           '        elif casts and value.dtype in getattr(self.plan, "final_dtypes", ()):',
+           '        elif False and casts and value.dtype in getattr(self.plan, "final_dtypes", ()):',
+           (f"{RELEASED_UPSTREAM_GDN}[qwen-installed-bfloat16-DS]",), "E (routing)",
+           "the rewritten seam never folds the final state's cast into the plan's scatter (torch casts first: a "
+           "separate copy), seen only in the ledger's casts_folded"),
     Mutant("fold-cast-pending-never-computed", ROUTING_ALIAS,
            "                    materialize_pending(leaf)\n",
            "                    pass\n",
