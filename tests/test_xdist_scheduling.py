@@ -1,4 +1,5 @@
-"""The xdist scheduling of ``make test``: engine files form one unit, every other file is its own unit."""
+"""The xdist scheduling of ``make test``: engine files form one unit, tests/released another, every other file
+is its own unit."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ def test_engine_files_share_one_unit_and_other_files_keep_their_own() -> None:
     assert xdist_scheduling.work_unit("tests/test_flags.py::test_x") == "tests/test_flags.py"
     assert xdist_scheduling.work_unit("tests/state_copy/test_state_copy_cast.py::test_y[1]") == \
         "tests/state_copy/test_state_copy_cast.py"
+
+
+def test_released_files_share_one_unit() -> None:
+    units = {xdist_scheduling.work_unit(f"tests/released/{name}::test_x") for name in
+             ("test_ascend_gdn030_overlay.py", "test_ascend_gdn030_fla_baseline.py", "test_upstream_kimi_forward.py")}
+    assert units == {xdist_scheduling.RELEASED_UNIT}
+    assert xdist_scheduling.work_unit("tests/releases/test_support_matrix.py::test_x") == \
+        "tests/releases/test_support_matrix.py"
 
 
 def test_every_engine_file_exists_and_marks_an_engine_test() -> None:

@@ -4,7 +4,9 @@ pytest-xdist's own ``--dist loadgroup`` marks a group by appending ``@group`` to
 pytest 9 ignores (node ids are structured there), so its groups silently fall apart. This scheduler groups by
 file instead (``--dist loadfile``'s unit: a module-scoped fixture such as the Ascend check's report runs once),
 except that every file in :data:`ENGINE_FILES` is one unit: one worker runs the real-engine tests in turn,
-so two vLLM engines never share the machine's 2 cores, while the other worker takes the remaining files.
+so two vLLM engines never share the machine's 2 cores, while the other worker takes the remaining files. The
+files of ``tests/released`` are one unit too: their batches of released-code processes run once per pytest
+process and several files assert on the same batch.
 ``tests/conftest.py`` refuses a run where a test marked ``engine`` lives in a file missing from the list.
 """
 
@@ -22,10 +24,18 @@ ENGINE_FILES = frozenset({
 })
 
 
+RELEASED_UNIT = "released"
+RELEASED_FOLDER = "tests/released/"  # its batches run once per pytest process and serve several files
+
+
 def work_unit(nodeid: str) -> str:
-    """Return the scheduling unit of a test: ``engine`` for the engine files, else its file."""
+    """Return the scheduling unit of a test: ``engine`` for the engine files, ``released`` for every file of
+    ``tests/released`` (one worker runs each released-code batch once for all the files that assert on it),
+    else its file."""
     path = nodeid.split("::", 1)[0]
-    return ENGINE_UNIT if path in ENGINE_FILES else path
+    if path in ENGINE_FILES:
+        return ENGINE_UNIT
+    return RELEASED_UNIT if path.startswith(RELEASED_FOLDER) else path
 
 
 def scheduler_class() -> type:

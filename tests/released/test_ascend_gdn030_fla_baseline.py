@@ -28,9 +28,13 @@ from released_batches import GDN030_CASES as CASES
 from runner_standin import PageSpec, bits, poison_problems
 
 STATE_INDEX = "vllm_ascend.ops.triton.mamba.state_index"
-# batch-0 tolerances: outputs are BF16 (an ulp flip is ~0.4%); finals FP32 (order of sums) or one BF16 ulp
+# batch-0 tolerances: outputs are BF16 (an ulp flip is ~0.4%); finals FP32 (order of sums) or BF16. The BF16
+# finals' atol is measured, not derived: with seed 554645324 (0.30.0rc2; 1 of 40 fresh seeds) 2 of 6144 elements
+# near 3.6e-3 differed by 9.2e-5 (6 BF16 ulps) from the direct recurrence (the stand-in prefill's chunked sums),
+# so 1e-5 failed about one run in twenty; a wrong or missing state copy moves elements by the states' own scale
+# (many elements by their own magnitude), which 2e-4 still catches; the A/B against KDA_PATCHES=1 stays bitwise.
 OUTPUT_TOLERANCE = {"atol": 1e-3, "rtol": 1e-2}
-FINAL_TOLERANCE = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 1e-5, "rtol": 1e-2}}
+FINAL_TOLERANCE = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 2e-4, "rtol": 1e-2}}
 WRITTEN_ROWS = {row for batch in BATCHES for row in batch[0]}  # every row a batch selects (prefill or decode)
 
 
