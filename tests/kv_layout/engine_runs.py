@@ -48,19 +48,29 @@ def run_engine(model: str, workdir: str, name: str, **env: str) -> tuple[list[li
     Raises:
         AssertionError: the run failed; the message names the run (``name``) and ends with its output.
     """
-    status = os.path.join(workdir, f"status-{name}")
-    out = os.path.join(workdir, f"{name}.json")
-    child_env = {key: value for key, value in os.environ.items() if not key.startswith("KDA_PATCHES")}
-    child_env.update(env, KDA_PATCHES_STATUS_DIR=status, VLLM_CPU_KVCACHE_SPACE="1",
-                     KDA_TEST_PROMPT_LENGTHS=PROMPT_LENGTHS,
-                     PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(HERE, "engine_shim"), FAST_EXIT,
-                                                              os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, CHILD, model, out], env=child_env, capture_output=True, text=True,
+    pythonpath = os.pathsep.join(filter(None, [os.path.join(HERE, "engine_shim"), FAST_EXIT,
+                                                os.environ.get("PYTHONPATH")]))
+    return run_child([sys.executable, CHILD], model, pathlib.Path(workdir), name,
+                     {key: value for key, value in os.environ.items() if not key.startswith("KDA_PATCHES")},
+                     dict(env, PYTHONPATH=pythonpath))
+
+
+def run_child(command: list[str], model: str, workdir: pathlib.Path, name: str, base_env: dict[str, str],
+              env: dict[str, str]) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Run ``command MODEL OUT`` (the engine child) with ``base_env`` plus ``env`` and the run's status dir and
+    workload; return its tokens and every process's ledger.
+
+    Raises:
+        AssertionError: the run failed; the message names the run (``name``) and ends with its output.
+    """
+    status, out = workdir / f"status-{name}", workdir / f"{name}.json"
+    child_env = dict(base_env, **env, KDA_PATCHES_STATUS_DIR=str(status), VLLM_CPU_KVCACHE_SPACE="1",
+                     KDA_TEST_PROMPT_LENGTHS=PROMPT_LENGTHS)
+    result = subprocess.run([*command, model, str(out)], env=child_env, capture_output=True, text=True,
                             timeout=540)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    with open(out) as handle:
-        tokens = json.load(handle)["tokens"]
-    return tokens, read_ledger_dir(status) if os.path.isdir(status) else []
+    tokens = json.loads(out.read_text())["tokens"]
+    return tokens, read_ledger_dir(str(status)) if status.is_dir() else []
 
 
 def layout_facts(ledgers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -102,17 +112,10 @@ def run_activation_path(path: str, model: str, workdir: pathlib.Path, name: str,
     Raises:
         AssertionError: the run failed; the message names the run and ends with its output.
     """
-    status, out = workdir / f"status-{name}", workdir / f"{name}.json"
-    child_env = {key: value for key, value in os.environ.items()
-                 if not key.startswith("KDA_PATCHES") and key != "PYTHONPATH"}
-    # the test-only fast exit of spawned children (tests/fast_exit; it does not activate the overlay)
-    child_env.update(env, KDA_PATCHES_STATUS_DIR=str(status), VLLM_CPU_KVCACHE_SPACE="1",
-                     KDA_TEST_PROMPT_LENGTHS=PROMPT_LENGTHS, PYTHONPATH=FAST_EXIT)
     command = {"plugin": [sys.executable, CHILD],
                "pth": [pth_python, CHILD],
                "launcher": [str(pathlib.Path(sys.executable).parent / "kda-run"), sys.executable, CHILD]}[path]
-    result = subprocess.run([*command, model, str(out)], env=child_env, capture_output=True, text=True,
-                            timeout=540)
-    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    tokens = json.loads(out.read_text())["tokens"]
-    return tokens, read_ledger_dir(str(status)) if status.is_dir() else []
+    base = {key: value for key, value in os.environ.items()
+            if not key.startswith("KDA_PATCHES") and key != "PYTHONPATH"}
+    # the test-only fast exit of spawned children (tests/fast_exit; it does not activate the overlay)
+    return run_child(command, model, workdir, name, base, dict(env, PYTHONPATH=FAST_EXIT))

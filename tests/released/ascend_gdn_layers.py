@@ -12,7 +12,7 @@ from __future__ import annotations
 import types
 
 import torch
-from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS
+from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, LAYERS, MAX_NUM_SEQS, token_bounds
 from runner_standin import PageSpec
 
 
@@ -58,9 +58,7 @@ def bind_layers(cls: type, runner_class: type, seed: int, cache_dtype: str, firs
 def metadata_of(batch: tuple, metadata_class: type) -> tuple[object, int]:
     """Return the batch's metadata with the fields the Ascend GDN builder fills (decodes first)."""
     rows, flags, lengths, decodes, index_dtype = batch
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
+    bounds = token_bounds(lengths)
     tail = [bound - bounds[decodes] for bound in bounds[decodes:]]
     prefills = len(rows) - decodes
     indices, has_initial = torch.tensor(rows, dtype=index_dtype), torch.tensor(flags)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 
 import torch
+from batch_plan import token_bounds
 
 HEADS, HEAD_DIM, BLOCKS, LAYERS, MAX_NUM_SEQS = 2, 32, 9, 2, 8
 # (cache rows, has_initial_state, token counts, keep_meta or None, index dtype). A row prefilled in one batch
@@ -47,9 +48,7 @@ def batch_inputs(batch: tuple, generator: torch.Generator) -> tuple:
     q, k, v, gate = (torch.randn((1, tokens, HEADS, HEAD_DIM), generator=generator).to(torch.bfloat16)
                      for _ in range(4))
     beta = torch.rand((1, tokens, HEADS), generator=generator)
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
+    bounds = token_bounds(lengths)
     metadata = types.SimpleNamespace(cu_seqlens_host=tuple(bounds), cu_seqlens_kern=None,
                                      keep_meta=None if keep is None else torch.tensor(keep),
                                      chunk_indices_chunk64_host=None)

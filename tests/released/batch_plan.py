@@ -20,6 +20,14 @@ BATCHES = (
 PREFILL_CALLS = sum(1 for batch in BATCHES if batch[3] < len(batch[0])) * LAYERS
 
 
+def token_bounds(lengths: tuple[int, ...]) -> list[int]:
+    """Return the cumulative token offsets ``[0, l0, l0 + l1, ...]`` of a batch's sequences (``query_start_loc``)."""
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    return bounds
+
+
 def run_forward_core_batches(layers: dict, raw_caches: dict, metadata_of_batch: object, generator: torch.Generator
                              ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Run every batch of :data:`BATCHES` through each GDN layer's ``_forward_core`` in vLLM's forward context.

@@ -52,6 +52,7 @@ import types
 from typing import Any
 
 import torch
+from batch_child import counter_delta
 
 RELEASE = "0.34.0"
 CAPACITY, FINAL_BLOCKS = 24, 12  # blocks: reserved by the extensible cache, final (after extend_kv_cache)
@@ -64,17 +65,6 @@ def parse_case(case: str) -> tuple[str, str, str]:
     """``"qwen:bfloat16:grow"`` -> ``("qwen", "bfloat16", "grow")``."""
     kind, dtype, mode = case.split(":")
     return kind, dtype, mode
-
-
-def counter_delta(before: dict, after: dict) -> dict[str, dict[str, int]]:
-    """Return the ledger counters that changed between two snapshots, as increments per section."""
-    delta: dict[str, dict[str, int]] = {}
-    for section, values in after.get("counters", {}).items():
-        old = before.get("counters", {}).get(section, {})
-        changed = {key: value - old.get(key, 0) for key, value in values.items() if value != old.get(key, 0)}
-        if changed:
-            delta[section] = changed
-    return delta
 
 
 class CompileCounter:

@@ -11,7 +11,7 @@ out), decode-only, continued. The layer's own ``_forward_core`` runs inside a re
 from __future__ import annotations
 
 import torch
-from batch_plan import CONV_WIDTH, HEAD_DIM, HEADS
+from batch_plan import CONV_WIDTH, HEAD_DIM, HEADS, token_bounds
 
 
 def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
@@ -40,9 +40,7 @@ def metadata_of(batch: tuple, extra_fields: dict | None = None) -> tuple[object,
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
     rows, flags, lengths, decodes, index_dtype = batch
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
+    bounds = token_bounds(lengths)
     tail = [bound - bounds[decodes] for bound in bounds[decodes:]]
     prefills = len(rows) - decodes
     indices = torch.tensor(rows, dtype=index_dtype)

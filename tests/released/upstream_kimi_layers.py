@@ -11,7 +11,7 @@ batch, a decode-only batch (must pass through untouched), chunked continuations.
 from __future__ import annotations
 
 import torch
-from batch_plan import BATCHES, CONV_WIDTH, HEAD_DIM, HEADS
+from batch_plan import BATCHES, CONV_WIDTH, HEAD_DIM, HEADS, token_bounds
 
 
 def build_layer(cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
@@ -40,9 +40,7 @@ def metadata_of(batch: tuple) -> tuple[object, tuple[int, ...]]:
     from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata
 
     rows, flags, lengths, decodes, index_dtype = batch
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
+    bounds = token_bounds(lengths)
     tokens = bounds[-1]
     prefills = len(rows) - decodes
     return KimiK3KDAMetadata(
