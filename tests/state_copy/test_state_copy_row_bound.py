@@ -102,9 +102,13 @@ def stand_in_variant(kernel: Any, constexprs: tuple[Any, ...], direct: bool, hoo
     return variant
 
 
-def plan_variants() -> list[tuple[Any, tuple[Any, ...]]]:
-    """(kernel, constexprs) of every variant of a fused and a fallback plan (the fallback with a cast scatter)."""
-    state = torch.zeros((5, 2, 3, 8), dtype=torch.bfloat16)
+def plan_variants(device: torch.device) -> list[tuple[Any, tuple[Any, ...]]]:
+    """(kernel, constexprs) of every variant of a fused and a fallback plan (the fallback with a cast scatter).
+
+    The plans are prepared on ``device``: preparing runs every variant once on scratch rows of the state, so on the
+    GPU (``--run-gpu``) a host state would hand the compiled kernels host pointers.
+    """
+    state = torch.zeros((5, 2, 3, 8), dtype=torch.bfloat16, device=device)
     found = []
     for plan_class in (FusedStatePlan, FallbackStatePlan):
         plan = plan_class.prepare(state, 4, final_dtypes=(torch.bfloat16, torch.float32))
@@ -115,12 +119,12 @@ def plan_variants() -> list[tuple[Any, tuple[Any, ...]]]:
 
 
 @pytest.mark.parametrize("path", ["direct", "launcher", "hooked"])
-def test_compiled_launch_passes_the_row_count_in_parameter_order(path: str) -> None:
+def test_compiled_launch_passes_the_row_count_in_parameter_order(path: str, device: torch.device) -> None:
     cache, packed = torch.zeros((5, 2, 3, 8)), torch.zeros((2, 2, 3, 8))
     indices, flags = torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.bool)
     pointers = (cache.data_ptr(), packed.data_ptr(), indices.data_ptr(), flags.data_ptr())
     hook = Recorder() if path == "hooked" else None
-    for kernel, constexprs in plan_variants():
+    for kernel, constexprs in plan_variants(device):
         variant = stand_in_variant(kernel, constexprs, path == "direct", hook)
         variant.launch((3, 2), cache, packed, indices, flags, 3001)
         if path == "direct":
