@@ -333,3 +333,37 @@ def test_a_ray_case_runs_only_where_ray_was_carried(tmp_path):
     (tmp_path / "ray" / "__init__.py").write_text("")
     assert module.runnable(cases, tmp_path, gpus=2)[0] == cases
     assert module.engine_params(cases[0], tmp_path, tmp_path / "p")["distributed_executor_backend"] == "ray"
+
+
+def test_every_throughput_shape_states_lengths_the_benchmark_reads(tmp_path):
+    from kda_patches.bench.token_totals import requested_token_totals
+
+    module = load_script()
+    for shape in module.THROUGHPUT_SHAPES:
+        argv = module.throughput_argv(shape, tmp_path / "model", 5, tmp_path / shape)
+        bench = argv[argv.index("--") + 1:]
+        assert "--input-len" not in bench and "--output-len" not in bench, shape  # ignored by vLLM 0.33 (run 4)
+        totals = requested_token_totals(bench)
+        assert totals is not None and set(totals) == {"prompt", "output"}, shape
+
+
+def test_a_throughput_call_warms_up_first_and_a_later_call_resumes(tmp_path):
+    module = load_script()
+    target = tmp_path / "throughput-long"
+    first = module.throughput_argv("long", tmp_path, 5, target, time_budget_s=540.4)
+    assert "--warmup" in first and "--resume" not in first
+    assert first[first.index("--time-budget") + 1] == "540" and first.index("--time-budget") < first.index("--")
+    target.mkdir()
+    (target / "serve_ab.json").write_text("{}")
+    later = module.throughput_argv("long", tmp_path, 5, target)
+    assert "--resume" in later and "--warmup" not in later and "--time-budget" not in later
+
+
+def test_the_throughput_line_says_a_shape_stopped_for_time():
+    module = load_script()
+    result = {"shape": "long", "exit_code": 3, "rounds_done": 2, "rounds": 5, "problems": [],
+              "metrics": {"tokens_per_second": {"min": 0.99, "median": 1.01, "max": 1.02}}}
+    line = module.throughput_line(result)
+    assert "exit 3, 2 of 5 rounds (stopped for time: run the same command again to continue)" in line
+    assert "tokens_per_second 0.990/1.010/1.020" in line
+    assert "stopped for time" not in module.throughput_line({**result, "exit_code": 0, "rounds_done": 5})

@@ -25,11 +25,14 @@ import json
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+from kda_patches.bench.serve_ab_report import format_table, plot_ratios, summarize_rounds
+from kda_patches.bench.serve_ab_resume import load_unfinished, round_fits, set_aside_unfinished
+from kda_patches.bench.token_totals import check_token_totals
 
 FORMAT = 1
 KINDS = ("throughput", "latency")
@@ -55,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--entry", choices=ENTRIES, default="cli",
                         help="cli: vLLM's `vllm bench` CLI (default); module: vLLM's benchmark module directly, for "
                              "an install without the API server's packages the CLI imports")
+    parser.add_argument("--warmup", action="store_true",
+                        help="first run each side once, unmeasured (compile caches of a fresh machine), unless "
+                             "resuming")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the A/B in --out that stopped before its last round (same arguments)")
+    parser.add_argument("--time-budget", type=float, metavar="SECONDS",
+                        help="start no round that would end later than this many seconds after the start (the "
+                             "longest round so far is the estimate); exit 3, continue with --resume")
     parser.add_argument("bench", nargs=argparse.REMAINDER, help="-- then `throughput|latency` and its arguments")
     return parser
 
@@ -117,32 +128,6 @@ def extract_metrics(kind: str, result: dict[str, Any], log_text: str) -> dict[st
     return metrics
 
 
-def metric_direction(name: str) -> str:
-    """Return ``higher`` for rates (per second, throughput) and ``lower`` for times."""
-    return "higher" if "per_second" in name or "throughput" in name else "lower"
-
-
-def summarize_rounds(raw: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Return per metric the patched/baseline ratio of every round and their min/median/max.
-
-    Args:
-        raw: the per-round records (each with ``runs.baseline.metrics`` and ``runs.patched.metrics``).
-    """
-    names = sorted({name for record in raw for side in record["runs"].values() for name in side["metrics"]})
-    summary = {}
-    for name in names:
-        pairs = [(record["runs"]["baseline"]["metrics"].get(name), record["runs"]["patched"]["metrics"].get(name))
-                 for record in raw]
-        pairs = [(base, patched) for base, patched in pairs if base and patched is not None]
-        if not pairs:
-            continue
-        ratios = [patched / base for base, patched in pairs]
-        summary[name] = {"direction": metric_direction(name), "ratios": ratios, "min": min(ratios),
-                         "median": statistics.median(ratios), "max": max(ratios),
-                         "baseline": [base for base, _ in pairs], "patched": [patched for _, patched in pairs]}
-    return summary
-
-
 def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: float,
                    entry: str = "cli") -> dict[str, Any]:
     """Run ``vllm bench`` once in a fresh process group (through ``entry``, see :data:`ENTRIES`); return its record.
@@ -185,7 +170,8 @@ def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: flo
         with open(out_json) as handle:
             record["result"] = json.load(handle)
         record["metrics"] = extract_metrics(bench[0], record["result"], log_text)
-    else:
+        record["error"] = check_token_totals(bench, log_text)  # the shape it ran is the one it was asked for
+    if record["error"] is not None:
         record["log_tail"] = "".join(log_text.splitlines(keepends=True)[-30:])
     return record
 
@@ -202,56 +188,32 @@ def check_overlay(record: dict[str, Any]) -> str | None:
     return None
 
 
-def format_table(summary: dict[str, dict[str, Any]], rounds: int) -> list[str]:
-    """Return the ratio table lines."""
-    lines = [f"{'metric':<28} {'better':<7} {'min':>7} {'median':>7} {'max':>7}   patched/baseline over {rounds} "
-             "round(s)"]
-    for name, entry in summary.items():
-        lines.append(f"{name:<28} {entry['direction']:<7} {entry['min']:7.3f} {entry['median']:7.3f} "
-                     f"{entry['max']:7.3f}")
-    return lines
-
-
-def plot_ratios(summary: dict[str, dict[str, Any]], path: str, title: str) -> None:
-    """Save a PNG: per metric, each round's patched/baseline ratio and the median, with 1.0 marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(summary)
-    figure, axis = plt.subplots(figsize=(max(6.0, 1.3 * len(names) + 2), 4.5))
-    for index, name in enumerate(names):
-        ratios = summary[name]["ratios"]
-        axis.scatter([index] * len(ratios), ratios, color="tab:blue", alpha=0.7, label="round" if index == 0 else None)
-        axis.hlines(summary[name]["median"], index - 0.3, index + 0.3, color="tab:red",
-                    label="median" if index == 0 else None)
-    axis.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
-    axis.set_xticks(range(len(names)), [f"{n}\n({summary[n]['direction']} better)" for n in names], fontsize=7)
-    axis.set_ylabel("patched / baseline")
-    axis.set_title(title, fontsize=9)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
 def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, timeout_s: float = 3600.0,
-                 cache_dir: str | None = None, entry: str = "cli") -> int:
+                 cache_dir: str | None = None, entry: str = "cli", resume: bool = False,
+                 time_budget_s: float | None = None, warmup: bool = False) -> int:
     """Run the A/B, print the ratio table, write ``serve_ab.json`` and ``serve_ab.png``.
 
+    Args:
+        resume: continue the A/B in ``out_dir`` (:mod:`kda_patches.bench.serve_ab_resume`) instead of starting one
+            in a new or empty directory.
+        time_budget_s: start no round that would end later than this (see ``round_fits``).
+        warmup: before the first round, run each side once unmeasured (``warmup-LABEL``; in the document, not in any
+            ratio), so a cold compile cache does not land in one side of round 0. Not repeated when resuming.
     Returns:
         0 when every run succeeded and the overlay engaged exactly in the patched runs; 1 when a
-        run's ledgers contradict its switch; 2 when a run failed or the arguments are refused.
+        run's ledgers contradict its switch; 2 when a run failed or the arguments are refused; 3 when the
+        time budget stopped it before the last round (``--resume`` continues).
     """
+    started = time.perf_counter()
     bench = check_bench_args(bench)
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"--out {out_dir!r} exists and is not empty; pass a new directory")
+    if not resume and os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"--out {out_dir!r} exists and is not empty; pass a new directory (or --resume)")
     tiny = not has_option(bench, "--model")
     if tiny:
         from kda_patches.regress.tiny_model import ensure_tiny_model
 
         bench = [bench[0], "--model", ensure_tiny_model(cache_dir), *bench[1:]]
+    earlier = load_unfinished(out_dir, bench, seed, entry) if resume else None
     demo_reasons = [why for why, flag in (("a CPU build of vLLM", is_cpu_build()),
                                           ("the tiny random-weight model", tiny)) if flag]
     demo = bool(demo_reasons)
@@ -260,26 +222,57 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
     if demo:
         print(f"kda-patches bench serve-ab: {note}")
     print(f"kda-patches bench serve-ab: vllm bench {' '.join(bench)}; {rounds} round(s), results in {out_dir}")
-    order_rng, raw, problems = random.Random(seed), [], []
+    order_rng = random.Random(seed)
+    raw: list[dict[str, Any]] = earlier["raw"] if earlier else []
+    problems: list[str] = earlier["problems"] if earlier else []
+    resumed: list[dict[str, Any]] = earlier.get("resumed", []) if earlier else []
+    if earlier:
+        resumed.append({"at_round": len(raw), "set_aside": set_aside_unfinished(out_dir, len(raw))})
+        print(f"kda-patches bench serve-ab: resuming at round {len(raw)} ({resumed[-1]['set_aside'] or 'no'} cut "
+              "run directories set aside)")
+    for _ in raw:
+        order_rng.shuffle(["baseline", "patched"])  # the draws of the finished rounds: later orders stay the same
     from kda_patches.regress.baseline import describe_environment
 
     environment = describe_environment()
     json_path, png_path = os.path.join(out_dir, "serve_ab.json"), os.path.join(out_dir, "serve_ab.png")
 
-    def write_document(complete: bool) -> dict[str, Any]:
+    warmup_runs: dict[str, Any] = earlier.get("warmup", {}) if earlier else {}
+
+    def write_document(complete: bool, stopped_for_time: bool = False) -> dict[str, Any]:
         # after every round: a run stopped for time still leaves the rounds it finished
         failed_now = any(run["error"] for record in raw for run in record["runs"].values())
+        failed_now = failed_now or any(run["error"] for run in warmup_runs.values())
         document = {"format": FORMAT, "kind": bench[0], "bench_args": bench, "entry": entry, "rounds": rounds,
-                    "rounds_done": len(raw), "complete": complete, "seed": seed, "demonstration_only": demo,
-                    "note": note, "tiny_model": tiny, "environment": environment,
-                    "metrics": {} if failed_now else summarize_rounds(raw), "problems": problems, "raw": raw}
+                    "rounds_done": len(raw), "complete": complete, "stopped_for_time": stopped_for_time,
+                    "resumed": resumed, "warmup": warmup_runs, "seed": seed, "demonstration_only": demo,
+                    "note": note, "tiny_model": tiny,
+                    "environment": environment, "metrics": {} if failed_now else summarize_rounds(raw),
+                    "problems": problems, "raw": raw}
         partial = json_path + ".partial"
         with open(partial, "w") as handle:
             json.dump(document, handle, indent=1, sort_keys=True)
         os.replace(partial, json_path)
         return document
 
-    for round_index in range(rounds):
+    if warmup and not earlier:
+        for label in ("baseline", "patched"):
+            run = run_bench_once(bench, label == "patched", os.path.join(out_dir, f"warmup-{label}"), timeout_s, entry)
+            warmup_runs[label] = run
+            print(f"  warm-up {label:<8} wall {run['wall_s']:.1f} s (not measured)"
+                  + (f"  {run['error']}" if run["error"] else ""), flush=True)
+            if run["error"]:
+                problems.append(f"warm-up {label}: {run['error']}\n{run.get('log_tail', '')}")
+        write_document(complete=False)  # a call cut during round 0 still has the warm-up on disk
+    stopped_for_time = False
+    warmup_failed = any(run["error"] for run in warmup_runs.values())
+    for round_index in range(len(raw), 0 if warmup_failed else rounds):
+        walls = [sum(run.get("wall_s", 0.0) for run in record["runs"].values()) for record in raw]
+        if not round_fits(time.perf_counter() - started, walls, time_budget_s):
+            stopped_for_time = True
+            print(f"kda-patches bench serve-ab: stopped before round {round_index}: it would not end within "
+                  f"--time-budget {time_budget_s:.0f} s (longest round {max(walls):.0f} s); continue with --resume")
+            break
         order = ["baseline", "patched"]
         order_rng.shuffle(order)
         runs = {}
@@ -303,18 +296,21 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
             break
         if round_index + 1 < rounds:
             write_document(complete=False)
-    failed = any(run["error"] for record in raw for run in record["runs"].values())
-    summary = write_document(complete=True)["metrics"]
+    failed = warmup_failed or any(run["error"] for record in raw for run in record["runs"].values())
+    summary = write_document(complete=not stopped_for_time, stopped_for_time=stopped_for_time)["metrics"]
     if summary:
-        title = f"vllm bench {bench[0]}: patched/baseline, {rounds} round(s)" + (f"\n{DEMO_NOTE}" if demo else "")
+        title = (f"vllm bench {bench[0]}: patched/baseline, {len(raw)} of {rounds} round(s)"
+                 + (f"\n{DEMO_NOTE}" if demo else ""))
         plot_ratios(summary, png_path, title)
-        print("\n".join(format_table(summary, rounds)))
+        print("\n".join(format_table(summary, len(raw))))
     for problem in problems:
         print(f"kda-patches bench serve-ab: {problem}", file=sys.stderr)
     print(f"wrote {json_path}" + (f" and {png_path}" if summary else " (no plot: a run failed)"))
     if demo:
         print(f"kda-patches bench serve-ab: {note}")
-    return 2 if failed else (1 if problems else 0)
+    if failed:
+        return 2
+    return 1 if problems else (3 if stopped_for_time else 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,9 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.resume and not args.out:
+        parser.error("--resume continues the A/B in --out DIR: give --out")
     out_dir = os.path.abspath(args.out or time.strftime("serve-ab-%Y%m%d-%H%M%S"))
     try:
-        return run_serve_ab(args.bench, args.rounds, out_dir, args.seed, args.timeout, args.cache_dir, args.entry)
+        return run_serve_ab(args.bench, args.rounds, out_dir, args.seed, args.timeout, args.cache_dir, args.entry,
+                            args.resume, args.time_budget, args.warmup)
     except ValueError as error:
         parser.error(str(error))
     return 2

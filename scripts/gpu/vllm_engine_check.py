@@ -70,13 +70,19 @@ _QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text
             "layer_types": ["linear_attention", "full_attention"] * 2}
 
 
-def _kimi(full_rank_gate: bool) -> dict[str, Any]:
-    """Kimi Linear config, every layer KDA (its full-attention layers are MLA, whose prefill needs FlashAttention)."""
+def _kimi(full_rank_gate: bool, heads: int = 12) -> dict[str, Any]:
+    """Kimi Linear config, every layer KDA (its full-attention layers are MLA, whose prefill needs FlashAttention).
+
+    Without the full-rank gate vLLM 0.33 packs the input projection row as q, k, v (heads x 128 each), one beta per
+    head and 128 gate columns with no padding, so the row and the gate's start are 16-byte aligned only when the
+    heads per GPU are a multiple of 8; at 12 heads both are 8 (mod 16) bytes and the baseline itself stopped on a
+    misaligned address (runs 2-4). The full-rank branch (Kimi K3) pads the row, so 12 heads work there.
+    """
     return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 2048,
             "num_hidden_layers": 3, "num_attention_heads": 16, "intermediate_size": 2048, "vocab_size": VOCAB,
             "torch_dtype": "bfloat16", "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False,
-            "linear_attn_config": {"head_dim": 128, "num_heads": 12, "short_conv_kernel_size": 4,
+            "linear_attn_config": {"head_dim": 128, "num_heads": heads, "short_conv_kernel_size": 4,
                                    "use_full_rank_gate": full_rank_gate, "kda_layers": [1, 2, 3],
                                    "full_attn_layers": [], "gate_lower_bound": -5.0}}
 
@@ -115,8 +121,9 @@ MODELS = {
     "kimi_k3": ModelSpec(_kimi(True), "kimi_prefill", ("v1",),
                          "KimiLinearForCausalLM with the full-rank gate: vLLM builds KimiK3DeltaAttention; V1 runner "
                          "(its metadata builder computes aligned state indices itself)"),
-    "kimi_linear": ModelSpec(_kimi(False), "gdn_state_copy", ("v1", "v2"),
-                             "KimiLinearForCausalLM without the full-rank gate: KimiLinearGatedDeltaNetAttention"),
+    "kimi_linear": ModelSpec(_kimi(False, heads=16), "gdn_state_copy", ("v1", "v2"),
+                             "KimiLinearForCausalLM without the full-rank gate: KimiLinearGatedDeltaNetAttention, "
+                             "16 heads (its unpadded projection row is aligned only at a multiple of 8 heads)"),
     "qwen3_next": ModelSpec(_QWEN3_NEXT, "gdn_state_copy", ("v1", "v2"),
                             "Qwen3-Next MoE GDN hybrid (8 experts, top 2); its MoE layers call vLLM's MoE library",
                             libraries=(MOE_LIBRARY,)),
@@ -660,14 +667,19 @@ def engine_line(record: dict[str, Any]) -> str:
 
 
 BENCH_VOCAB = 10240  # vLLM's random dataset draws ids from the tokenizer's vocabulary
+# The random dataset's own length options: vLLM 0.33's `bench throughput` ignores --input-len / --output-len for it
+# (run 4 measured its defaults, 1024 + 128, under both shapes' names); serve-ab now fails a run whose printed token
+# totals differ from these. The request counts make the timed region several seconds of a ~55 s engine process.
 THROUGHPUT_SHAPES = {
-    "short": (("--input-len", "64", "--output-len", "32", "--num-prompts", "2048", "--max-num-seqs", "256"),
-              "many short prompts: 2048 requests of 64 prompt + 32 output tokens, 256 at a time"),
-    "long": (("--input-len", "2048", "--output-len", "64", "--num-prompts", "256", "--max-num-seqs", "128"),
-             "state copies a real share of the step: 256 requests of 2048 prompt + 64 output tokens, 128 at a time, "
+    "short": (("--random-input-len", "64", "--random-output-len", "32", "--num-prompts", "8192",
+               "--max-num-seqs", "256"),
+              "many short prompts: 8192 requests of 64 prompt + 32 output tokens, 256 at a time"),
+    "long": (("--random-input-len", "2048", "--random-output-len", "64", "--num-prompts", "512",
+              "--max-num-seqs", "128"),
+             "state copies a real share of the step: 512 requests of 2048 prompt + 64 output tokens, 128 at a time, "
              "GDN heads of Qwen3.6-27B at TP4 (12 value x 128 x 128)"),
-    "long-tp2": (("--input-len", "2048", "--output-len", "64", "--num-prompts", "256", "--max-num-seqs", "128",
-                  "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+    "long-tp2": (("--random-input-len", "2048", "--random-output-len", "64", "--num-prompts", "512",
+                  "--max-num-seqs", "128", "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
                  "the long shape on two GPUs (issue 29): tensor parallel 2, mp executor"),
 }
 
@@ -688,15 +700,23 @@ def write_bench_model(root: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def throughput_argv(shape: str, model_dir: pathlib.Path, rounds: int, out: pathlib.Path) -> list[str]:
+def throughput_argv(shape: str, model_dir: pathlib.Path, rounds: int, out: pathlib.Path,
+                    time_budget_s: float | None = None) -> list[str]:
     """``kda-patches bench serve-ab`` over vLLM's ``bench throughput`` for one of :data:`THROUGHPUT_SHAPES`.
+
+    ``--resume`` when ``out`` already holds a serve-ab document (an earlier call on the same warm machine stopped
+    before the last round), else ``--warmup`` (each side once, unmeasured: a fresh machine's compile caches are cold);
+    ``--time-budget`` when given, so a call ends between rounds, not inside one.
 
     vLLM's defaults otherwise (torch.compile and CUDA graphs on, prefix caching on), dummy weights (the output
     length is fixed: the random dataset ignores EOS), the attention and GDN backends the carried code has; vLLM's
     benchmark module itself (``--entry module``: its CLI imports the API server's packages, which are not carried).
     """
+    continuing = ["--resume"] if (out / "serve_ab.json").is_file() else ["--warmup"]
+    budget = ["--time-budget", f"{time_budget_s:.0f}"] if time_budget_s is not None else []
     return [sys.executable, "-m", "kda_patches", "bench", "serve-ab", "--rounds", str(rounds), "--out", str(out),
-            "--timeout", "300", "--entry", "module", "--", "throughput", "--model", str(model_dir),
+            "--timeout", "300", "--entry", "module", *continuing, *budget, "--", "throughput",
+            "--model", str(model_dir),
             "--load-format", "dummy", "--dataset-name", "random", *THROUGHPUT_SHAPES[shape][0],
             "--max-model-len", "4096", "--seed", "0", "--gpu-memory-utilization", "0.6",
             "--attention-backend", "TRITON_ATTN", "--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
@@ -709,10 +729,12 @@ def shape_gpus(shape: str) -> int:
 
 
 def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook: pathlib.Path,
-                   site: pathlib.Path, rounds: int, gpus: int = 1) -> dict[str, Any]:
-    """Run one throughput shape's serve-ab; return its summary (ratios per metric) and exit status.
+                   site: pathlib.Path, rounds: int, gpus: int = 1, time_budget_s: float | None = None
+                   ) -> dict[str, Any]:
+    """Run one throughput shape's serve-ab; return its summary (ratios per metric), rounds done and exit status.
 
-    A shape that needs more GPUs than ``gpus`` is not run: its record says so (``exit_code`` None).
+    A shape that needs more GPUs than ``gpus`` is not run: its record says so (``exit_code`` None). Exit status 3
+    is serve-ab stopping for ``time_budget_s`` between rounds: the same command continues it.
     """
     if shape_gpus(shape) > gpus:
         return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": None, "metrics": {},
@@ -720,11 +742,12 @@ def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook:
     target = out / f"throughput-{shape}"
     env = case_env(Case(f"throughput-{shape}", "qwen3_5", "v2", True, False), hook, site)
     env.pop(SEEDED_WEIGHTS_ENV)  # throughput needs no particular weights
-    done = subprocess.run(throughput_argv(shape, model_dir, rounds, target), env=env, capture_output=True, text=True,
-                          cwd=ROOT)
+    done = subprocess.run(throughput_argv(shape, model_dir, rounds, target, time_budget_s), env=env,
+                          capture_output=True, text=True, cwd=ROOT)
     result_file = target / "serve_ab.json"
     document = json.loads(result_file.read_text()) if result_file.is_file() else {}
     return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": done.returncode,
+            "rounds_done": document.get("rounds_done"), "rounds": rounds,
             "metrics": {name: {key: entry[key] for key in ("min", "median", "max", "ratios")}
                         for name, entry in (document.get("metrics") or {}).items()},
             "problems": document.get("problems"), "output_tail": (done.stdout + done.stderr)[-3000:]}
@@ -735,7 +758,9 @@ def throughput_line(result: dict[str, Any]) -> str:
     parts = [f"{name} {entry['min']:.3f}/{entry['median']:.3f}/{entry['max']:.3f}"
              for name, entry in result["metrics"].items() if name in ("tokens_per_second", "requests_per_second",
                                                                      "output_tokens_per_second")]
-    return (f"THROUGHPUT {result['shape']}: exit {result['exit_code']}; patched/baseline min/median/max "
+    done = f"{result.get('rounds_done')} of {result.get('rounds')} rounds" + (
+        " (stopped for time: run the same command again to continue)" if result["exit_code"] == 3 else "")
+    return (f"THROUGHPUT {result['shape']}: exit {result['exit_code']}, {done}; patched/baseline min/median/max "
             + ("; ".join(parts) or "none") + (f"; problems {result['problems']}" if result["problems"] else ""))
 
 
@@ -777,13 +802,15 @@ def run_parent(args: argparse.Namespace) -> int:
         report["throughput"] = []
         import torch
 
+        started = time.monotonic()
         for shape in args.throughput:
-            result = run_throughput(shape, out, bench_model, hook, site, args.rounds, torch.cuda.device_count())
+            left = None if args.time_budget_s is None else args.time_budget_s - (time.monotonic() - started)
+            result = run_throughput(shape, out, bench_model, hook, site, args.rounds, torch.cuda.device_count(), left)
             report["throughput"].append(result)
             print(throughput_line(result), flush=True)
             (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))
         if not args.cases:
-            return 0 if all(result["exit_code"] in (0, None) for result in report["throughput"]) else 1
+            return 0 if all(result["exit_code"] in (0, 3, None) for result in report["throughput"]) else 1
     import torch
 
     cases, report["not_run"] = runnable(cases, site, torch.cuda.device_count())
@@ -812,6 +839,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--throughput", nargs="+", choices=sorted(THROUGHPUT_SHAPES),
                         help="run serve-ab for these shapes first (alone on the GPU); no case unless --cases")
     parser.add_argument("--rounds", type=int, default=5, help="serve-ab rounds per throughput shape")
+    parser.add_argument("--time-budget-s", type=float,
+                        help="seconds for all throughput shapes: serve-ab starts no round that would end later; "
+                             "the same command in the next call (machine still warm) continues where it stopped")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     try:

@@ -14,10 +14,11 @@ import pytest
 import vllm_stack
 
 from kda_patches.bench.cli import main as bench_main
-from kda_patches.bench.serve_ab import check_bench_args, extract_metrics, summarize_rounds
+from kda_patches.bench.serve_ab import check_bench_args, extract_metrics
+from kda_patches.bench.serve_ab_report import summarize_rounds
 
-BENCH = ["throughput", "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
-         "--enforce-eager", "--max-model-len", "64", "--dtype", "bfloat16"]
+BENCH = ["throughput", "--dataset-name", "random", "--num-prompts", "4", "--random-input-len", "16",
+         "--random-output-len", "4", "--enforce-eager", "--max-model-len", "64", "--dtype", "bfloat16"]
 
 
 def test_arguments_it_owns_or_cannot_run_are_refused(tmp_path, capsys) -> None:

@@ -10,25 +10,9 @@ import json
 import os
 
 import pytest
+from serve_ab_fakes import BENCH, fake_run
 
 from kda_patches.bench import serve_ab
-
-BENCH = ["throughput", "--model", "/models/m", "--input-len", "16", "--output-len", "4"]
-
-
-def fake_run(seen_documents: list, out_dir: str, stop_at_round: int | None = None):
-    def run_bench_once(bench, enabled, run_dir, timeout_s, entry):
-        round_index = int(os.path.basename(run_dir).split("-")[0].removeprefix("round"))
-        path = os.path.join(out_dir, "serve_ab.json")
-        seen_documents.append(json.load(open(path)) if os.path.isfile(path) else None)
-        if stop_at_round is not None and round_index == stop_at_round:
-            raise KeyboardInterrupt  # the call's time ran out while this round ran
-        label = "patched" if enabled else "baseline"
-        applied = {"state": "applied" if enabled else "disabled"}
-        return {"label": label, "error": None, "wall_s": 1.0, "entry": entry,
-                "ledgers": [{"role": "main", "patches": {"gdn_state_copy": applied}}],
-                "metrics": {"tokens_per_second": 100.0 + (round_index if enabled else 0)}}
-    return run_bench_once
 
 
 def test_every_finished_round_is_on_disk_before_the_next_starts(tmp_path, monkeypatch):
