@@ -43,7 +43,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs only with --run-gpu")
-    config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow; one xdist unit)")
+    config.addinivalue_line("markers", "engine: starts a real vLLM engine (slow; in an xdist engine unit)")
     config.addinivalue_line("markers", "slow: minutes of fresh processes or compiles; not in `make test-fast`")
     config.addinivalue_line("markers", "alias_mechanism: the test is about the routed alias's own objects; "
                             "it runs under KDA_PATCHES_ROUTING=alias only")
@@ -51,6 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
                             "it runs under KDA_PATCHES_ROUTING=rewrite only")
     config.addinivalue_line("markers", "both_mechanisms: runs under both mechanisms (overrides a module's mark)")
     vllm_stack.GPU_RUN = config.getoption("--run-gpu")
+    binding = xdist_scheduling.engine_core_binding(os.environ.get("PYTEST_XDIST_WORKER"), os.cpu_count())
+    if binding is not None:  # this worker's engines compute on its own core (a test may still set its own)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
     # find_spec, not an import: importing vLLM costs seconds and must not happen in every pytest process
     # before the tests that register post-import hooks on its modules.
     if not vllm_stack.GPU_RUN and importlib.util.find_spec("vllm") is None:
@@ -80,8 +83,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
-    if hasattr(config, "workerinput"):  # an xdist worker: the engine unit first in the queue, so it starts at once
-        items.sort(key=lambda item: xdist_scheduling.work_unit(item.nodeid) != xdist_scheduling.ENGINE_UNIT)
+    if hasattr(config, "workerinput"):  # an xdist worker: the engine units first in the queue, so they start at once
+        items.sort(key=lambda item: xdist_scheduling.queue_position(item.nodeid))
     if config.getoption("--run-gpu"):
         return
     skip_gpu = pytest.mark.skip(reason="GPU test: run with --run-gpu on a CUDA machine (make gpu-check)")
