@@ -367,3 +367,54 @@ def test_the_throughput_line_says_a_shape_stopped_for_time():
     assert "exit 3, 2 of 5 rounds (stopped for time: run the same command again to continue)" in line
     assert "tokens_per_second 0.990/1.010/1.020" in line
     assert "stopped for time" not in module.throughput_line({**result, "exit_code": 0, "rounds_done": 5})
+
+
+def staged_release(tmp_path: pathlib.Path, harness, version: str) -> pathlib.Path:
+    """Stage a tiny carry of vLLM ``version`` (a bundle whose manifest names it, with one minimal wheel)."""
+    import zipfile
+
+    wheel = tmp_path / "kdafakeeng-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("kdafakeeng/__init__.py", "")
+        archive.writestr("kdafakeeng-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: kdafakeeng\nVersion: 0.1\n")
+        archive.writestr("kdafakeeng-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                         "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr("kdafakeeng-0.1.dist-info/RECORD", "")
+    bundle = tmp_path / f"vllm-{version}-cp312.zip"
+    with zipfile.ZipFile(bundle, "w") as archive:
+        archive.writestr("site/vllm/__init__.py", "")
+        archive.writestr(f"site/vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\n")
+        archive.write(wheel, f"wheels/{wheel.name}")
+        archive.writestr("manifest.json", json.dumps({"vllm_version": version}))
+    harness.write_carry({bundle.name: bundle}, tmp_path / "carry", 1 << 20, vllm_version=version)
+    stage = tmp_path / "stage"
+    harness.stage_pieces(tmp_path / "carry" / "run1", stage)
+    return stage
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.33.0"])
+def test_the_report_names_the_staged_release_never_an_assumed_one(tmp_path, monkeypatch, version):
+    module = load_script()
+    harness = module.gpu_harness
+    stage = staged_release(tmp_path, harness, version)
+    monkeypatch.setattr(harness, "STAGE_DIR", stage)
+    assert module.main(["--out", str(tmp_path / "out"), "--dry-run", "--cases", "qwen3_5-v2-prefix-eager"]) == 0
+    assert json.loads((tmp_path / "out" / "vllm_engine.json").read_text())["vllm"] == version
+    # the run itself: unpacks what was staged and reports its version (here no case can run: no GPU)
+    monkeypatch.setattr(harness, "SITE_DIR", tmp_path / "site")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert module.main(["--out", str(tmp_path / "run"), "--cases", "qwen3_5-v2-prefix-eager"]) == 0
+    report = json.loads((tmp_path / "run" / "vllm_engine.json").read_text())
+    assert report["vllm"] == report["bundle"]["vllm_version"] == version
+    assert set(report["not_run"]) == {"qwen3_5-v2-prefix-eager"} and report["runs"] == []
+    prepared = harness.prepare_site(None, tmp_path / "site", stage)
+    assert module.report_version(prepared) == version
+    with pytest.raises(RuntimeError, match="names no vllm_version"):
+        module.report_version({**prepared, "vllm_version": None, "bundle": {}})
+
+
+def test_a_dry_run_with_nothing_staged_names_no_release(tmp_path, monkeypatch):
+    module = load_script()
+    monkeypatch.setattr(module.gpu_harness, "STAGE_DIR", tmp_path / "empty-stage")
+    assert module.main(["--out", str(tmp_path / "out"), "--dry-run", "--cases", "qwen3_5-v2-prefix-eager"]) == 0
+    assert json.loads((tmp_path / "out" / "vllm_engine.json").read_text())["vllm"] is None

@@ -164,15 +164,17 @@ def tiny_wheel(folder: pathlib.Path, name: str) -> pathlib.Path:
     return wheel
 
 
-def tiny_bundle(path: pathlib.Path) -> pathlib.Path:
-    """A bundle zip shaped like vllm_bundle.py's: site/vllm/__init__.py, one real (minimal) wheel, the manifest."""
+def tiny_bundle(path: pathlib.Path, version: str = "test") -> pathlib.Path:
+    """A bundle zip shaped like vllm_bundle.py's: site/vllm/__init__.py, its dist-info, one real (minimal) wheel,
+    the manifest."""
     import zipfile
 
     wheel = tiny_wheel(path.parent, "kdafake")
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("site/vllm/__init__.py", "")
+        archive.writestr("site/vllm/__init__.py", f"VERSION = {version!r}\n")
+        archive.writestr(f"site/vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\n")
         archive.write(wheel, f"wheels/{wheel.name}")
-        archive.writestr("manifest.json", json.dumps({"vllm_version": "test"}))
+        archive.writestr("manifest.json", json.dumps({"vllm_version": version}))
     return path
 
 
@@ -213,3 +215,96 @@ def test_a_library_artifact_names_its_file_and_anything_else_is_refused():
     for name in ("vllm-0.33.0-cp312.zip", "lib.so.xz", "torch-2.11-_C.so.xz"):
         with pytest.raises(harness.CarryError, match="not a carried library"):
             harness.library_file_of(name)
+
+
+# ---------------------------------------------------------------- one vLLM release per carry plan, stage and site
+
+
+def versioned_carry(tmp_path: pathlib.Path, version: str, capacity: int = 1 << 20) -> tuple[pathlib.Path, bytes]:
+    """Write the carry of a tiny release ``version`` (its op library and its bundle, named as vllm_bundle names them);
+    return the carry folder and the library's bytes."""
+    source = tmp_path / f"source-{version}"
+    source.mkdir(parents=True)
+    library = os.urandom(2048)
+    xz = source / f"vllm-{version}-{harness.LIBRARY_FILE}.xz"
+    xz.write_bytes(lzma.compress(library))
+    bundle = tiny_bundle(source / f"vllm-{version}-cp312.zip", version)
+    harness.write_carry({xz.name: xz, bundle.name: bundle}, tmp_path / f"carry-{version}", capacity,
+                        {xz.name: hashlib.sha256(library).hexdigest()}, vllm_version=version)
+    return tmp_path / f"carry-{version}", library
+
+
+def test_a_carry_plan_records_its_version_and_the_stage_reports_it(tmp_path):
+    carry, _ = versioned_carry(tmp_path, "0.34.0")
+    manifest = json.loads((carry / "run1" / harness.MANIFEST).read_text())
+    assert manifest["vllm_version"] == "0.34.0"
+    state = harness.stage_pieces(carry / "run1", tmp_path / "stage")
+    assert state["vllm_version"] == "0.34.0" and harness.staged_version(tmp_path / "stage") == "0.34.0"
+
+
+def test_artifacts_of_two_versions_never_make_one_carry_plan(tmp_path):
+    files = artifacts(tmp_path, {"vllm-0.33.0-_C_stable_libtorch.abi3.so.xz": 100, "vllm-0.34.0-cp312.zip": 100})
+    with pytest.raises(harness.CarryError, match=r"0\.33\.0.*0\.34\.0"):
+        harness.write_carry(files, tmp_path / "carry", capacity=1000)
+    one = {"vllm-0.34.0-cp312.zip": files["vllm-0.34.0-cp312.zip"]}
+    with pytest.raises(harness.CarryError, match=r"0\.33\.0.*0\.34\.0"):  # the declared version against the names
+        harness.write_carry(one, tmp_path / "carry", capacity=1000, vllm_version="0.33.0")
+    assert not (tmp_path / "carry").exists()  # nothing written
+    manifest = harness.write_carry(one, tmp_path / "carry", capacity=1000)
+    assert manifest["vllm_version"] == "0.34.0"  # undeclared: the artifact names give it
+    manifest["artifacts"]["vllm-0.33.0-_C_stable_libtorch.abi3.so.xz"] = manifest["artifacts"]["vllm-0.34.0-cp312.zip"]
+    (tmp_path / "carry" / "run1" / harness.MANIFEST).write_text(json.dumps(manifest))  # a hand-mixed plan
+    with pytest.raises(harness.CarryError, match="mixes vLLM versions"):
+        harness.stage_pieces(tmp_path / "carry" / "run1", tmp_path / "stage")
+
+
+def test_pieces_of_another_release_are_refused_while_one_is_staged_naming_both(tmp_path):
+    old, _ = versioned_carry(tmp_path, "0.33.0", capacity=2000)
+    new, library = versioned_carry(tmp_path, "0.34.0", capacity=2000)
+    stage = tmp_path / "stage"
+    harness.stage_pieces(old / "run1", stage)  # 0.33.0's first call; its second never came
+    kept = sorted(path.name for path in stage.iterdir())
+    with pytest.raises(harness.CarryError, match=r"vLLM 0\.34\.0.*vLLM 0\.33\.0"):
+        harness.stage_pieces(new / "run1", stage)
+    assert sorted(path.name for path in stage.iterdir()) == kept  # nothing of 0.34.0 joined the staged pieces
+    with pytest.raises(harness.CarryError, match="--replace"):  # the command line refuses too, naming the way out
+        harness.main(["stage", str(new / "run1"), "--stage-dir", str(stage)])
+    site = tmp_path / "site"
+    for run in sorted(new.glob("run*")):
+        assert harness.main(["stage", str(run), "--stage-dir", str(stage), "--replace", "--site-dir", str(site)]) == 0
+    assert harness.staged_version(stage) == "0.34.0" and harness.staged_artifacts(stage)[1] == []
+    assert harness.prepare_site(None, site, stage)["vllm_version"] == "0.34.0"
+    assert (site / "vllm" / harness.LIBRARY_FILE).read_bytes() == library
+
+
+def test_a_bundle_and_staged_libraries_of_two_releases_are_never_unpacked_together(tmp_path):
+    carry, _ = versioned_carry(tmp_path, "0.33.0")
+    stage, site = tmp_path / "stage", tmp_path / "site"
+    harness.stage_pieces(carry / "run1", stage)
+    other = tiny_bundle(tmp_path / "vllm-0.34.0-cp312.zip", "0.34.0")
+    with pytest.raises(harness.CarryError, match=r"vLLM 0\.34\.0.*vLLM 0\.33\.0"):
+        harness.prepare_site(other, site, stage)
+    assert not site.exists()  # refused before anything was unpacked
+
+
+def test_a_site_holding_another_release_is_refused_until_replaced(tmp_path):
+    old, _ = versioned_carry(tmp_path, "0.33.0")
+    new, _ = versioned_carry(tmp_path, "0.34.0")
+    site = tmp_path / "site"
+    harness.stage_pieces(old / "run1", tmp_path / "stage-old", site=site)
+    assert harness.prepare_site(None, site, tmp_path / "stage-old")["vllm_version"] == "0.33.0"
+    harness.stage_pieces(new / "run1", tmp_path / "stage-new", site=site)  # another stage: the site still holds 0.33
+    with pytest.raises(harness.CarryError, match=r"holds vLLM 0\.33\.0.*is vLLM 0\.34\.0"):
+        harness.prepare_site(None, site, tmp_path / "stage-new")
+    assert harness.site_versions(site) == ["0.33.0"] and (site / "vllm" / "__init__.py").read_text() == \
+        "VERSION = '0.33.0'\n"
+    harness.stage_pieces(new / "run1", tmp_path / "stage-new", replace=True, site=site)
+    assert harness.prepare_site(None, site, tmp_path / "stage-new")["vllm_version"] == "0.34.0"
+    assert harness.site_versions(site) == ["0.34.0"] and (site / "vllm" / "__init__.py").read_text() == \
+        "VERSION = '0.34.0'\n"
+
+
+def test_a_library_artifact_names_its_version():
+    assert harness.artifact_version("vllm-0.34.0-_C_stable_libtorch.abi3.so.xz") == "0.34.0"
+    assert harness.artifact_version("vllm-0.34.0-cp312.zip") == "0.34.0"
+    assert harness.artifact_version("ray-wheels-cp312.zip") is None and harness.artifact_version("library.xz") is None

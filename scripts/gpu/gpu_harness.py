@@ -6,7 +6,10 @@ and vLLM's real compiled op library ``vllm/_C_stable_libtorch.abi3.so``, xz-comp
 fill consecutive calls (:func:`plan_carry` / :func:`write_carry`, run here). On the machine, each call's command
 starts with ``python3 scripts/gpu/gpu_harness.py stage CARRIED_DIR``: :func:`stage_pieces` keeps the pieces under
 ``/tmp`` (it survives while the machine is warm, ~30 s between calls) and joins an artifact once all its pieces are
-there, checking the sha256 of every piece, of the whole, and of the unpacked library.
+there, checking the sha256 of every piece, of the whole, and of the unpacked library. A carry plan is of one vLLM
+release (its manifest's ``vllm_version``, which every ``vllm-<version>-...`` artifact name must match): pieces of
+another release are refused while a plan is staged (``stage --replace`` discards it and the unpacked site), and
+:func:`prepare_site` unpacks only a bundle and libraries of one release into a site that holds no other.
 
 :func:`install_stand_ins` (run in every GPU process through the ``sitecustomize.py`` :func:`write_stand_in_hook`
 writes) supplies only what cannot run there: FlashAttention's compiled package, and -- only when the real library
@@ -14,8 +17,8 @@ is absent -- the library's import and its capability queries. Which of the two r
 :func:`compile_cache_env` points Triton, Inductor and vLLM at one cache directory, so the engine processes of a
 run (and of consecutive runs on a warm machine) compile each kernel once.
 
-CLI (on the GPU machine): ``python3 scripts/gpu/gpu_harness.py stage DIR [--stage-dir D]``; ``... ready`` exits 0
-once every artifact of the carry plan is joined.
+CLI (on the GPU machine): ``python3 scripts/gpu/gpu_harness.py stage DIR [--stage-dir D] [--replace]``;
+``... ready`` exits 0 once every artifact of the carry plan is joined.
 """
 
 from __future__ import annotations
@@ -102,8 +105,36 @@ def plan_carry(sizes: dict[str, int], capacity: int) -> list[Piece]:
     return pieces
 
 
+def artifact_version(name: str) -> str | None:
+    """Return the vLLM version a carried artifact's name declares (``vllm-<version>-<rest>``), None for others.
+
+    Wheel sets (``ray-wheels-cp312.zip``) name no version: vLLM pins none of them.
+    """
+    parts = name.split("-", 2)
+    return parts[1] if len(parts) == 3 and parts[0] == "vllm" and parts[1] and parts[2] else None
+
+
+def plan_version(manifest: dict[str, Any]) -> str | None:
+    """Return the one vLLM version of a carry plan: its ``vllm_version`` and every artifact name's version.
+
+    Raises:
+        CarryError: the plan names two versions (both named, with the artifacts that carry each).
+    """
+    names: dict[str, list[str]] = {}
+    if manifest.get("vllm_version"):
+        names.setdefault(manifest["vllm_version"], []).append("the manifest's vllm_version")
+    for name in manifest["artifacts"]:
+        if artifact_version(name):
+            names.setdefault(artifact_version(name), []).append(name)
+    if len(names) > 1:
+        raise CarryError("one carry plan mixes vLLM versions: " + "; ".join(
+            f"{version} ({', '.join(where)})" for version, where in sorted(names.items()))
+            + ": carry the run folders of one `vllm_bundle.py carry --vllm-version V`")
+    return next(iter(names), None)
+
+
 def write_carry(artifacts: dict[str, pathlib.Path], dest: pathlib.Path, capacity: int,
-                unpacked_sha256: dict[str, str] | None = None) -> dict[str, Any]:
+                unpacked_sha256: dict[str, str] | None = None, vllm_version: str | None = None) -> dict[str, Any]:
     """Write ``dest/run<N>/`` folders holding each call's pieces and the manifest; return the manifest.
 
     Args:
@@ -111,11 +142,17 @@ def write_carry(artifacts: dict[str, pathlib.Path], dest: pathlib.Path, capacity
         dest: folder to fill (its ``run*`` folders are replaced).
         capacity: bytes per call besides the working tree.
         unpacked_sha256: for a compressed artifact, the sha256 of its decompressed content.
+        vllm_version: the release carried (recorded; else the one the artifact names give, if any).
+    Raises:
+        CarryError: the artifacts name another version than ``vllm_version``, or two (nothing is written).
     """
+    manifest: dict[str, Any] = {"vllm_version": vllm_version, "capacity": capacity,
+                                "artifacts": dict.fromkeys(artifacts)}
+    manifest["vllm_version"] = plan_version(manifest)
     pieces = plan_carry({name: path.stat().st_size for name, path in artifacts.items()}, capacity)
     for old in dest.glob("run*"):
         shutil.rmtree(old)
-    manifest: dict[str, Any] = {"capacity": capacity, "runs": max(p.run for p in pieces), "artifacts": {}}
+    manifest["runs"] = max(p.run for p in pieces)
     for name, path in artifacts.items():
         manifest["artifacts"][name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path),
                                        "unpacked_sha256": (unpacked_sha256 or {}).get(name), "pieces": []}
@@ -133,27 +170,43 @@ def write_carry(artifacts: dict[str, pathlib.Path], dest: pathlib.Path, capacity
     return manifest
 
 
-def stage_pieces(carried: pathlib.Path, stage: pathlib.Path = STAGE_DIR) -> dict[str, Any]:
+def stage_pieces(carried: pathlib.Path, stage: pathlib.Path = STAGE_DIR, replace: bool = False,
+                 site: pathlib.Path = SITE_DIR) -> dict[str, Any]:
     """Keep the pieces ``carried`` brought in ``stage``; join every artifact whose pieces are all there.
 
     Args:
         carried: one ``run<N>`` folder of :func:`write_carry`, as it arrived on the machine.
         stage: where pieces wait for the next call and joined artifacts are written.
+        replace: a staged plan of another vLLM release is discarded instead of refusing these pieces, and so is
+            a ``site`` that holds another release (:func:`discard_site`).
+        site: the unpacked site ``replace`` discards.
     Returns:
-        ``{"have": [...], "missing": [...], "joined": {artifact: path}}`` (``missing`` lists pieces still to come).
+        ``{"have": [...], "missing": [...], "joined": {artifact: path}, "artifacts", "vllm_version"}``
+        (``missing`` lists pieces still to come).
     Raises:
-        CarryError: no manifest, a piece's sha256 differs, or a joined artifact's sha256 differs.
+        CarryError: no manifest; the plan mixes versions; a plan of another vLLM version is staged (both named;
+            ``replace`` not given); a piece's sha256 differs, or a joined artifact's sha256 differs.
     """
     source = carried / MANIFEST
     if not source.is_file():
         raise CarryError(f"{carried} has no {MANIFEST}: carry a run folder written by vllm_bundle.py carry")
     manifest = json.loads(source.read_text())
+    version = plan_version(manifest)
     stage.mkdir(parents=True, exist_ok=True)
     previous = stage / MANIFEST
-    if previous.is_file() and json.loads(previous.read_text())["artifacts"] != manifest["artifacts"]:
-        for stale in stage.iterdir():  # pieces of another carry plan must not mix with these
-            if stale.is_file():
-                stale.unlink()
+    if previous.is_file():
+        staged = json.loads(previous.read_text())
+        staged_version = plan_version(staged)
+        if staged_version != version and not replace:
+            raise CarryError(f"{carried} brings pieces of vLLM {version or '(no version)'}, but {stage} holds a "
+                             f"staged carry of vLLM {staged_version or '(no version)'}: pieces of two releases never "
+                             "join; stage with --replace to discard the staged one (and the unpacked site)")
+        if staged["artifacts"] != manifest["artifacts"]:
+            for stale in stage.iterdir():  # pieces of another carry plan must not mix with these
+                if stale.is_file():
+                    stale.unlink()
+    if replace and any(found != version for found in site_versions(site)):
+        discard_site(site)
     shutil.copyfile(source, previous)
     have, missing, joined = [], [], {}
     for name, artifact in manifest["artifacts"].items():
@@ -177,7 +230,30 @@ def stage_pieces(carried: pathlib.Path, stage: pathlib.Path = STAGE_DIR) -> dict
                 raise CarryError(f"{name}: the joined pieces' sha256 differs from the manifest")
             os.replace(partial, target)
             joined[name] = str(target)
-    return {"have": have, "missing": missing, "joined": joined, "artifacts": manifest["artifacts"]}
+    return {"have": have, "missing": missing, "joined": joined, "artifacts": manifest["artifacts"],
+            "vllm_version": version}
+
+
+def staged_version(stage: pathlib.Path = STAGE_DIR) -> str | None:
+    """Return the vLLM version of the carry plan staged in ``stage`` (None: nothing staged, or no version)."""
+    manifest = stage / MANIFEST
+    return plan_version(json.loads(manifest.read_text())) if manifest.is_file() else None
+
+
+def site_versions(site: pathlib.Path = SITE_DIR) -> list[str]:
+    """Return the vLLM versions unpacked in ``site`` (its ``vllm-<version>.dist-info`` folders)."""
+    return sorted(entry.name[len("vllm-"):-len(".dist-info")] for entry in site.glob("vllm-*.dist-info")) \
+        if site.is_dir() else []
+
+
+def discard_site(site: pathlib.Path = SITE_DIR) -> list[str]:
+    """Remove the unpacked site and its scratch folders (``<site>-zip``, wheel sets); return what was removed."""
+    removed = []
+    for folder in sorted(site.parent.glob(site.name + "*")):
+        if folder.is_dir() and (folder == site or folder.name.startswith(site.name + "-")):
+            shutil.rmtree(folder)
+            removed.append(str(folder))
+    return removed
 
 
 def library_file_of(artifact: str) -> str:
@@ -225,7 +301,14 @@ def unpack_bundle(bundle: pathlib.Path, site: pathlib.Path = SITE_DIR) -> dict[s
     if not bundle.is_file():
         raise CarryError(f"no bundle at {bundle}: build it with `python scripts/gpu/vllm_bundle.py carry` on the "
                          "CPU machine and carry its run folders (gpu_harness.py stage)")
+    version = bundle_version(bundle)
+    other = [found for found in site_versions(site) if found != version]
+    if other:
+        raise CarryError(f"{site} already holds vLLM {', '.join(other)}; the bundle {bundle.name} is vLLM {version}: "
+                         "one site never holds two releases (gpu_harness.py stage --replace discards it)")
     scratch = site.with_name(site.name + "-zip")
+    if scratch.is_dir():
+        shutil.rmtree(scratch)
     with zipfile.ZipFile(bundle) as archive:
         archive.extractall(scratch)
     manifest = json.loads((scratch / "manifest.json").read_text())
@@ -241,6 +324,14 @@ def unpack_bundle(bundle: pathlib.Path, site: pathlib.Path = SITE_DIR) -> dict[s
     if done.returncode:
         raise CarryError(f"installing the bundle's wheels failed:\n{done.stderr[-3000:]}")
     return manifest
+
+
+def bundle_version(bundle: pathlib.Path) -> str | None:
+    """Return the ``vllm_version`` of a bundle zip's own manifest."""
+    import zipfile
+
+    with zipfile.ZipFile(bundle) as archive:
+        return json.loads(archive.read("manifest.json")).get("vllm_version")
 
 
 def is_wheel_set(name: str) -> bool:
@@ -274,13 +365,16 @@ def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_D
     """Unpack vLLM into ``site``: the given bundle zip, else the staged one; the staged compiled library with it.
 
     Returns:
-        ``{"bundle": its manifest, "bundle_file", "libraries": files installed, "wheel_sets": installed sets,
-        "compiled_library": bool}`` (the last: vLLM's op library is there).
+        ``{"bundle": its manifest, "bundle_file", "vllm_version": the bundle's, "libraries": files installed,
+        "wheel_sets": installed sets, "compiled_library": bool}`` (the last: vLLM's op library is there).
     Raises:
-        CarryError: no bundle given and none staged, or a checksum differs.
+        CarryError: no bundle given and none staged; the bundle, the staged plan and the staged libraries are
+            not all of one vLLM version (checked before anything is unpacked; both named); the site holds another
+            version; or a checksum differs.
     """
     manifest_file = stage / MANIFEST
-    artifacts = json.loads(manifest_file.read_text())["artifacts"] if manifest_file.is_file() else {}
+    staged = json.loads(manifest_file.read_text()) if manifest_file.is_file() else {"artifacts": {}}
+    artifacts = staged["artifacts"]
     joined, _ = staged_artifacts(stage)
     if bundle is None:
         staged_zip = [name for name in joined if name.endswith(".zip") and not is_wheel_set(name)]
@@ -288,7 +382,13 @@ def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_D
             raise CarryError(f"no bundle given and none staged in {stage}: carry .bundle/carry/run* "
                              "(vllm_bundle.py carry) and stage them, or pass the bundle zip")
         bundle = stage / staged_zip[0]
-    prepared: dict[str, Any] = {"bundle": unpack_bundle(bundle, site), "bundle_file": str(bundle), "libraries": []}
+    version = bundle_version(bundle) if bundle.is_file() else None
+    if joined and plan_version(staged) != version:  # plan_version also refuses a plan that mixes versions
+        raise CarryError(f"{bundle.name} is vLLM {version}, the carry staged in {stage} is vLLM "
+                         f"{plan_version(staged)} ({', '.join(joined)}): a bundle and libraries of two releases are "
+                         "never unpacked together")
+    prepared: dict[str, Any] = {"bundle": unpack_bundle(bundle, site), "bundle_file": str(bundle), "libraries": [],
+                                "vllm_version": version}
     prepared["wheel_sets"] = []
     for name in joined:
         if name.endswith(".so.xz"):
@@ -438,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     stage_parser = commands.add_parser("stage", help="keep this call's pieces; join complete artifacts")
     stage_parser.add_argument("carried", type=pathlib.Path)
     stage_parser.add_argument("--stage-dir", type=pathlib.Path, default=STAGE_DIR)
+    stage_parser.add_argument("--replace", action="store_true",
+                              help="a staged carry of another vLLM release is discarded (with the unpacked site) "
+                                   "instead of refusing these pieces")
+    stage_parser.add_argument("--site-dir", type=pathlib.Path, default=SITE_DIR,
+                              help="the unpacked site --replace discards when it holds another release")
     ready_parser = commands.add_parser("ready", help="exit 0 when every carried artifact is joined")
     ready_parser.add_argument("--stage-dir", type=pathlib.Path, default=STAGE_DIR)
     args = parser.parse_args(argv)
@@ -448,9 +553,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not staged: {', '.join(missing) or 'nothing carried'} (carry .bundle/carry/run* of "
               "vllm_bundle.py carry in consecutive calls)")
         return 1
-    state = stage_pieces(args.carried, args.stage_dir)
-    print(f"STAGE {len(state['have'])} pieces here, {len(state['missing'])} to come; joined: "
-          f"{', '.join(sorted(state['joined'])) or 'none yet'}")
+    state = stage_pieces(args.carried, args.stage_dir, args.replace, args.site_dir)
+    print(f"STAGE vLLM {state['vllm_version']}: {len(state['have'])} pieces here, {len(state['missing'])} to come; "
+          f"joined: {', '.join(sorted(state['joined'])) or 'none yet'}")
     return 0
 
 

@@ -1,29 +1,35 @@
-"""Build the carry bundle that brings vLLM 0.33.0's own Python code to the GPU machine (issue 9).
+"""Build the carry bundle that brings a vLLM release's own Python code to the GPU machine (issue 9).
 
 The H200 machine has torch 2.11 + triton 3.6 but no vLLM and no network, and one call carries at most 64 MiB
 (the CUDA wheel is ~330 MB). The paths the overlay patches -- ``KimiK3DeltaAttention._forward`` and
 ``QwenGatedDeltaNetAttention._forward_core`` with their Triton kernels -- are pure Python + Triton, so this
 bundle carries exactly:
 
-- ``site/vllm/**.py``: every ``.py`` file of the registry's ``vllm==0.33.0`` wheel (taken through
+- ``site/vllm/**.py``: every ``.py`` file of the registry's ``vllm==<version>`` wheel (taken through
   :func:`kda_patches.releases.fetch.release_dir`, the project's release cache), plus a minimal
-  ``vllm-0.33.0.dist-info/METADATA`` written here (name and version only: vLLM's platform detection and the
+  ``vllm-<version>.dist-info/METADATA`` written here (name and version only: vLLM's platform detection and the
   overlay's version ranges read ``importlib.metadata.version("vllm")``; without it CUDA is never detected);
 - ``wheels/*.whl``: CPython wheels of the third-party packages vLLM's import chain of those layers needs and
-  the GPU image lacks (:data:`WHEELS`, found by importing the layer modules in a clean interpreter that has
-  only the GPU image's packages, see ``vllm_layers_check.py --dry-run``);
+  the GPU image lacks (:attr:`ReleaseCarry.wheels`, found by importing the layer modules in a clean interpreter
+  that has only the GPU image's packages, see ``vllm_layers_check.py --dry-run``); every pinned version is checked
+  against the release's own ``Requires-Dist`` (:func:`unmet_pins`) before anything is built;
 - ``manifest.json``: versions, sha256 of every wheel, file counts.
+
+What differs between releases is declared in :data:`RELEASES` (version, wheels, compiled libraries); the
+mechanism is shared. ``--vllm-version`` picks one (default :data:`DEFAULT_VERSION`); every artifact's name carries
+the version, and ``gpu_harness`` refuses to join or unpack pieces of two versions.
 
 Usage (here, on the CPU machine; the result is gitignored and never committed)::
 
     python scripts/gpu/vllm_bundle.py build                       # -> .bundle/vllm-0.33.0-cp312.zip (H200)
     python scripts/gpu/vllm_bundle.py build --python-version 3.11 # same bundle for this machine's dry run
     python scripts/gpu/vllm_bundle.py carry                       # -> .bundle/carry/run1, run2, ...
+    python scripts/gpu/vllm_bundle.py carry --vllm-version 0.34.0 --with-moe
 
 The GPU side (``gpu_harness.unpack_bundle``) unpacks the zip and installs the wheels with
 ``pip install --no-index --no-deps --target``. The zip holds no compiled vLLM extension; ``carry`` adds vLLM's
-real compiled op library (:data:`LIBRARY_MEMBER` of the same wheel, xz-compressed, 92.6 -> 63.7 MB) and cuts
-library and bundle into pieces that fill consecutive device calls beside the working tree
+real compiled op library (:attr:`ReleaseCarry.libraries` of the same wheel, xz-compressed; 0.33.0: 92.6 -> 63.7 MB)
+and cuts library and bundle into pieces that fill consecutive device calls beside the working tree
 (``gpu_harness.write_carry``): carry ``.bundle/carry/run1``, then ``run2``, ... in back-to-back calls, each
 command starting with ``python3 scripts/gpu/gpu_harness.py stage .bundle/carry/runN``.
 """
@@ -41,19 +47,21 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_harness  # noqa: E402  (carrying: pieces, checksums)
 
 sys.path.remove(str(pathlib.Path(__file__).resolve().parent))
-VLLM_VERSION = "0.33.0"
 DEFAULT_DEST = ROOT / ".bundle"
 
-# (requirement, why: the first import in vLLM's chain that needs it). Versions honour vLLM 0.33.0's
-# Requires-Dist; each one missing from the H200 image's package list (device KINDS.md, read 2026-11-17).
-# --no-deps: every package the chain imports is listed by hand (a dry run finds a missing one).
-WHEELS: tuple[tuple[str, str], ...] = (
+# (requirement, why: the first import in vLLM's chain that needs it). Each one missing from the H200 image's package
+# list (device KINDS.md, read 2026-11-17); each pinned version inside the release's own Requires-Dist for that
+# package (unmet_pins checks it before anything is built). --no-deps: every package the chain imports is listed
+# by hand (a dry run finds a missing one).
+CHAIN_WHEELS: tuple[tuple[str, str], ...] = (
     ("pydantic==2.14.4", "vllm.config.attention (pydantic dataclasses of every config)"),
     ("pydantic-core==2.50.5", "pydantic"),
     ("annotated-types==0.8.0", "pydantic"),
@@ -77,33 +85,154 @@ WHEELS: tuple[tuple[str, str], ...] = (
     ("loguru==0.7.3", "compressed-tensors"),
     ("wrapt==2.5.2", "kda_patches itself (the overlay's one dependency; the image's wrapt may be older than 2)"),
 )
+# vLLM's compiled libraries that can be carried (key -> member of the wheel): the op library every engine needs,
+# and the MoE op library (topk_softmax, moe_align_block_size, ...) only the MoE models need (Qwen3-Next)
+STABLE_LIBRARIES: Mapping[str, str] = {"core": "vllm/_C_stable_libtorch.abi3.so",
+                                       "moe": "vllm/_moe_C_stable_libtorch.abi3.so"}
+
+
+@dataclass(frozen=True)
+class ReleaseCarry:
+    """What carrying one vLLM release takes -- only what differs between releases; one mechanism uses it.
+
+    Attributes:
+        version: the registry's ``vllm`` version; every artifact's name carries it.
+        wheels: (requirement, why) of the third-party wheels its import chain needs and the H200 image lacks.
+        libraries: compiled libraries that can be carried, key (``core`` always, ``moe``) -> member of its wheel.
+        evidence: how this declaration was established (what was run or read).
+    """
+
+    version: str
+    wheels: tuple[tuple[str, str], ...]
+    libraries: Mapping[str, str]
+    evidence: str
+
+
+RELEASES: dict[str, ReleaseCarry] = {release.version: release for release in (
+    ReleaseCarry("0.33.0", CHAIN_WHEELS, STABLE_LIBRARIES,
+                 "run: the wheels found by the layer check's dry run; H200 engine runs 1-4 (both libraries loaded)"),
+    ReleaseCarry("0.34.0", CHAIN_WHEELS, STABLE_LIBRARIES,
+                 "read, not yet run on the H200 (2026-12-03): its wheel's Requires-Dist for every carried package is "
+                 "0.33.0's line; module-level imports followed from the engine's modules reach no third-party "
+                 "package 0.33.0's did not (xgrammar and partial-json-parser no longer reached that way; kept); both "
+                 "libraries in its wheel under the same names (88.7 and 32.4 MB), needing no torch symbol 0.33.0's "
+                 "did not"),
+)}
+DEFAULT_VERSION = "0.33.0"
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux1_x86_64",
              "manylinux_2_5_x86_64")
 MAX_BUNDLE_BYTES = 48 << 20  # the call carries 64 MiB in all, the working tree included
-# vLLM's compiled libraries that can be carried: the op library every engine needs, and the MoE op library
-# (topk_softmax, moe_align_block_size, ...) only the MoE models need (Qwen3-Next)
-LIBRARIES = {"core": "vllm/_C_stable_libtorch.abi3.so", "moe": "vllm/_moe_C_stable_libtorch.abi3.so"}
-LIBRARY_MEMBER = LIBRARIES["core"]
-
-
-def library_artifact(member: str) -> str:
-    """Return the carried artifact's name of a wheel member (``vllm-0.33.0-<file>.xz``; gpu_harness reads it back)."""
-    return f"vllm-{VLLM_VERSION}-{pathlib.PurePosixPath(member).name}.xz"
-
-
-LIBRARY_ARTIFACT = library_artifact(LIBRARY_MEMBER)
 CALL_MARGIN = 2 << 20  # slack for files written between planning and the call
 
 
-def bundle_name(python_version: str) -> str:
-    """Return the bundle's file name for a CPython version such as ``3.12``."""
-    return f"vllm-{VLLM_VERSION}-cp{python_version.replace('.', '')}.zip"
+def release_of(version: str) -> ReleaseCarry:
+    """Return the declaration of ``version``.
+
+    Raises:
+        KeyError: no declaration (names the declared versions).
+    """
+    if version not in RELEASES:
+        raise KeyError(f"vLLM {version} is not declared in vllm_bundle.RELEASES (declared: {', '.join(RELEASES)})")
+    return RELEASES[version]
+
+
+def library_artifact(member: str, version: str) -> str:
+    """Return the carried artifact's name of a wheel member: ``vllm-<version>-<file>.xz`` (gpu_harness reads both)."""
+    return f"vllm-{version}-{pathlib.PurePosixPath(member).name}.xz"
+
+
+def bundle_name(python_version: str, version: str) -> str:
+    """Return the bundle's file name for a vLLM version and a CPython version such as ``3.12``."""
+    return f"vllm-{version}-cp{python_version.replace('.', '')}.zip"
+
+
+def _canonical(name: str) -> str:
+    """Return a distribution name in its comparable form (PEP 503: ``Pydantic_Core`` -> ``pydantic-core``)."""
+    return "-".join(name.replace("_", "-").replace(".", "-").lower().split("-"))
+
+
+def _packaging():
+    """Return ``(Requirement, Version)`` from ``packaging`` (pip's own copy where the package is not installed)."""
+    try:
+        from packaging.requirements import Requirement
+        from packaging.version import Version
+    except ImportError:  # pragma: no cover - pip always carries one
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.version import Version
+    return Requirement, Version
+
+
+def unmet_pins(wheels: tuple[tuple[str, str], ...], requires_dist: list[str], python_version: str) -> list[str]:
+    """Return every carried wheel whose pinned version the release's own ``Requires-Dist`` does not allow.
+
+    Args:
+        wheels: ``(name==version, why)`` pairs of a declaration.
+        requires_dist: the ``Requires-Dist`` values of vLLM's wheel METADATA (markers evaluated for CPython
+            ``python_version`` on x86-64 Linux; extras' requirements are not the release's).
+        python_version: the CPython the bundle is for.
+    Returns:
+        One line per conflict (requirement, vLLM's specifier); empty when every pin is allowed. Packages vLLM
+        does not name (a dependency's dependency, the overlay's wrapt) are not checked.
+    """
+    requirement_class, version_class = _packaging()
+    environment = {"python_version": python_version, "python_full_version": f"{python_version}.0",
+                   "platform_machine": "x86_64", "platform_system": "Linux", "sys_platform": "linux",
+                   "os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython",
+                   "extra": ""}
+    wanted: dict[str, list] = {}
+    for line in requires_dist:
+        requirement = requirement_class(line)
+        if requirement.marker is None or requirement.marker.evaluate(environment):
+            wanted.setdefault(_canonical(requirement.name), []).append(requirement.specifier)
+    unmet = []
+    for pinned, _ in wheels:
+        name, _, version = pinned.partition("==")
+        for specifier in wanted.get(_canonical(name), []):
+            if not specifier.contains(version_class(version), prereleases=True):
+                unmet.append(f"{pinned}: vLLM requires {name}{specifier}")
+    return unmet
+
+
+def requires_dist(version: str, python_version: str, dest: pathlib.Path) -> list[str]:
+    """Return ``Requires-Dist`` of the registry's ``vllm==version`` wheel (pip's resolver report, cached in ``dest``).
+
+    Raises:
+        RuntimeError: pip failed.
+    """
+    cached = dest / f"vllm-{version}-requires-dist.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kda-requires-") as scratch:
+        report = pathlib.Path(scratch) / "report.json"
+        argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet",
+                "--disable-pip-version-check", "--only-binary=:all:", "--python-version", python_version,
+                "--implementation", "cp", *[flag for platform in PLATFORMS for flag in ("--platform", platform)],
+                "--target", str(pathlib.Path(scratch) / "target"), "--report", str(report), f"vllm=={version}"]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"pip could not read vllm=={version}'s metadata:\n{done.stderr[-3000:]}")
+        lines = json.loads(report.read_text())["install"][0]["metadata"].get("requires_dist", [])
+    cached.write_text(json.dumps(lines, indent=0))
+    return lines
+
+
+def check_pins(release: ReleaseCarry, python_version: str, dest: pathlib.Path) -> None:
+    """Refuse a declaration whose wheels the release itself would not accept.
+
+    Raises:
+        RuntimeError: names every unmet pin.
+    """
+    unmet = unmet_pins(release.wheels, requires_dist(release.version, python_version, dest), python_version)
+    if unmet:
+        raise RuntimeError(f"vllm_bundle.RELEASES[{release.version!r}] pins wheels vLLM {release.version} does not "
+                           "allow (fix the declaration):\n  " + "\n  ".join(unmet))
 
 
 def download_wheels(dest: pathlib.Path, python_version: str,
-                    requirements: tuple[tuple[str, str], ...] = WHEELS) -> list[pathlib.Path]:
-    """Download every requirement (default :data:`WHEELS`) for CPython ``python_version`` on manylinux x86-64.
+                    requirements: tuple[tuple[str, str], ...]) -> list[pathlib.Path]:
+    """Download every requirement for CPython ``python_version`` on manylinux x86-64.
 
     Raises:
         RuntimeError: pip failed (names the requirement and pip's stderr tail).
@@ -124,6 +253,7 @@ def download_wheels(dest: pathlib.Path, python_version: str,
 
 # The Ray executor (issue 29): Ray and what it imports that the GPU image lacks (the image has click, filelock,
 # msgpack, packaging, protobuf, pyyaml, requests, aiohttp and attrs). 79 MB for Ray's wheel alone: two more calls.
+# vLLM pins no Ray version (0.33.0 and 0.34.0 alike), so the set is shared and its name carries none.
 RAY_WHEELS: tuple[tuple[str, str], ...] = (
     ("ray==2.60.0", "vLLM's Ray executor (distributed_executor_backend=ray)"),
     ("jsonschema==4.26.0", "ray"),
@@ -133,10 +263,15 @@ RAY_WHEELS: tuple[tuple[str, str], ...] = (
 )
 
 
+def wheel_set_name(name: str, python_version: str) -> str:
+    """Return a carried wheel set's file name, ``<name>-wheels-cpXY.zip`` (``gpu_harness.is_wheel_set``)."""
+    return f"{name}-wheels-cp{python_version.replace('.', '')}.zip"
+
+
 def build_wheel_set(dest: pathlib.Path, name: str, requirements: tuple[tuple[str, str], ...],
                     python_version: str) -> pathlib.Path:
     """Download ``requirements`` and store them in ``dest/<name>-wheels-cpXY.zip`` (a carried wheel set)."""
-    target = dest / f"{name}-wheels-cp{python_version.replace('.', '')}.zip"
+    target = dest / wheel_set_name(name, python_version)
     if target.is_file():
         return target
     with tempfile.TemporaryDirectory(prefix="kda-wheels-") as scratch:
@@ -149,7 +284,8 @@ def build_wheel_set(dest: pathlib.Path, name: str, requirements: tuple[tuple[str
     return target
 
 
-def write_bundle(target: pathlib.Path, source: pathlib.Path, wheels: list[pathlib.Path], python_version: str) -> dict:
+def write_bundle(target: pathlib.Path, source: pathlib.Path, wheels: list[pathlib.Path], python_version: str,
+                 release: ReleaseCarry) -> dict:
     """Write the bundle zip (``site/``, ``wheels/``, ``manifest.json``) atomically and return its manifest.
 
     Args:
@@ -157,25 +293,32 @@ def write_bundle(target: pathlib.Path, source: pathlib.Path, wheels: list[pathli
         source: the release cache entry holding ``vllm/**.py`` of the wheel.
         wheels: the downloaded third-party wheels.
         python_version: the CPython version the wheels are for.
+        release: the declaration (its version goes into the manifest and the dist-info).
+    Raises:
+        RuntimeError: the release cache entry is of another version than the declaration.
     """
     marker = json.loads((source / ".kda-release.json").read_text())
+    if marker.get("version") != release.version:
+        raise RuntimeError(f"{source} holds vLLM {marker.get('version')}, the bundle is for {release.version}")
     files = sorted(p for p in (source / "vllm").rglob("*.py") if p.is_file())
-    metadata = (f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\nSummary: the .py files of the "
+    version = release.version
+    metadata = (f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\nSummary: the .py files of the "
                 f"registry's {marker['archive']} (sha256 {marker['sha256']}), bundled by kda_patches "
                 "scripts/gpu/vllm_bundle.py; no compiled extension\n")
     manifest = {
-        "vllm_version": VLLM_VERSION, "vllm_archive": marker["archive"], "vllm_archive_sha256": marker["sha256"],
+        "vllm_version": version, "vllm_archive": marker["archive"], "vllm_archive_sha256": marker["sha256"],
         "vllm_py_files": len(files), "python_version": python_version, "platforms": list(PLATFORMS),
+        "declaration_evidence": release.evidence,
         "wheels": [{"file": w.name, "sha256": gpu_harness.sha256_of(w), "bytes": w.stat().st_size,
-                    "requirement": req, "needed_by": why} for w, (req, why) in _pair_wheels(wheels)],
+                    "requirement": req, "needed_by": why} for w, (req, why) in _pair_wheels(wheels, release.wheels)],
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     partial = target.with_suffix(".partial")
     with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as archive:
         for path in files:
             archive.write(path, f"site/{path.relative_to(source).as_posix()}")
-        archive.writestr(f"site/vllm-{VLLM_VERSION}.dist-info/METADATA", metadata)
-        archive.writestr(f"site/vllm-{VLLM_VERSION}.dist-info/INSTALLER", "kda_patches-bundle\n")
+        archive.writestr(f"site/vllm-{version}.dist-info/METADATA", metadata)
+        archive.writestr(f"site/vllm-{version}.dist-info/INSTALLER", "kda_patches-bundle\n")
         for wheel in wheels:
             archive.write(wheel, f"wheels/{wheel.name}", compress_type=zipfile.ZIP_STORED)
         archive.writestr("manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
@@ -184,28 +327,32 @@ def write_bundle(target: pathlib.Path, source: pathlib.Path, wheels: list[pathli
     return manifest
 
 
-def _pair_wheels(wheels: list[pathlib.Path]) -> list[tuple[pathlib.Path, tuple[str, str]]]:
-    """Pair each wheel file with its :data:`WHEELS` entry by distribution name (``pydantic_core-...``)."""
-    by_name = {requirement.split("==")[0].replace("-", "_").lower(): (requirement, why) for requirement, why in WHEELS}
-    return [(wheel, by_name[wheel.name.split("-")[0].lower()]) for wheel in wheels]
+def _pair_wheels(wheels: list[pathlib.Path], requirements: tuple[tuple[str, str], ...]
+                 ) -> list[tuple[pathlib.Path, tuple[str, str]]]:
+    """Pair each wheel file with its requirement by distribution name (``pydantic_core-...``)."""
+    by_name = {_canonical(requirement.split("==")[0]): (requirement, why) for requirement, why in requirements}
+    return [(wheel, by_name[_canonical(wheel.name.split("-")[0])]) for wheel in wheels]
 
 
-def build(dest: pathlib.Path, python_version: str) -> dict:
-    """Build ``dest/<bundle_name>`` for ``python_version``; return its manifest (with ``path``).
+def build(dest: pathlib.Path, python_version: str, release: ReleaseCarry | None = None) -> dict:
+    """Build ``dest/<bundle_name>`` of ``release`` (default :data:`DEFAULT_VERSION`); return its manifest (+ ``path``).
 
     Raises:
-        RuntimeError: a download failed, or the bundle is over :data:`MAX_BUNDLE_BYTES`.
+        RuntimeError: a pin the release does not allow, a download failed, or the bundle is over
+            :data:`MAX_BUNDLE_BYTES`.
     """
+    release = release or release_of(DEFAULT_VERSION)
     sys.path.insert(0, str(ROOT))
     from kda_patches.releases.fetch import release_dir
 
-    source = release_dir("vllm", VLLM_VERSION)
+    check_pins(release, python_version, dest)
+    source = release_dir("vllm", release.version)
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kda-bundle-") as scratch:
-        wheels = download_wheels(pathlib.Path(scratch), python_version)
+        wheels = download_wheels(pathlib.Path(scratch), python_version, release.wheels)
         wheels.sort(key=lambda w: w.name.lower())
-        target = dest / bundle_name(python_version)
-        manifest = write_bundle(target, source, wheels, python_version)
+        target = dest / bundle_name(python_version, release.version)
+        manifest = write_bundle(target, source, wheels, python_version, release)
     if manifest["bundle_bytes"] > MAX_BUNDLE_BYTES:
         raise RuntimeError(f"{target} is {manifest['bundle_bytes'] / 2**20:.1f} MiB, over the "
                            f"{MAX_BUNDLE_BYTES >> 20} MiB this script allows (the call carries 64 MiB in all)")
@@ -213,29 +360,42 @@ def build(dest: pathlib.Path, python_version: str) -> dict:
     return manifest
 
 
-def compress_library(dest: pathlib.Path, member: str = LIBRARY_MEMBER) -> tuple[pathlib.Path, str]:
-    """Download the ``vllm`` wheel, xz-compress its ``member`` into ``dest``; return (file, sha256).
+def compress_libraries(dest: pathlib.Path, release: ReleaseCarry, keys: tuple[str, ...]) -> dict[str, str]:
+    """Download ``release``'s ``vllm`` wheel once, xz-compress the libraries ``keys`` into ``dest``.
 
-    The sha256 is of the library itself, checked on the GPU machine after decompression.
+    Writes ``<artifact>`` and ``<artifact>.sha256`` (the sha256 of the library itself, checked on the GPU machine
+    after decompression) for each one.
 
+    Returns:
+        artifact name -> sha256 of the library.
     Raises:
-        RuntimeError: pip failed.
+        RuntimeError: pip failed, or the wheel lacks a declared library.
     """
-    target = dest / library_artifact(member)
+    shas = {}
     with tempfile.TemporaryDirectory(prefix="kda-wheel-") as scratch:
-        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", scratch,
-                f"vllm=={VLLM_VERSION}"]
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--disable-pip-version-check",
+                "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+                *[flag for platform in PLATFORMS for flag in ("--platform", platform)], "-d", scratch,
+                f"vllm=={release.version}"]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"pip download vllm=={VLLM_VERSION} failed:\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"pip download vllm=={release.version} failed:\n{done.stderr[-3000:]}")
         wheel = next(pathlib.Path(scratch).glob("vllm-*.whl"))
         with zipfile.ZipFile(wheel) as archive:
-            library = archive.read(member)
-    sha = hashlib.sha256(library).hexdigest()
-    partial = target.with_suffix(".partial")
-    partial.write_bytes(lzma.compress(library, preset=6))
-    os.replace(partial, target)
-    return target, sha
+            for key in keys:
+                member = release.libraries[key]
+                try:
+                    library = archive.read(member)
+                except KeyError:
+                    raise RuntimeError(f"{wheel.name} has no {member} (vllm_bundle.RELEASES[{release.version!r}] "
+                                       f"declares it as {key!r})") from None
+                name = library_artifact(member, release.version)
+                partial = dest / (name + ".partial")
+                partial.write_bytes(lzma.compress(library, preset=6))
+                os.replace(partial, dest / name)
+                shas[name] = hashlib.sha256(library).hexdigest()
+                (dest / (name + ".sha256")).write_text(shas[name] + "\n")
+    return shas
 
 
 def tree_bytes() -> int:
@@ -245,67 +405,93 @@ def tree_bytes() -> int:
     return sum((ROOT / name.decode()).stat().st_size for name in listed if name and (ROOT / name.decode()).is_file())
 
 
+def carry_artifacts(release: ReleaseCarry, python_version: str, libraries: tuple[str, ...],
+                    ray: bool) -> list[str]:
+    """Return the artifact names a carry of ``release`` holds, in carrying order (libraries, bundle, wheel sets).
+
+    Raises:
+        KeyError: a library key the release does not declare (names the declared ones).
+    """
+    unknown = [key for key in libraries if key not in release.libraries]
+    if unknown:
+        raise KeyError(f"vLLM {release.version} declares no library {unknown} (declared: {sorted(release.libraries)})")
+    names = [library_artifact(release.libraries[key], release.version) for key in dict.fromkeys(("core", *libraries))]
+    names.append(bundle_name(python_version, release.version))
+    return names + ([wheel_set_name("ray", python_version)] if ray else [])
+
+
+def bundle_matches(bundle: pathlib.Path, release: ReleaseCarry) -> bool:
+    """Return whether an existing bundle holds exactly what ``release`` declares (version and wheel pins)."""
+    if not bundle.is_file():
+        return False
+    with zipfile.ZipFile(bundle) as archive:
+        manifest = json.loads(archive.read("manifest.json"))
+    return (manifest.get("vllm_version") == release.version
+            and sorted(w["requirement"] for w in manifest.get("wheels", [])) == sorted(r for r, _ in release.wheels))
+
+
 def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = ("core",),
-          ray: bool = False) -> dict:
+          ray: bool = False, release: ReleaseCarry | None = None) -> dict:
     """Build (or reuse) the bundle and the compressed libraries; write ``dest/carry/run<N>`` for consecutive calls.
 
     Args:
         dest: the bundle folder (gitignored).
         python_version: CPython of the bundle's wheels.
-        libraries: keys of :data:`LIBRARIES` to carry (``core`` always; ``moe`` for MoE models).
+        libraries: keys of the release's libraries to carry (``core`` always; ``moe`` for MoE models).
         ray: also carry :data:`RAY_WHEELS` as a wheel set (the Ray executor).
+        release: the declaration (default :data:`DEFAULT_VERSION`).
     Returns:
-        The carry manifest, with ``tree_bytes`` (the working tree each call also carries).
+        The carry manifest (with ``vllm_version``), with ``tree_bytes`` (the working tree each call also carries).
     """
-    bundle = dest / bundle_name(python_version)
-    if not bundle.is_file():
-        build(dest, python_version)
-    compressed, unpacked = {}, {}
-    for key in dict.fromkeys(("core", *libraries)):
-        name = library_artifact(LIBRARIES[key])
-        sha_file = dest / (name + ".sha256")
-        if not (dest / name).is_file() or not sha_file.is_file():
-            _, sha = compress_library(dest, LIBRARIES[key])
-            sha_file.write_text(sha + "\n")
-        compressed[name], unpacked[name] = dest / name, sha_file.read_text().strip()
-    extra = {}
+    release = release or release_of(DEFAULT_VERSION)
+    names = carry_artifacts(release, python_version, libraries, ray)
+    if not bundle_matches(dest / bundle_name(python_version, release.version), release):
+        build(dest, python_version, release)  # checks the pins first
+    missing = [key for key in dict.fromkeys(("core", *libraries))
+               if not all((dest / (library_artifact(release.libraries[key], release.version) + suffix)).is_file()
+                          for suffix in ("", ".sha256"))]
+    if missing:
+        compress_libraries(dest, release, tuple(missing))
+    unpacked = {name: (dest / (name + ".sha256")).read_text().strip() for name in names if name.endswith(".so.xz")}
     if ray:
-        wheel_set = build_wheel_set(dest, "ray", RAY_WHEELS, python_version)
-        extra[wheel_set.name] = wheel_set
+        build_wheel_set(dest, "ray", RAY_WHEELS, python_version)
     tree = tree_bytes()
-    manifest = gpu_harness.write_carry({**compressed, bundle.name: bundle, **extra}, dest / "carry",
-                                       gpu_harness.CALL_BYTES - tree - CALL_MARGIN, unpacked)
+    manifest = gpu_harness.write_carry({name: dest / name for name in names}, dest / "carry",
+                                       gpu_harness.CALL_BYTES - tree - CALL_MARGIN, unpacked,
+                                       vllm_version=release.version)
     manifest["tree_bytes"] = tree
     return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``build|carry [--python-version X.Y] [--dest DIR]``."""
+    """Command line: ``build|carry [--vllm-version V] [--python-version X.Y] [--dest DIR]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build_parser = commands.add_parser("build", help="download and zip the bundle (CPU machine, needs the registry)")
-    build_parser.add_argument("--python-version", default="3.12", help="CPython of the wheels (H200: 3.12)")
-    build_parser.add_argument("--dest", type=pathlib.Path, default=DEFAULT_DEST, help="folder (gitignored)")
     carry_parser = commands.add_parser("carry", help="bundle + compiled library in pieces for consecutive calls")
-    carry_parser.add_argument("--python-version", default="3.12", help="CPython of the wheels (H200: 3.12)")
-    carry_parser.add_argument("--dest", type=pathlib.Path, default=DEFAULT_DEST, help="folder (gitignored)")
+    for sub in (build_parser, carry_parser):
+        sub.add_argument("--vllm-version", default=DEFAULT_VERSION, choices=sorted(RELEASES),
+                         help=f"the declared release to carry (default {DEFAULT_VERSION})")
+        sub.add_argument("--python-version", default="3.12", help="CPython of the wheels (H200: 3.12)")
+        sub.add_argument("--dest", type=pathlib.Path, default=DEFAULT_DEST, help="folder (gitignored)")
     carry_parser.add_argument("--with-moe", action="store_true",
                               help="also carry vLLM's MoE op library (Qwen3-Next; one more call)")
     carry_parser.add_argument("--with-ray", action="store_true",
                               help="also carry Ray and its missing dependencies (the Ray executor; two more calls)")
     args = parser.parse_args(argv)
+    release = release_of(args.vllm_version)
     if args.command == "carry":
         manifest = carry(args.dest, args.python_version, ("core", "moe") if args.with_moe else ("core",),
-                         args.with_ray)
+                         args.with_ray, release)
         for run in range(1, manifest["runs"] + 1):
             pieces = [p for a in manifest["artifacts"].values() for p in a["pieces"] if p["run"] == run]
             folder = os.path.relpath(args.dest / "carry" / f"run{run}", ROOT)
             print(f"run{run}: {len(pieces)} pieces, {sum(p['bytes'] for p in pieces) / 2**20:.1f} MiB + tree "
-                  f"{manifest['tree_bytes'] / 2**20:.1f} MiB -> carry {folder}")
+                  f"{manifest['tree_bytes'] / 2**20:.1f} MiB -> carry {folder} (vLLM {release.version})")
         return 0
-    manifest = build(args.dest, args.python_version)
+    manifest = build(args.dest, args.python_version, release)
     wheel_bytes = sum(w["bytes"] for w in manifest["wheels"])
-    print(f"{manifest['path']}: {manifest['bundle_bytes'] / 2**20:.1f} MiB; vllm {VLLM_VERSION} .py files "
+    print(f"{manifest['path']}: {manifest['bundle_bytes'] / 2**20:.1f} MiB; vllm {release.version} .py files "
           f"{manifest['vllm_py_files']}; {len(manifest['wheels'])} wheels {wheel_bytes / 2**20:.1f} MiB")
     return 0
 

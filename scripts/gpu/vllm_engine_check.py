@@ -1,4 +1,4 @@
-"""vLLM 0.33's whole engine on the H200 (issue 26): an A/B that can fail, per model, runner and engine mode.
+"""vLLM's whole engine on the H200 (issue 26): an A/B that can fail, per model, runner and engine mode.
 
 Each *case* (:data:`CASES`) is one ``kda-patches regress --workload vllm`` -- fresh processes, the baseline twice
 (``KDA_PATCHES=0``; a baseline that differs from itself is ``BASELINE UNSTABLE``), then ``KDA_PATCHES=1`` +
@@ -25,6 +25,8 @@ Usage (GPU machine, after ``gpu_harness.py stage`` joined the carried pieces):
 ``... --throughput short long [--rounds 5]`` (``kda-patches bench serve-ab``, alone on the GPU);
 ``--dry-run`` (any machine) writes the model configs, the prompts and the plan and starts nothing.
 Writes ``DIR/vllm_engine.json``; prints one ``ENGINE`` line per case and one ``THROUGHPUT`` line per shape.
+The release that runs is the one staged (``vllm_bundle.py carry --vllm-version V``): the report's ``vllm`` is the
+unpacked bundle's own ``vllm_version`` (:func:`report_version`), never assumed.
 """
 
 from __future__ import annotations
@@ -764,6 +766,24 @@ def throughput_line(result: dict[str, Any]) -> str:
             + ("; ".join(parts) or "none") + (f"; problems {result['problems']}" if result["problems"] else ""))
 
 
+def report_version(prepared: dict[str, Any] | None, stage: pathlib.Path | None = None) -> str | None:
+    """Return the vLLM version a report names: the unpacked bundle's own ``vllm_version``.
+
+    Args:
+        prepared: ``gpu_harness.prepare_site``'s result, or None before anything is unpacked (a dry run): then the
+            version of the carry staged in ``stage`` (default ``gpu_harness.STAGE_DIR``), None when none is.
+    Raises:
+        RuntimeError: the unpacked bundle names no version (a bundle older than the manifest's field).
+    """
+    if prepared is None:
+        return gpu_harness.staged_version(stage or gpu_harness.STAGE_DIR)
+    version = prepared.get("vllm_version") or prepared["bundle"].get("vllm_version")
+    if not version:
+        raise RuntimeError(f"the bundle {prepared.get('bundle_file')} names no vllm_version: rebuild it with "
+                           "vllm_bundle.py carry")
+    return version
+
+
 def run_parent(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -773,9 +793,9 @@ def run_parent(args: argparse.Namespace) -> int:
     for preempt, path in prompts.items():
         write_prompts(path, preempt=preempt)
     site = gpu_harness.SITE_DIR
-    report: dict[str, Any] = {"vllm": "0.33.0", "models": {name: asdict(spec) for name, spec in MODELS.items()},
-                              "not_run": {}, "mutants": MUTANTS, "weight_seed": WEIGHT_SEED,
-                              "cases": [asdict(c) for c in cases], "runs": []}
+    models = {name: asdict(spec) for name, spec in MODELS.items()}
+    report: dict[str, Any] = {"vllm": report_version(None), "models": models, "not_run": {}, "mutants": MUTANTS,
+                              "weight_seed": WEIGHT_SEED, "cases": [asdict(c) for c in cases], "runs": []}
     if args.dry_run:
         report["stood_in"] = gpu_harness.stood_in_record(library=False)
         report["plan"] = {c.name: regress_argv(c, engine_params(c, model_dirs[c.model], prompts[bool(c.kv_blocks)]),
@@ -786,8 +806,8 @@ def run_parent(args: argparse.Namespace) -> int:
         print(f"DRYRUN {len(cases)} cases, models {sorted(model_dirs)}; no engine started")
         return 0
     staged = gpu_harness.stage_pieces(pathlib.Path(args.carried), gpu_harness.STAGE_DIR) if args.carried else None
-    prepared = gpu_harness.prepare_site(None, site)
-    report["bundle"] = prepared["bundle"]
+    prepared = gpu_harness.prepare_site(None, site, gpu_harness.STAGE_DIR)
+    report["vllm"], report["bundle"] = report_version(prepared), prepared["bundle"]
     library = gpu_harness.library_present(site)
     report["compiled_library"] = "vLLM's real _C_stable_libtorch" if library else "ABSENT: op stand-ins declared"
     report["stood_in"] = gpu_harness.stood_in_record(library)
@@ -816,8 +836,9 @@ def run_parent(args: argparse.Namespace) -> int:
     cases, report["not_run"] = runnable(cases, site, torch.cuda.device_count())
     for name, why in report["not_run"].items():
         print(f"ENGINE {name}: NOT RUN ({why})", flush=True)
-    print(f"compiled library: {report['compiled_library']}; {len(cases)} cases, {args.parallel} at a time",
-          flush=True)
+    print(f"vLLM {report['vllm']}; compiled library: {report['compiled_library']}; {len(cases)} cases, "
+          f"{args.parallel} at a time", flush=True)
+    (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))  # also when none can run
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         futures = [pool.submit(run_case, case, out, model_dirs, prompts, hook, site, args.case_timeout_s)
                    for case in cases]
