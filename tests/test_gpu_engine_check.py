@@ -42,7 +42,8 @@ def test_the_dry_run_writes_models_prompts_and_the_plan_and_starts_nothing(tmp_p
     for case in module.CASES:
         argv = report["plan"][case.name]
         assert argv[argv.index("--baseline-runs") + 1] == ("1" if case.mutant else "2")
-        assert f"{module.MODELS[case.model].patch}:calls_routed" in argv
+        # a case that stands aside expects no routed call; every other case makes regress require one
+        assert (f"{module.MODELS[case.model].patch}:calls_routed" in argv) is not case.stands_aside
     assert report["runs"] == [] and "vllm.vllm_flash_attn" in report["stood_in"]
     assert set(report["throughput_plan"]) == set(module.THROUGHPUT_SHAPES)
 
@@ -418,3 +419,84 @@ def test_a_dry_run_with_nothing_staged_names_no_release(tmp_path, monkeypatch):
     monkeypatch.setattr(module.gpu_harness, "STAGE_DIR", tmp_path / "empty-stage")
     assert module.main(["--out", str(tmp_path / "out"), "--dry-run", "--cases", "qwen3_5-v2-prefix-eager"]) == 0
     assert json.loads((tmp_path / "out" / "vllm_engine.json").read_text())["vllm"] is None
+
+
+
+# ---------------------------------------------------------------- vLLM 0.34 cases (issue 27): each rule alone decides
+
+def stood_aside_report(module, state="not-applicable", reason="... so the overlay stands aside (...)", seen=0):
+    target = {module.QWEN_GDN_SEAM: {"state": state, "reason": reason}}
+    ledgers = [{"role": "EngineCore", "patches": {}},
+               {"role": "VllmWorker-0", "patches": {"gdn_state_copy": {"state": "applied", "targets": target}}}]
+    return {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {"calls_seen": seen}},
+            "runs": {"patched": {"ledgers": ledgers}}}
+
+
+def test_a_case_that_stands_aside_passes_only_when_the_seam_is_visibly_left_alone():
+    module = load_script()
+    aside = case(module, model="qwen3_next", release="0.34.0", stands_aside=True, extensible=True)
+    passed, why = module.judge_case(aside, stood_aside_report(module), passing_outputs(module))
+    assert passed and "stands aside" in why
+    assert not module.judge_case(aside, stood_aside_report(module, seen=4), passing_outputs(module))[0]
+    assert not module.judge_case(aside, stood_aside_report(module, state="applied"), passing_outputs(module))[0]
+    unexplained = stood_aside_report(module, reason="waiting for import of the module")
+    assert not module.judge_case(aside, unexplained, passing_outputs(module))[0]
+    assert not module.judge_case(aside, dict(stood_aside_report(module), verdict="different"),
+                                 passing_outputs(module))[0]
+    assert not module.judge_case(case(module, model="qwen3_next"), stood_aside_report(module),
+                                 passing_outputs(module))[0]  # the same run fails a case that must route
+
+
+def test_the_extensible_cache_must_rebind_the_routed_plans_and_a_disabled_one_never():
+    module = load_script()
+    rebound = {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {"calls_routed": 6, "calls_seen": 6,
+                                                                                "rebinds": 2}}}
+    extensible = case(module, model="qwen3_next", release="0.34.0", gdn_ops="overlay", extensible=True)
+    assert module.judge_case(extensible, rebound, passing_outputs(module))[0]
+    passed, why = module.judge_case(extensible, PASSING_REPORT, passing_outputs(module))
+    assert not passed and "republished no plan" in why
+    fixed = case(module, model="qwen3_next", release="0.34.0", gdn_ops="overlay", extensible=False)
+    assert module.judge_case(fixed, PASSING_REPORT, passing_outputs(module))[0]
+    assert not module.judge_case(fixed, rebound, passing_outputs(module))[0]
+    assert module.judge_case(case(module), rebound, passing_outputs(module))[0]  # 0.33: nothing to expect
+
+
+def test_034_cases_set_the_seam_choice_the_cache_and_the_jit_monitor(tmp_path):
+    module = load_script()
+    by_name = {c.name: c for c in module.CASES}
+    overlay = by_name["qwen3_next-v2-prefix-compiled-034-overlay-jit-error"]
+    params = module.engine_params(overlay, tmp_path, tmp_path / "p.jsonl")
+    assert params["jit_monitor_mode"] == "error" and "kv_cache_memory_bytes" not in params  # else 0.34 turns it off
+    assert module.case_env(overlay, tmp_path, tmp_path)["KDA_PATCHES_GDN_OPS"] == "overlay"
+    fixed = module.engine_params(by_name["qwen3_next-v2-prefix-eager-034-overlay-not-extensible"], tmp_path,
+                                 tmp_path / "p.jsonl")
+    assert fixed["enable_extensible_kv_cache"] is False and fixed["kv_cache_memory_bytes"] == 2 << 30
+    default = by_name["qwen3_next-v2-prefix-eager-034"]
+    assert "KDA_PATCHES_GDN_OPS" not in module.case_env(default, tmp_path, tmp_path)
+    assert "jit_monitor_mode" not in module.engine_params(default, tmp_path, tmp_path / "p.jsonl")
+    assert "enable_extensible_kv_cache" not in module.engine_params(by_name["qwen3_5-v2-prefix-eager"], tmp_path,
+                                                                    tmp_path / "p.jsonl")
+
+
+def test_a_case_runs_only_on_the_release_it_was_written_for(tmp_path):
+    module = load_script()
+    cases = module.validate_cases(["qwen3_5-v2-prefix-eager", "kimi_k3-v2-prefix-eager-034"])
+    ready, not_run = module.runnable(cases, tmp_path, gpus=1, version="0.34.0")
+    assert [c.name for c in ready] == ["kimi_k3-v2-prefix-eager-034"]
+    assert "needs vLLM 0.33.0's bundle" in not_run["qwen3_5-v2-prefix-eager"]
+    ready, not_run = module.runnable(cases, tmp_path, gpus=1, version="0.33.0")
+    assert [c.name for c in ready] == ["qwen3_5-v2-prefix-eager"] and "kimi_k3-v2-prefix-eager-034" in not_run
+
+
+def test_034_has_only_the_v2_runner_and_a_stand_aside_needs_a_declared_seam():
+    module = load_script()
+    v1 = module.Case("x", "qwen3_next", "v1", True, True, release="0.34.0")
+    aside = module.Case("y", "kimi_k3", "v2", True, True, release="0.34.0", stands_aside=True)
+    for bad, message in ((v1, "runs on \\('v2',\\) under vLLM 0.34.0"), (aside, "declares no seam")):
+        original = module.CASES
+        module.CASES = (*original, bad)
+        try:
+            with pytest.raises(ValueError, match=message):
+                module.validate_cases([bad.name])
+        finally:
+            module.CASES = original

@@ -107,7 +107,9 @@ class ModelSpec:
 
     ``libraries``: vLLM compiled libraries (files in ``vllm/``) beyond the op library that its layers call; a case
     of the model runs only where they were carried (``vllm_bundle.py carry --with-moe``), else it is reported as
-    not run with that reason.
+    not run with that reason. ``seam``: the ledger key of the target the patch routes (``module:qualname``), where
+    a case may expect the overlay to stand aside on it (vLLM >= 0.34's own GDN ops). ``runners``: on vLLM 0.33
+    (0.34 has only the V2 runner, :data:`RELEASE_RUNNERS`).
     """
 
     config: dict[str, Any]
@@ -115,21 +117,29 @@ class ModelSpec:
     runners: tuple[str, ...]
     note: str
     libraries: tuple[str, ...] = ()
+    seam: str | None = None
 
 
+_GDN_SEAMS = "vllm.model_executor.layers.mamba.gdn"
+QWEN_GDN_SEAM = f"{_GDN_SEAMS}.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention._forward_core"
+KIMI_GDN_SEAM = f"{_GDN_SEAMS}.kimi_gdn_linear_attn:KimiGatedDeltaNetAttention._forward"
 MODELS = {
     "qwen3_5": ModelSpec(_QWEN3_5, "gdn_state_copy", ("v1", "v2"),
-                         "dense Qwen3.5 GDN hybrid, GDN heads of Qwen3.6-27B at TP4 (12 value x 128 x 128)"),
+                         "dense Qwen3.5 GDN hybrid, GDN heads of Qwen3.6-27B at TP4 (12 value x 128 x 128)",
+                         seam=QWEN_GDN_SEAM),
     "kimi_k3": ModelSpec(_kimi(True), "kimi_prefill", ("v1",),
                          "KimiLinearForCausalLM with the full-rank gate: vLLM builds KimiK3DeltaAttention; V1 runner "
                          "(its metadata builder computes aligned state indices itself)"),
     "kimi_linear": ModelSpec(_kimi(False, heads=16), "gdn_state_copy", ("v1", "v2"),
                              "KimiLinearForCausalLM without the full-rank gate: KimiLinearGatedDeltaNetAttention, "
-                             "16 heads (its unpadded projection row is aligned only at a multiple of 8 heads)"),
+                             "16 heads (its unpadded projection row is aligned only at a multiple of 8 heads)",
+                             seam=KIMI_GDN_SEAM),
     "qwen3_next": ModelSpec(_QWEN3_NEXT, "gdn_state_copy", ("v1", "v2"),
                             "Qwen3-Next MoE GDN hybrid (8 experts, top 2); its MoE layers call vLLM's MoE library",
-                            libraries=(MOE_LIBRARY,)),
+                            libraries=(MOE_LIBRARY,), seam=QWEN_GDN_SEAM),
 }
+DEFAULT_RELEASE = "0.33.0"
+RELEASE_RUNNERS = {"0.34.0": ("v2",)}  # 0.34's Worker always builds the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1)
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,11 @@ class Case:
     kv_blocks: int | None = None
     tp: int = 1  # tensor_parallel_size: that many GPUs, one worker process each
     executor: str = "mp"  # distributed_executor_backend where tp > 1: mp or ray
+    release: str = DEFAULT_RELEASE  # the vLLM release whose bundle must be staged (vllm_bundle.py --vllm-version)
+    gdn_ops: str | None = None  # KDA_PATCHES_GDN_OPS (vLLM >= 0.34: ``overlay`` routes Qwen / Kimi Linear GDN)
+    stands_aside: bool = False  # the overlay must leave the model's seam to vLLM's own ops (0.34's default)
+    extensible: bool | None = None  # vLLM >= 0.34: the extensible KV cache on (its default) or off; None: 0.33
+    jit_monitor_error: bool = False  # vLLM >= 0.34: --jit-monitor-mode=error (a JIT compile while serving fails)
 
     @property
     def expected(self) -> str:
@@ -169,6 +184,21 @@ CASES = (
     Case("qwen3_5-v2-prefix-eager-tp2-NEGATIVE", "qwen3_5", "v2", True, True, mutant="scatter-halved", tp=2),
     Case("qwen3_5-v1-noprefix-compiled-tp2", "qwen3_5", "v1", False, False, tp=2),
     Case("qwen3_5-v2-prefix-eager-tp2-ray", "qwen3_5", "v2", True, True, tp=2, executor="ray"),
+    # issue 27 (vLLM 0.34, its bundle staged): Qwen3-Next for the Qwen GDN seam (0.34 builds Qwen3.5 on CUDA with
+    # FlashInfer's norm, which is not carried); the default stands aside for upstream's warmed gather/scatter
+    *(Case(f"qwen3_next-v2-prefix-{mode}-034{suffix}", "qwen3_next", "v2", True, mode == "eager", release="0.34.0",
+           extensible=extensible, gdn_ops=gdn_ops, stands_aside=gdn_ops is None, mutant=mutant,
+           jit_monitor_error=mode == "compiled")
+      for mode, suffix, extensible, gdn_ops, mutant in (
+          ("eager", "", True, None, None),
+          ("eager", "-overlay", True, "overlay", None),
+          ("eager", "-overlay-NEGATIVE", True, "overlay", "scatter-halved"),
+          ("eager", "-overlay-not-extensible", False, "overlay", None),
+          ("compiled", "-jit-error", True, None, None),
+          ("compiled", "-overlay-jit-error", True, "overlay", None))),
+    Case("kimi_k3-v2-prefix-eager-034", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True),
+    Case("kimi_k3-v2-prefix-eager-034-NEGATIVE", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True,
+         mutant="scatter-halved"),
 )
 RAY_WORKER_MARK = "default_worker.py"  # Ray's worker processes run this script (their rank is not in the name)
 # Multicast over NVLink stays off in every process vLLM starts on the multi-GPU machines (the device tool's KINDS.md:
@@ -435,6 +465,12 @@ def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) ->
         params.update(num_gpu_blocks_override=case.kv_blocks, max_model_len=PREEMPT_MAX_MODEL_LEN)
     if case.tp > 1:
         params.update(tensor_parallel_size=case.tp, distributed_executor_backend=case.executor)
+    if case.extensible:  # vLLM 0.34 turns the extensible cache off when a fixed KV budget is given: profile instead
+        del params["kv_cache_memory_bytes"]
+    elif case.extensible is False:
+        params["enable_extensible_kv_cache"] = False
+    if case.jit_monitor_error:
+        params["jit_monitor_mode"] = "error"
     return params
 
 
@@ -453,28 +489,36 @@ def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, st
                 "VLLM_KIMI_K3_GEMM_AR": "0", "VLLM_ENABLE_GEMM_RS": "0", **NO_MULTICAST})
     if case.mutant:
         env[MUTANT_ENV] = case.mutant
+    if case.gdn_ops:
+        env["KDA_PATCHES_GDN_OPS"] = case.gdn_ops
     return env
 
 
 def regress_argv(case: Case, params: dict[str, Any], work: pathlib.Path) -> list[str]:
     """The ``kda-patches regress`` command line of a case (baseline twice; a negative control once)."""
     argv = [sys.executable, "-m", "kda_patches", "regress", "--workload", "vllm", "--json", "--work-dir", str(work),
-            "--baseline-runs", "1" if case.mutant else "2", "--timeout", "400",
-            "--expect", f"{MODELS[case.model].patch}:calls_routed"]
+            "--baseline-runs", "1" if case.mutant else "2", "--timeout", "400"]
+    if not case.stands_aside:
+        argv += ["--expect", f"{MODELS[case.model].patch}:calls_routed"]
     for key, value in params.items():
         argv += ["--param", f"{key}={json.dumps(value)}"]
     return argv
 
 
-def runnable(cases: list[Case], site: pathlib.Path, gpus: int) -> tuple[list[Case], dict[str, str]]:
+def runnable(cases: list[Case], site: pathlib.Path, gpus: int, version: str | None = DEFAULT_RELEASE
+             ) -> tuple[list[Case], dict[str, str]]:
     """Split cases into those this machine can run and the others, each with its reason.
 
-    A case runs where its model's libraries are in ``site`` and the machine has its ``tp`` GPUs.
+    A case runs where its release's bundle is the one unpacked (``version``), its model's libraries are in
+    ``site`` and the machine has its ``tp`` GPUs.
     """
     ready, not_run = [], {}
     for case in cases:
         missing = [file for file in MODELS[case.model].libraries if not gpu_harness.library_present(site, file)]
-        if case.tp > gpus:
+        if case.release != version:
+            not_run[case.name] = (f"needs vLLM {case.release}'s bundle (vllm_bundle.py carry --vllm-version "
+                                  f"{case.release}); vLLM {version} is unpacked")
+        elif case.tp > gpus:
             not_run[case.name] = (f"needs {case.tp} GPUs, this machine has {gpus} (the nvidia-h200-x{case.tp} kind, "
                                   "issue 29)")
         elif case.executor == "ray" and not (site / "ray" / "__init__.py").is_file():
@@ -499,9 +543,12 @@ def validate_cases(names: list[str] | None) -> list[Case]:
         raise ValueError(f"unknown case(s) {unknown}; known: {sorted(by_name)}")
     chosen = [by_name[name] for name in names] if names else list(CASES)
     for case in chosen:
-        if case.runner not in MODELS[case.model].runners:
-            raise ValueError(f"case {case.name}: model {case.model} runs on {MODELS[case.model].runners}, not "
+        runners = RELEASE_RUNNERS.get(case.release, MODELS[case.model].runners)
+        if case.runner not in runners:
+            raise ValueError(f"case {case.name}: model {case.model} runs on {runners} under vLLM {case.release}, not "
                              f"{case.runner} ({MODELS[case.model].note})")
+        if case.stands_aside and not MODELS[case.model].seam:
+            raise ValueError(f"case {case.name}: stands aside, but model {case.model} declares no seam to check")
         if case.mutant and case.mutant not in MUTANTS:
             raise ValueError(f"case {case.name}: unknown mutant {case.mutant!r}; known {sorted(MUTANTS)}")
     return chosen
@@ -516,24 +563,48 @@ def routed_and_seen(counters: dict[str, Any], patch: str) -> tuple[int, int]:
     return int(own.get("calls_routed", 0)), int(own.get("calls_seen", 0))
 
 
+def seam_stood_aside(ledgers: list[dict[str, Any]], patch: str, seam: str) -> tuple[bool, str]:
+    """Return whether the patched processes left ``seam`` alone, visibly: no process applied it, and at least one
+    recorded it ``not-applicable`` with the stand-aside reason (the process that imported the layer's module)."""
+    records = [target for ledger in ledgers
+               if (target := (((ledger.get("patches") or {}).get(patch) or {}).get("targets") or {}).get(seam))]
+    if any(record.get("state") == "applied" for record in records):
+        return False, f"{patch} applied {seam} in a patched process though it should stand aside"
+    if not any(record.get("state") == "not-applicable" and "stands aside" in record.get("reason", "")
+               for record in records):
+        return False, f"no patched process recorded {seam} as standing aside: {records or 'no record'}"
+    return True, ""
+
+
 def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> tuple[bool, str]:
     """Return (passed, why) for one case's regress report and the facts of its kept outputs.
 
     A case passes when its verdict is the expected one (``equal``; ``different`` for a negative control); the
     patched run routed every seam call it saw, at least one (``calls_routed == calls_seen > 0`` for the model's
-    patch; a negative control must have routed calls too: a mutant that never ran proves nothing); with prefix
-    caching on, the continuation of round two was served from the cache (``cached_prompt_tokens > 0``); and a case
-    with a small cache (``kv_blocks``) preempted at least once. A scenario the case claims but did not produce is a
-    failure, never a pass.
+    patch; a negative control must have routed calls too: a mutant that never ran proves nothing) -- or, for a case
+    that stands aside, saw none and recorded the seam as standing aside (:func:`seam_stood_aside`); with prefix
+    caching on, the continuation of round two was served from the cache (``cached_prompt_tokens > 0``); a case
+    with a small cache (``kv_blocks``) preempted at least once; with vLLM 0.34's extensible cache on, the routed
+    patch republished its plans after the rebind (``rebinds > 0``), and with it off, never. A scenario the case
+    claims but did not produce is a failure, never a pass.
     """
     verdict = report.get("verdict", "error")
     patch = MODELS[case.model].patch
-    routed, seen = routed_and_seen(report.get("patched_counter_totals") or {}, patch)
+    counters = report.get("patched_counter_totals") or {}
+    routed, seen = routed_and_seen(counters, patch)
     if verdict != case.expected:
         return False, f"verdict {verdict}, expected {case.expected}"
-    if seen == 0 or routed == 0:
+    if case.stands_aside:
+        seam = MODELS[case.model].seam or ""
+        if seen or routed:
+            return False, f"{patch} saw {seen} calls (routed {routed}) though it should stand aside on {seam}"
+        ledgers = (report.get("runs", {}).get("patched") or {}).get("ledgers", [])
+        aside, why = seam_stood_aside(ledgers, patch, seam)
+        if not aside:
+            return False, why
+    elif seen == 0 or routed == 0:
         return False, f"{patch} routed {routed} of {seen} seen: the state copy never ran"
-    if not case.mutant and routed != seen:
+    elif not case.mutant and routed != seen:
         return False, f"{patch} routed {routed} of {seen} seen (a bypassed call)"
     patched = outputs.get("patched", {})
     hit = patched.get("cached_prompt_tokens", {}).get(CONTINUATION)
@@ -542,7 +613,14 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
     preemptions = (patched.get("engine_stats") or {}).get("preemptions")
     if case.kv_blocks and not preemptions:
         return False, f"{case.kv_blocks} KV blocks, but the engine reported {preemptions} preemptions"
-    return True, f"{verdict}; {patch} routed {routed} == seen {seen}"
+    rebinds = int((counters.get(patch) or {}).get("rebinds", 0))
+    if case.extensible and not case.stands_aside and rebinds == 0:
+        return False, f"the extensible KV cache was on, but {patch} republished no plan after the rebind"
+    if case.extensible is False and rebinds:
+        return False, f"the extensible KV cache was off, but {patch} rebound {rebinds} layer(s)"
+    if case.stands_aside:
+        return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen)"
+    return True, f"{verdict}; {patch} routed {routed} == seen {seen}" + (f"; rebinds {rebinds}" if rebinds else "")
 
 
 def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
@@ -833,7 +911,7 @@ def run_parent(args: argparse.Namespace) -> int:
             return 0 if all(result["exit_code"] in (0, 3, None) for result in report["throughput"]) else 1
     import torch
 
-    cases, report["not_run"] = runnable(cases, site, torch.cuda.device_count())
+    cases, report["not_run"] = runnable(cases, site, torch.cuda.device_count(), report["vllm"])
     for name, why in report["not_run"].items():
         print(f"ENGINE {name}: NOT RUN ({why})", flush=True)
     print(f"vLLM {report['vllm']}; compiled library: {report['compiled_library']}; {len(cases)} cases, "
