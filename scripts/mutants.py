@@ -340,6 +340,24 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/routing/test_routing_rewrite.py::"
             "test_a_kernel_scatter_of_an_unprepared_dtype_runs_the_forks_kernel_and_is_bypassed",), "G (gdn_plan)",
            "a scatter_ssm_states_ of a final dtype the plan did not prepare is sent to the plan"),
+    # -- issue 26: serve-ab measures the shape it was asked for, and continues across device calls ---------------
+    Mutant("serve-ab-token-totals-unchecked", "kda_patches/bench/serve_ab.py",
+           "        record[\"error\"] = check_token_totals(bench, log_text)",
+           "        record[\"error\"] = None",
+           ("tests/regress/test_token_totals.py::test_a_run_with_the_wrong_shape_is_a_failed_run",), "H (bench)",
+           "a throughput run that ignored --input-len (vLLM 0.33, H200 run 4) is reported as a measurement"),
+    Mutant("serve-ab-resume-redraws-orders", "kda_patches/bench/serve_ab.py",
+           "        order_rng.shuffle([\"baseline\", \"patched\"])",
+           "        pass",
+           ("tests/regress/test_serve_ab_resume.py::"
+            "test_a_cut_ab_resumes_where_it_stopped_with_the_orders_of_an_uninterrupted_run",), "H (bench)",
+           "a resumed A/B draws its orders afresh: its rounds are not the ones the seed fixed"),
+    Mutant("engine-stand-aside-unexplained", "scripts/gpu/vllm_engine_check.py",
+           "record.get(\"state\") == \"not-applicable\" and \"stands aside\" in record.get(\"reason\", \"\")",
+           "record.get(\"state\") == \"not-applicable\"",
+           ("tests/test_gpu_engine_check.py::"
+            "test_a_case_that_stands_aside_passes_only_when_the_seam_is_visibly_left_alone",), "H (bench)",
+           "a 0.34 case passes as standing aside when the seam was merely never imported"),
 )
 
 
