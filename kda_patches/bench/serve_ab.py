@@ -188,6 +188,26 @@ def check_overlay(record: dict[str, Any]) -> str | None:
     return None
 
 
+def has_failed_run(raw: list[dict[str, Any]], warmup_runs: dict[str, Any]) -> bool:
+    """Return whether any run of the rounds ``raw`` or of the warm-up failed."""
+    runs = [*warmup_runs.values(), *(run for record in raw for run in record["runs"].values())]
+    return any(run["error"] for run in runs)
+
+
+def run_warmup(bench: list[str], out_dir: str, timeout_s: float, entry: str,
+               problems: list[str]) -> dict[str, Any]:
+    """Run each side once, unmeasured (``warmup-LABEL``); return the runs by label, a failure added to ``problems``."""
+    runs = {}
+    for label in ("baseline", "patched"):
+        run = runs[label] = run_bench_once(bench, label == "patched", os.path.join(out_dir, f"warmup-{label}"),
+                                           timeout_s, entry)
+        print(f"  warm-up {label:<8} wall {run['wall_s']:.1f} s (not measured)"
+              + (f"  {run['error']}" if run["error"] else ""), flush=True)
+        if run["error"]:
+            problems.append(f"warm-up {label}: {run['error']}\n{run.get('log_tail', '')}")
+    return runs
+
+
 def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, timeout_s: float = 3600.0,
                  cache_dir: str | None = None, entry: str = "cli", resume: bool = False,
                  time_budget_s: float | None = None, warmup: bool = False) -> int:
@@ -241,13 +261,11 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
 
     def write_document(complete: bool, stopped_for_time: bool = False) -> dict[str, Any]:
         # after every round: a run stopped for time still leaves the rounds it finished
-        failed_now = any(run["error"] for record in raw for run in record["runs"].values())
-        failed_now = failed_now or any(run["error"] for run in warmup_runs.values())
         document = {"format": FORMAT, "kind": bench[0], "bench_args": bench, "entry": entry, "rounds": rounds,
                     "rounds_done": len(raw), "complete": complete, "stopped_for_time": stopped_for_time,
                     "resumed": resumed, "warmup": warmup_runs, "seed": seed, "demonstration_only": demo,
-                    "note": note, "tiny_model": tiny,
-                    "environment": environment, "metrics": {} if failed_now else summarize_rounds(raw),
+                    "note": note, "tiny_model": tiny, "environment": environment,
+                    "metrics": {} if has_failed_run(raw, warmup_runs) else summarize_rounds(raw),
                     "problems": problems, "raw": raw}
         partial = json_path + ".partial"
         with open(partial, "w") as handle:
@@ -256,17 +274,10 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
         return document
 
     if warmup and not earlier:
-        for label in ("baseline", "patched"):
-            run = run_bench_once(bench, label == "patched", os.path.join(out_dir, f"warmup-{label}"), timeout_s, entry)
-            warmup_runs[label] = run
-            print(f"  warm-up {label:<8} wall {run['wall_s']:.1f} s (not measured)"
-                  + (f"  {run['error']}" if run["error"] else ""), flush=True)
-            if run["error"]:
-                problems.append(f"warm-up {label}: {run['error']}\n{run.get('log_tail', '')}")
+        warmup_runs.update(run_warmup(bench, out_dir, timeout_s, entry, problems))
         write_document(complete=False)  # a call cut during round 0 still has the warm-up on disk
     stopped_for_time = False
-    warmup_failed = any(run["error"] for run in warmup_runs.values())
-    for round_index in range(len(raw), 0 if warmup_failed else rounds):
+    for round_index in range(len(raw), 0 if has_failed_run([], warmup_runs) else rounds):
         walls = [sum(run.get("wall_s", 0.0) for run in record["runs"].values()) for record in raw]
         if not round_fits(time.perf_counter() - started, walls, time_budget_s):
             stopped_for_time = True
@@ -296,7 +307,7 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
             break
         if round_index + 1 < rounds:
             write_document(complete=False)
-    failed = warmup_failed or any(run["error"] for record in raw for run in record["runs"].values())
+    failed = has_failed_run(raw, warmup_runs)
     summary = write_document(complete=not stopped_for_time, stopped_for_time=stopped_for_time)["metrics"]
     if summary:
         title = (f"vllm bench {bench[0]}: patched/baseline, {len(raw)} of {rounds} round(s)"

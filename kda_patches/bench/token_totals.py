@@ -46,7 +46,7 @@ def requested_token_totals(bench: list[str]) -> dict[str, int] | None:
     prompts = int(option_value(bench, "--num-prompts") or 0)
     totals = {}
     for kind, names in _LENGTH_OPTIONS.items():
-        length = next((option_value(bench, name) for name in names if option_value(bench, name) is not None), None)
+        length = next(filter(None, (option_value(bench, name) for name in names)), None)
         if length is not None:
             totals[kind] = prompts * int(length)
     if "prompt" in totals:

@@ -124,8 +124,8 @@ def plan_version(manifest: dict[str, Any]) -> str | None:
     if manifest.get("vllm_version"):
         names.setdefault(manifest["vllm_version"], []).append("the manifest's vllm_version")
     for name in manifest["artifacts"]:
-        if artifact_version(name):
-            names.setdefault(artifact_version(name), []).append(name)
+        if version := artifact_version(name):
+            names.setdefault(version, []).append(name)
     if len(names) > 1:
         raise CarryError("one carry plan mixes vLLM versions: " + "; ".join(
             f"{version} ({', '.join(where)})" for version, where in sorted(names.items()))

@@ -147,6 +147,12 @@ def bundle_name(python_version: str, version: str) -> str:
     return f"vllm-{version}-cp{python_version.replace('.', '')}.zip"
 
 
+def pip_target(python_version: str) -> list[str]:
+    """Return pip's options that pick binary wheels for CPython ``python_version`` on manylinux x86-64."""
+    return ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
+            *[flag for platform in PLATFORMS for flag in ("--platform", platform)]]
+
+
 def _canonical(name: str) -> str:
     """Return a distribution name in its comparable form (PEP 503: ``Pydantic_Core`` -> ``pydantic-core``)."""
     return "-".join(name.replace("_", "-").replace(".", "-").lower().split("-"))
@@ -207,9 +213,8 @@ def requires_dist(version: str, python_version: str, dest: pathlib.Path) -> list
     with tempfile.TemporaryDirectory(prefix="kda-requires-") as scratch:
         report = pathlib.Path(scratch) / "report.json"
         argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet",
-                "--disable-pip-version-check", "--only-binary=:all:", "--python-version", python_version,
-                "--implementation", "cp", *[flag for platform in PLATFORMS for flag in ("--platform", platform)],
-                "--target", str(pathlib.Path(scratch) / "target"), "--report", str(report), f"vllm=={version}"]
+                "--disable-pip-version-check", *pip_target(python_version), "--target",
+                str(pathlib.Path(scratch) / "target"), "--report", str(report), f"vllm=={version}"]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"pip could not read vllm=={version}'s metadata:\n{done.stderr[-3000:]}")
@@ -239,9 +244,8 @@ def download_wheels(dest: pathlib.Path, python_version: str,
     """
     dest.mkdir(parents=True, exist_ok=True)
     for requirement, _ in requirements:
-        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-                "--disable-pip-version-check", "--python-version", python_version, "--implementation", "cp",
-                *[flag for platform in PLATFORMS for flag in ("--platform", platform)], "-d", str(dest), requirement]
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--disable-pip-version-check",
+                *pip_target(python_version), "-d", str(dest), requirement]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"pip download {requirement} for cp{python_version} failed:\n{done.stderr[-3000:]}")
@@ -373,10 +377,9 @@ def compress_libraries(dest: pathlib.Path, release: ReleaseCarry, keys: tuple[st
     """
     shas = {}
     with tempfile.TemporaryDirectory(prefix="kda-wheel-") as scratch:
+        # the libraries are stable-ABI (abi3): any CPython's wheel of the release holds the same files
         argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--disable-pip-version-check",
-                "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-                *[flag for platform in PLATFORMS for flag in ("--platform", platform)], "-d", scratch,
-                f"vllm=={release.version}"]
+                *pip_target("3.12"), "-d", scratch, f"vllm=={release.version}"]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"pip download vllm=={release.version} failed:\n{done.stderr[-3000:]}")

@@ -563,6 +563,11 @@ def routed_and_seen(counters: dict[str, Any], patch: str) -> tuple[int, int]:
     return int(own.get("calls_routed", 0)), int(own.get("calls_seen", 0))
 
 
+def patched_ledgers(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Return the ledgers of a regress report's patched run (every process's)."""
+    return (report.get("runs", {}).get("patched") or {}).get("ledgers", [])
+
+
 def seam_stood_aside(ledgers: list[dict[str, Any]], patch: str, seam: str) -> tuple[bool, str]:
     """Return whether the patched processes left ``seam`` alone, visibly: no process applied it, and at least one
     recorded it ``not-applicable`` with the stand-aside reason (the process that imported the layer's module)."""
@@ -598,8 +603,7 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         seam = MODELS[case.model].seam or ""
         if seen or routed:
             return False, f"{patch} saw {seen} calls (routed {routed}) though it should stand aside on {seam}"
-        ledgers = (report.get("runs", {}).get("patched") or {}).get("ledgers", [])
-        aside, why = seam_stood_aside(ledgers, patch, seam)
+        aside, why = seam_stood_aside(patched_ledgers(report), patch, seam)
         if not aside:
             return False, why
     elif seen == 0 or routed == 0:
@@ -639,7 +643,7 @@ def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
              if not check.get("met")]
     if unmet or not report.get("ranks"):
         return False, f"ranks not all patched: {'; '.join(unmet) or 'no rank check in the report'}"
-    ledgers = (report.get("runs", {}).get("patched") or {}).get("ledgers", [])
+    ledgers = patched_ledgers(report)
     if case.executor == "ray":
         workers = [ledger for ledger in ledgers if any(RAY_WORKER_MARK in str(arg) for arg in ledger.get("argv", []))]
         if len(workers) != case.tp:
@@ -653,8 +657,7 @@ def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
     for rank, (ledger, device) in enumerate(zip(workers, expected, strict=True)):
         if ledger is None:
             return False, f"rank {rank}: no ledger from VllmWorker-{rank}"
-        own = (ledger.get("counters") or {}).get(patch, {})
-        routed, seen = int(own.get("calls_routed", 0)), int(own.get("calls_seen", 0))
+        routed, seen = routed_and_seen(ledger.get("counters") or {}, patch)
         if routed == 0 or (not case.mutant and routed != seen):
             return False, f"rank {rank}: {patch} routed {routed} of {seen} seen"
         devices = {fact["signature"][0] for fact in ((ledger.get("facts") or {}).get("state_copy") or {}).values()
