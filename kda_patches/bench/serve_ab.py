@@ -216,7 +216,8 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
     Args:
         resume: continue the A/B in ``out_dir`` (:mod:`kda_patches.bench.serve_ab_resume`) instead of starting one
             in a new or empty directory.
-        time_budget_s: start no round that would end later than this (see ``round_fits``).
+        time_budget_s: start no round that would end later than this (see ``round_fits``); before the first round
+            the warm-up's two runs are the estimate.
         warmup: before the first round, run each side once unmeasured (``warmup-LABEL``; in the document, not in any
             ratio), so a cold compile cache does not land in one side of round 0. Not repeated when resuming.
     Returns:
@@ -279,6 +280,8 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
     stopped_for_time = False
     for round_index in range(len(raw), 0 if has_failed_run([], warmup_runs) else rounds):
         walls = [sum(run.get("wall_s", 0.0) for run in record["runs"].values()) for record in raw]
+        if not walls and warmup_runs:  # a round is one run of each side, as the warm-up was
+            walls = [sum(run.get("wall_s", 0.0) for run in warmup_runs.values())]
         if not round_fits(time.perf_counter() - started, walls, time_budget_s):
             stopped_for_time = True
             print(f"kda-patches bench serve-ab: stopped before round {round_index}: it would not end within "

@@ -110,6 +110,17 @@ def test_the_time_budget_stops_between_rounds_and_resume_finishes(tmp_path, monk
     assert read(out)["rounds_done"] == 3 and read(out)["complete"] is True
 
 
+def test_the_warmup_is_the_first_rounds_time_estimate(tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "ab")
+    monkeypatch.setattr(serve_ab, "run_bench_once", fake_run([], out, wall_s=30.0))  # warm-up: 60 s
+    assert serve_ab.run_serve_ab(BENCH, 2, out, time_budget_s=59.0, warmup=True) == 3
+    assert read(out)["rounds_done"] == 0 and "stopped before round 0" in capsys.readouterr().out
+    assert serve_ab.run_serve_ab(BENCH, 2, out, resume=True, time_budget_s=59.0) == 3  # resumed: still the warm-up's
+    assert read(out)["rounds_done"] == 0
+    assert serve_ab.run_serve_ab(BENCH, 2, out, resume=True, time_budget_s=61.0) == 0  # each round ~0 s + 60 s
+    assert read(out)["rounds_done"] == 2
+
+
 def test_warmup_runs_each_side_once_unmeasured_and_not_again_on_resume(tmp_path, monkeypatch):
     out = str(tmp_path / "ab")
     seen: list = []
