@@ -32,6 +32,7 @@ from typing import Any
 
 from kda_patches.bench.serve_ab_report import format_table, plot_ratios, summarize_rounds
 from kda_patches.bench.serve_ab_resume import load_unfinished, round_fits, set_aside_unfinished
+from kda_patches.bench.step_times import compare_step_times, format_comparison, load_step_times
 from kda_patches.bench.token_totals import check_token_totals
 
 FORMAT = 1
@@ -133,7 +134,8 @@ def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: flo
     """Run ``vllm bench`` once in a fresh process group (through ``entry``, see :data:`ENTRIES`); return its record.
 
     Returns:
-        ``{"label", "returncode", "wall_s", "result", "metrics", "ledgers", "log", "error"}``.
+        ``{"label", "returncode", "wall_s", "result", "metrics", "ledgers", "step_times", "log", "error"}``
+        (``step_times``: :func:`~kda_patches.bench.step_times.load_step_times` of the run's status directory).
     """
     from kda_patches.regress.ledgers import collect_ledgers
     from kda_patches.regress.processes import terminate_group, wait_for_group_exit
@@ -161,6 +163,7 @@ def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: flo
     with open(log_path, errors="replace") as handle:
         log_text = handle.read()
     record["ledgers"] = collect_ledgers(status_dir)
+    record["step_times"] = load_step_times(status_dir)  # only where KDA_BENCH_STEP_TIMES=1 installed the timer
     if record["error"] is None and record["returncode"] != 0:
         record["error"] = f"exited with status {record['returncode']}"
     if record["error"] is None and not os.path.isfile(out_json):
@@ -267,6 +270,7 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
                     "resumed": resumed, "warmup": warmup_runs, "seed": seed, "demonstration_only": demo,
                     "note": note, "tiny_model": tiny, "environment": environment,
                     "metrics": {} if has_failed_run(raw, warmup_runs) else summarize_rounds(raw),
+                    "step_times": compare_step_times(raw),
                     "problems": problems, "raw": raw}
         partial = json_path + ".partial"
         with open(partial, "w") as handle:
@@ -311,7 +315,10 @@ def run_serve_ab(bench: list[str], rounds: int, out_dir: str, seed: int = 0, tim
         if round_index + 1 < rounds:
             write_document(complete=False)
     failed = has_failed_run(raw, warmup_runs)
-    summary = write_document(complete=not stopped_for_time, stopped_for_time=stopped_for_time)["metrics"]
+    document = write_document(complete=not stopped_for_time, stopped_for_time=stopped_for_time)
+    summary = document["metrics"]
+    if document["step_times"]:
+        print("\n".join(format_comparison(document["step_times"])))
     if summary:
         title = (f"vllm bench {bench[0]}: patched/baseline, {len(raw)} of {rounds} round(s)"
                  + (f"\n{DEMO_NOTE}" if demo else ""))

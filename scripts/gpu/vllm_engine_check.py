@@ -385,10 +385,14 @@ def install_engine_stand_ins() -> None:
     ``KDA_ENGINE_SEEDED_WEIGHTS=SEED``: vLLM's dummy loader's weights are overwritten by :func:`reinit_weights`.
     ``KDA_ENGINE_MUTANT=scatter-halved``: the overlay's plan scatters halved final states (negative control; the
     baseline has no plan, so only the patched run is wrong).
+    ``KDA_BENCH_STEP_TIMES=1``: engine steps and runner calls timed (:mod:`kda_patches.bench.step_times`).
     """
     import wrapt
 
+    from kda_patches.bench.step_times import install_from_env
+
     gpu_harness.install_stand_ins()
+    install_from_env()  # KDA_BENCH_STEP_TIMES=1: each throughput run's engine steps timed, both sides
     RECORDER.library = gpu_harness.library_present()
     RECORDER.install()
     if os.environ.get(ENV_RECORD_ENV):
