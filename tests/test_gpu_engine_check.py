@@ -45,7 +45,7 @@ def test_the_dry_run_writes_models_prompts_and_the_plan_and_starts_nothing(tmp_p
         # a case that stands aside expects no routed call; every other case makes regress require one
         assert (f"{module.MODELS[case.model].patch}:calls_routed" in argv) is not case.stands_aside
     assert report["runs"] == [] and "vllm.vllm_flash_attn" in report["stood_in"]
-    assert set(report["throughput_plan"]) == set(module.THROUGHPUT_SHAPES)
+    assert set(report["throughput_plan"]) == set(module.THROUGHPUT_SHAPES) == set(report["bisect_plan"])
 
 
 def test_an_undeclared_missing_op_stays_missing_and_is_recorded(recorder):
@@ -358,6 +358,39 @@ def test_a_throughput_call_warms_up_first_and_a_later_call_resumes(tmp_path):
     (target / "serve_ab.json").write_text("{}")
     later = module.throughput_argv("long", tmp_path, 5, target)
     assert "--resume" in later and "--warmup" not in later and "--time-budget" not in later
+
+
+def test_a_bisection_runs_the_shapes_requests_with_the_benchmarks_engine_settings(tmp_path):
+    from kda_patches.bench import step_times
+    from kda_patches.bench.engine_repeat import child_parser, engine_kwargs
+
+    module = load_script()
+    assert module.STEP_TIMES_ENV == step_times.ENV
+    for shape in module.THROUGHPUT_SHAPES:
+        argv = module.bisect_argv(shape, tmp_path / "model", tmp_path / shape, ["patched", "a:X=1"], 3)
+        assert argv[argv.index("--out") + 1] == str(tmp_path / shape) and argv.count("--arm") == 2
+        child = child_parser().parse_args([*argv[argv.index("--") + 1:], "--result", "r"])
+        bench = module.throughput_argv(shape, tmp_path / "model", 5, tmp_path / "t")
+        bench = bench[bench.index("--") + 1:]
+
+        def option(name, bench=bench):
+            return int(bench[bench.index(name) + 1])
+        assert (child.input_len, child.output_len, child.num_prompts, child.max_num_seqs, child.repeats) == (
+            option("--random-input-len"), option("--random-output-len"), option("--num-prompts"),
+            option("--max-num-seqs"), 3)
+        kwargs = engine_kwargs(child)
+        assert kwargs["attention_backend"] == "TRITON_ATTN" and kwargs["gpu_memory_utilization"] == 0.6
+        assert kwargs["additional_config"] == {"gdn_prefill_backend": "triton"}
+        if "--tensor-parallel-size" in bench:
+            assert kwargs["tensor_parallel_size"] == option("--tensor-parallel-size")
+    argv = module.bisect_argv("short", tmp_path, tmp_path / "b", ["patched"], 2, num_prompts=1024)
+    assert argv[argv.index("--num-prompts") + 1] == "1024"
+    module.THROUGHPUT_SHAPES["odd"] = (("--dataset-name", "sharegpt"), "an option engine_repeat cannot follow")
+    try:
+        with pytest.raises(ValueError, match="--dataset-name has no engine_repeat counterpart"):
+            module.bisect_argv("odd", tmp_path, tmp_path / "c", ["patched"], 2)
+    finally:
+        del module.THROUGHPUT_SHAPES["odd"]
 
 
 def test_the_throughput_line_says_a_shape_stopped_for_time():

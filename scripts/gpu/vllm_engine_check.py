@@ -60,6 +60,7 @@ VOCAB = 1024
 TOP_LOGPROBS = 5
 SEEDED_WEIGHTS_ENV = "KDA_ENGINE_SEEDED_WEIGHTS"
 MUTANT_ENV = "KDA_ENGINE_MUTANT"
+STEP_TIMES_ENV = "KDA_BENCH_STEP_TIMES"  # kda_patches.bench.step_times.ENV (this script runs before it is importable)
 CONTINUATION = "r2-continues-r1-long"  # the round-two request that continues a round-one prompt
 STARTUP_LINE = re.compile(r"kda-patches regress: engine started in ([0-9.]+) s")
 
@@ -809,6 +810,41 @@ def throughput_argv(shape: str, model_dir: pathlib.Path, rounds: int, out: pathl
             "--attention-backend", "TRITON_ATTN", "--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
 
 
+# engine_repeat's arms for finding which patch costs engine time (baseline first and last is implied)
+BISECT_ARMS = ("patched", "only-gdn_host_flags:KDA_PATCHES_ONLY=gdn_host_flags",
+               "only-gdn_state_copy:KDA_PATCHES_ONLY=gdn_state_copy",
+               "only-kv_cache_layout:KDA_PATCHES_ONLY=kv_cache_layout")
+# a throughput shape's `vllm bench throughput` options -> engine_repeat's child options
+_REPEAT_OPTIONS = {"--random-input-len": "--input-len", "--random-output-len": "--output-len",
+                   "--num-prompts": "--num-prompts", "--max-num-seqs": "--max-num-seqs"}
+_REPEAT_ENGINE_ARGS = {"--tensor-parallel-size": "tensor_parallel_size",
+                       "--distributed-executor-backend": "distributed_executor_backend"}
+
+
+def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: list[str], repeats: int,
+                num_prompts: int | None = None) -> list[str]:
+    """``python -m kda_patches.bench.engine_repeat`` for one of :data:`THROUGHPUT_SHAPES`: the shape's requests
+    (``num_prompts`` overrides their count) and the engine settings :func:`throughput_argv` gives vLLM's benchmark.
+
+    Raises:
+        ValueError: the shape has an option engine_repeat has no counterpart for.
+    """
+    options = list(THROUGHPUT_SHAPES[shape][0])
+    child = ["--model", str(model_dir), "--repeats", str(repeats), "--max-model-len", "4096", "--seed", "0"]
+    for flag, value in zip(options[::2], options[1::2], strict=True):
+        if flag in _REPEAT_OPTIONS:
+            child += [_REPEAT_OPTIONS[flag], str(num_prompts) if flag == "--num-prompts" and num_prompts else value]
+        elif flag in _REPEAT_ENGINE_ARGS:
+            setting = json.dumps(int(value) if value.isdigit() else value)
+            child += ["--engine-arg", f"{_REPEAT_ENGINE_ARGS[flag]}={setting}"]
+        else:
+            raise ValueError(f"shape {shape}: option {flag} has no engine_repeat counterpart")
+    child += ["--engine-arg", "gpu_memory_utilization=0.6", "--engine-arg", 'attention_backend="TRITON_ATTN"',
+              "--engine-arg", "additional_config=" + json.dumps({"gdn_prefill_backend": "triton"})]
+    return [sys.executable, "-m", "kda_patches.bench.engine_repeat", "--out", str(out),
+            *(item for arm in arms for item in ("--arm", arm)), "--", *child]
+
+
 def shape_gpus(shape: str) -> int:
     """Return how many GPUs a throughput shape uses (its ``--tensor-parallel-size``, else 1)."""
     args = THROUGHPUT_SHAPES[shape][0]
@@ -887,6 +923,9 @@ def run_parent(args: argparse.Namespace) -> int:
                                                pathlib.Path("WORK")) for c in cases}
         report["throughput_plan"] = {shape: throughput_argv(shape, out / "models" / "qwen3_5_bench", args.rounds,
                                                             out / f"throughput-{shape}") for shape in THROUGHPUT_SHAPES}
+        report["bisect_plan"] = {shape: bisect_argv(shape, out / "models" / "qwen3_5_bench", out / f"bisect-{shape}",
+                                                    args.arms, args.repeats, args.num_prompts)
+                                 for shape in THROUGHPUT_SHAPES}
         (out / "vllm_engine.json").write_text(json.dumps(report, indent=1))
         print(f"DRYRUN {len(cases)} cases, models {sorted(model_dirs)}; no engine started")
         return 0
@@ -902,6 +941,14 @@ def run_parent(args: argparse.Namespace) -> int:
     report["staged"] = staged and {key: staged[key] for key in ("have", "missing")}
     hook = gpu_harness.write_stand_in_hook(site.with_name(site.name + "-engine-hook"), "vllm_engine_check",
                                            "install_engine_stand_ins")
+    if args.bisect:
+        target = out / f"bisect-{args.bisect}"
+        env = case_env(Case(f"bisect-{args.bisect}", "qwen3_5", "v2", True, False), hook, site)
+        env.pop(SEEDED_WEIGHTS_ENV)
+        env[STEP_TIMES_ENV] = "1"
+        argv = bisect_argv(args.bisect, write_bench_model(out / "models"), target, args.arms, args.repeats,
+                           args.num_prompts)
+        return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if args.throughput:
         bench_model = write_bench_model(out / "models")
         report["throughput"] = []
@@ -948,6 +995,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget-s", type=float,
                         help="seconds for all throughput shapes: serve-ab starts no round that would end later; "
                              "the same command in the next call (machine still warm) continues where it stopped")
+    parser.add_argument("--bisect", choices=sorted(THROUGHPUT_SHAPES),
+                        help="instead of cases: engine_repeat over this shape's requests, the baseline and --arms "
+                             "(one engine per arm, --repeats timed passes each, step times on)")
+    parser.add_argument("--arms", nargs="+", default=list(BISECT_ARMS), help="engine_repeat arms for --bisect")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per arm for --bisect")
+    parser.add_argument("--num-prompts", type=int, help="--bisect: this many requests instead of the shape's")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     try:
