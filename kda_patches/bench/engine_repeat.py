@@ -15,6 +15,7 @@ serve-ab stays the engine-throughput result; this is the instrument that says wh
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
@@ -62,8 +63,13 @@ def arm_order(arms: list[str], seed: int) -> list[str]:
     return [BASELINE, *shuffled, BASELINE]
 
 
-def run_child(child_args: list[str], env_overrides: dict[str, str], run_dir: str, timeout_s: float) -> dict[str, Any]:
-    """Run one arm's process; return its result (``elapsed_s`` per measured repeat), ledgers and step times."""
+def run_child(child_args: list[str], env_overrides: dict[str, str], run_dir: str, timeout_s: float,
+              profile: bool = False) -> dict[str, Any]:
+    """Run one arm's process; return its result (``elapsed_s`` per measured repeat), ledgers and step times.
+
+    ``profile``: the arm also runs one profiled pass after its measured ones (``--profile-dir RUN_DIR/profile``);
+    ``profile_tables`` lists the operator tables vLLM's torch profiler wrote there (``*.profiler_out.txt``).
+    """
     from kda_patches.bench.step_times import load_step_times
     from kda_patches.regress.ledgers import collect_ledgers
 
@@ -73,6 +79,8 @@ def run_child(child_args: list[str], env_overrides: dict[str, str], run_dir: str
     env.update(env_overrides, KDA_PATCHES_STATUS_DIR=status_dir, PYTHONUNBUFFERED="1")
     command = [sys.executable, "-m", "kda_patches.bench.engine_repeat", CHILD_FLAG, *child_args,
                "--result", result_path]
+    if profile:
+        command += ["--profile-dir", os.path.join(run_dir, "profile")]
     started = time.perf_counter()
     with open(os.path.join(run_dir, "run.log"), "wb") as log:
         try:
@@ -80,7 +88,8 @@ def run_child(child_args: list[str], env_overrides: dict[str, str], run_dir: str
         except subprocess.TimeoutExpired:
             returncode = None
     record: dict[str, Any] = {"env": env_overrides, "wall_s": time.perf_counter() - started, "returncode": returncode,
-                              "ledgers": collect_ledgers(status_dir), "step_times": load_step_times(status_dir)}
+                              "ledgers": collect_ledgers(status_dir), "step_times": load_step_times(status_dir),
+                              "profile_tables": sorted(glob.glob(os.path.join(run_dir, "profile", "*_out.txt")))}
     if returncode != 0 or not os.path.isfile(result_path):
         record["error"] = "timed out" if returncode is None else f"exited with status {returncode}"
         with open(os.path.join(run_dir, "run.log"), errors="replace") as handle:
@@ -115,7 +124,7 @@ def summarize_arms(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str
 
 
 def run_arms(arms: dict[str, dict[str, str]], child_args: list[str], out_dir: str, seed: int = 0,
-             timeout_s: float = 900.0) -> dict[str, Any]:
+             timeout_s: float = 900.0, profile: bool = False) -> dict[str, Any]:
     """Run every arm (plus the baseline first and last) in fresh processes; write and return ``engine_repeat.json``.
 
     Args:
@@ -123,6 +132,7 @@ def run_arms(arms: dict[str, dict[str, str]], child_args: list[str], out_dir: st
         child_args: the engine's arguments (after ``--``).
         out_dir: a new or empty directory.
         seed: of the arm order.
+        profile: each arm also runs one profiled pass (see :func:`run_child`).
     """
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir} is not empty; give a new --out")
@@ -130,7 +140,7 @@ def run_arms(arms: dict[str, dict[str, str]], child_args: list[str], out_dir: st
     plan = {BASELINE: {"KDA_PATCHES": "0"}, **arms}
     runs: list[tuple[str, dict[str, Any]]] = []
     for position, name in enumerate(arm_order(list(arms), seed)):
-        record = run_child(child_args, plan[name], os.path.join(out_dir, f"{position}-{name}"), timeout_s)
+        record = run_child(child_args, plan[name], os.path.join(out_dir, f"{position}-{name}"), timeout_s, profile)
         runs.append((name, record))
         print(f"  {name:<24} " + (record.get("error") or " ".join(f"{value:.3f}" for value in record["elapsed_s"])),
               flush=True)
@@ -168,6 +178,8 @@ def child_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                         help="one more LLM(...) argument, e.g. gpu_memory_utilization=0.6")
     parser.add_argument("--result", required=True)
+    parser.add_argument("--profile-dir", help="after the measured passes, one pass under vLLM's torch profiler, its "
+                        "traces and operator tables written here (not a measured pass)")
     return parser
 
 
@@ -175,6 +187,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Return the ``LLM(...)`` arguments of a child: dummy weights, the shape's limits, each ``--engine-arg``."""
     kwargs: dict[str, Any] = {"model": args.model, "load_format": "dummy", "max_num_seqs": args.max_num_seqs,
                               "max_model_len": args.max_model_len, "seed": args.seed}
+    if getattr(args, "profile_dir", None):
+        kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": os.path.abspath(args.profile_dir),
+                                     "torch_profiler_with_stack": False}
     for item in args.engine_arg:
         key, equals, value = item.partition("=")
         if not equals:
@@ -211,6 +226,10 @@ def child_main(argv: list[str]) -> int:
             warmup_s = seconds
         else:
             elapsed.append(seconds)
+    if args.profile_dir:
+        llm.start_profile()
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.stop_profile()
     with open(args.result, "w") as handle:
         json.dump({"startup_s": startup_s, "warmup_s": warmup_s, "elapsed_s": elapsed,
                    "output_tokens": args.num_prompts * args.output_len}, handle)
@@ -228,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arm", action="append", default=[], help="NAME or NAME:VAR=VALUE,... (default: patched)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--profile", action="store_true", help="each arm also runs one pass under vLLM's torch "
+                        "profiler after its measured passes (RUN_DIR/profile/*.profiler_out.txt)")
     args = parser.parse_args(own)
     if not child:
         parser.error("give the engine's arguments after --")
@@ -237,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(names)) != len(names):
             raise ValueError(f"--arm names must differ, got {names}")
         arms = dict(parsed)
-        document = run_arms(arms, child, os.path.abspath(args.out), args.seed, args.timeout)
+        document = run_arms(arms, child, os.path.abspath(args.out), args.seed, args.timeout, args.profile)
     except ValueError as error:
         parser.error(str(error))
     print("\n".join(format_summary(document["summary"])))

@@ -822,7 +822,7 @@ _REPEAT_ENGINE_ARGS = {"--tensor-parallel-size": "tensor_parallel_size",
 
 
 def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: list[str], repeats: int,
-                num_prompts: int | None = None) -> list[str]:
+                num_prompts: int | None = None, profile: bool = False) -> list[str]:
     """``python -m kda_patches.bench.engine_repeat`` for one of :data:`THROUGHPUT_SHAPES`: the shape's requests
     (``num_prompts`` overrides their count) and the engine settings :func:`throughput_argv` gives vLLM's benchmark.
 
@@ -841,7 +841,7 @@ def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: li
             raise ValueError(f"shape {shape}: option {flag} has no engine_repeat counterpart")
     child += ["--engine-arg", "gpu_memory_utilization=0.6", "--engine-arg", 'attention_backend="TRITON_ATTN"',
               "--engine-arg", "additional_config=" + json.dumps({"gdn_prefill_backend": "triton"})]
-    return [sys.executable, "-m", "kda_patches.bench.engine_repeat", "--out", str(out),
+    return [sys.executable, "-m", "kda_patches.bench.engine_repeat", "--out", str(out), *(["--profile"] * profile),
             *(item for arm in arms for item in ("--arm", arm)), "--", *child]
 
 
@@ -947,7 +947,7 @@ def run_parent(args: argparse.Namespace) -> int:
         env.pop(SEEDED_WEIGHTS_ENV)
         env[STEP_TIMES_ENV] = "1"
         argv = bisect_argv(args.bisect, write_bench_model(out / "models"), target, args.arms, args.repeats,
-                           args.num_prompts)
+                           args.num_prompts, args.profile)
         return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if args.throughput:
         bench_model = write_bench_model(out / "models")
@@ -1001,6 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", default=list(BISECT_ARMS), help="engine_repeat arms for --bisect")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per arm for --bisect")
     parser.add_argument("--num-prompts", type=int, help="--bisect: this many requests instead of the shape's")
+    parser.add_argument("--profile", action="store_true",
+                        help="--bisect: each arm also runs one pass under vLLM's torch profiler (operator tables)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     try:

@@ -78,6 +78,10 @@ with open(os.path.join(status, "step-times-1.json"), "w") as handle:
     json.dump({"pid": 1, "samples": {"engine_step": [0.5]}}, handle)
 if os.environ.get("FAIL_ARM") == "1":
     sys.exit(5)
+if "--profile-dir" in argv:
+    profile = argv[argv.index("--profile-dir") + 1]
+    os.makedirs(profile)
+    open(os.path.join(profile, "worker.profiler_out.txt"), "w").write("table")
 slow = 2.0 if os.environ.get("KDA_PATCHES") == "1" else 1.0
 with open(argv[argv.index("--result") + 1], "w") as handle:
     json.dump({"startup_s": 0.1, "warmup_s": 0.2, "elapsed_s": [slow, slow], "output_tokens": 8}, handle)
@@ -106,3 +110,20 @@ def test_arms_run_in_fresh_processes_with_their_environment(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         engine_repeat.main(["--out", str(tmp_path / "two"), "--arm", "a", "--arm", "a", "--", "--model", "m"])
     assert not os.path.exists(tmp_path / "two")
+    assert all(run["profile_tables"] == [] for run in document["runs"])  # no --profile: no profiled pass
+
+
+def test_a_profiled_bisection_lists_each_arms_operator_tables(tmp_path, monkeypatch):
+    script = tmp_path / "python"
+    script.write_text(f"#!{sys.executable}\n" + STAND_IN)
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(engine_repeat.sys, "executable", str(script))
+    out = tmp_path / "out"
+    assert engine_repeat.main(["--out", str(out), "--profile", "--", "--model", "m"]) == 0
+    runs = json.load(open(out / "engine_repeat.json"))["runs"]
+    assert [len(run["profile_tables"]) for run in runs] == [1, 1, 1]
+    assert runs[1]["profile_tables"][0] == str(out / "1-patched" / "profile" / "worker.profiler_out.txt")
+    args = engine_repeat.child_parser().parse_args(["--model", "m", "--num-prompts", "1", "--input-len", "1",
+                                                    "--output-len", "1", "--result", "r", "--profile-dir", "p"])
+    config = engine_kwargs(args)["profiler_config"]
+    assert config["profiler"] == "torch" and config["torch_profiler_dir"] == os.path.abspath("p")
