@@ -393,6 +393,17 @@ def test_a_bisection_runs_the_shapes_requests_with_the_benchmarks_engine_setting
         del module.THROUGHPUT_SHAPES["odd"]
 
 
+def test_the_peer_run_measures_the_unpacked_releases_own_ops_on_both_shapes(tmp_path):
+    from kda_patches.bench.cli import build_parser
+
+    module = load_script()
+    argv = module.peer_argv("0.33.0", tmp_path / "peer.json")
+    args = build_parser().parse_args(argv[argv.index("bench") + 1:])
+    assert (args.benchmark, args.release, args.device, args.output) == ("peer", "vllm==0.33.0", "cuda",
+                                                                       str(tmp_path / "peer.json"))
+    assert [shape.split("=")[1] for shape in args.shapes.split(";")] == ["12,128,128", "32,128,128"]
+
+
 def test_the_throughput_line_says_a_shape_stopped_for_time():
     module = load_script()
     result = {"shape": "long", "exit_code": 3, "rounds_done": 2, "rounds": 5, "problems": [],

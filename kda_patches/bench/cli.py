@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "gather_ssm_states / scatter_ssm_states_, from the release cache) beside native and plan")
     from kda_patches.bench.peer import DEFAULT_RELEASE
 
-    peer.add_argument("--release", default=DEFAULT_RELEASE, help=f"the fork release (default {DEFAULT_RELEASE})")
+    peer.add_argument("--release", default=DEFAULT_RELEASE,
+                      help=f"the fork release (default {DEFAULT_RELEASE}), or vllm==VERSION: upstream's own "
+                           "gather_initial_states / scatter_states from the vLLM this process imports")
     commands.add_parser("serve-ab", help="vLLM's own `vllm bench throughput|latency`, KDA_PATCHES=0 vs =1, shuffled "
                         "rounds, patched/baseline ratios (own options: `kda-patches bench serve-ab --help`)")
     return parser

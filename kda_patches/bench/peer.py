@@ -17,6 +17,11 @@ CPU interpreter the fork's gather does not run (its load mask is a scalar flag, 
 rejects: "mask has unsupported dtype"); the smoke run then measures native and plan, and the result and the
 output say the peer was not run and why (``peers_not_run``).
 
+``--release vllm==VERSION`` measures upstream vLLM's own ``gather_initial_states`` / ``scatter_states`` instead
+(:func:`upstream_gdn_impl`): imported from the vLLM this process runs, which must be that release (on the H200 the
+engine check's ``--peer`` runs it inside the unpacked bundle), launched through vLLM's own code (its dispatcher and
+PDL choice included); their kernels' JIT entries are counted apart like the fork's.
+
 The same release's Kimi plans (``KDAStateCopyPlan`` / ``StridedKDAFallbackPlan``) are measured beside them,
 loaded by :mod:`kda_patches.bench.peer_kimi` with the device namespace ported (the exact replacements are in the
 result's ``peer_ports``; kernels untouched). A peer that cannot run on the device is listed in
@@ -48,7 +53,8 @@ def fork_gdn_impl(release: str) -> tuple[str, tuple[Any, Any]]:
 
     dist, version = parse_spec(release)
     if dist != "vllm-ascend":
-        raise ValueError(f"bench peer measures vllm-ascend's kernels; got {release!r} (e.g. {DEFAULT_RELEASE})")
+        raise ValueError(f"bench peer measures vllm-ascend's kernels or upstream vLLM's own ops (vllm==0.34.0); got "
+                         f"{release!r} (e.g. {DEFAULT_RELEASE})")
     module = load_released_module(release_dir(dist, version), STATE_INDEX)
 
     def gather(state: Any, indices: Any, flags: Any) -> Any:
@@ -58,6 +64,53 @@ def fork_gdn_impl(release: str) -> tuple[str, tuple[Any, Any]]:
         module.scatter_ssm_states_(state, indices, last.to(state.dtype).contiguous())
 
     return f"{dist}-{version}", (gather, scatter)
+
+
+UPSTREAM_OPS = "vllm.model_executor.layers.mamba.ops"
+UPSTREAM_KERNELS = ("_gather_initial_states_kernel", "_scatter_states_kernel")
+
+
+def upstream_gdn_impl(release: str) -> tuple[str, tuple[Any, Any]]:
+    """Return ``(label, (gather, scatter))`` of upstream vLLM's own GDN state copies (shipped from 0.30; the Kimi
+    Linear and Kimi K3 layers call them in 0.33, the Qwen GDN layer from 0.34; the kernels are the same in 0.33 and
+    0.34), as its GDN layers call them: ``gather_initial_states(state, indices, has_initial_state)`` (flag-false
+    rows zero) and ``scatter_states(state, last, indices)`` (the cast to the cache dtype in the kernel's store).
+
+    They are taken from the vLLM this process imports -- the released package, its warm-up dispatcher and platform
+    (PDL where it says the GPU supports it) -- so run it where that release is installed or unpacked (on the H200:
+    ``scripts/gpu/vllm_engine_check.py --peer`` after staging that release's carry).
+
+    Raises:
+        ValueError: the running vLLM is another version than ``release`` names.
+        FileNotFoundError: the running vLLM has no such ops (before 0.34).
+    """
+    import importlib
+
+    import vllm
+
+    from kda_patches.releases.matrix import parse_spec
+
+    _, version = parse_spec(release)
+    running = str(vllm.__version__).split("+")[0]
+    if running != version:
+        raise ValueError(f"bench peer {release}: this process imports vLLM {vllm.__version__} from "
+                         f"{vllm.__path__[0]}; run it where vLLM {version} is imported (on the H200: "
+                         "scripts/gpu/vllm_engine_check.py --peer after staging that release's carry)")
+    try:
+        gather_module = importlib.import_module(f"{UPSTREAM_OPS}.gather_initial_states")
+        scatter_module = importlib.import_module(f"{UPSTREAM_OPS}.scatter_states")
+    except ImportError as error:
+        raise FileNotFoundError(f"vLLM {running} has no GDN state-copy ops of its own ({error}); upstream ships "
+                                "gather_initial_states / scatter_states from 0.30 (its Qwen GDN layer calls them "
+                                "from 0.34)") from error
+
+    def gather(state: Any, indices: Any, flags: Any) -> Any:
+        return gather_module.gather_initial_states(state, indices, flags)
+
+    def scatter(state: Any, last: Any, indices: Any) -> None:
+        scatter_module.scatter_states(state, last, indices)
+
+    return f"vllm-{running}", (gather, scatter)
 
 
 def run_peer_benchmark(args: argparse.Namespace) -> int:
@@ -73,12 +126,17 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
     from kda_patches.releases.load import PortMismatch
     from kda_patches.releases.matrix import parse_spec
 
+    foreign: tuple[str, ...] = (*FOREIGN_KERNELS, *KIMI_KERNELS)
     try:
-        label, impl = fork_gdn_impl(args.release)  # refuses anything but a vllm-ascend release first
-        peers = {label: impl}
-        dist, version = parse_spec(args.release)
-        kimi, ports = fork_kimi_impls(release_dir(dist, version), label)
-        peers.update(kimi)
+        if args.release.startswith("vllm=="):  # upstream's own ops, from the vLLM this process imports
+            label, impl = upstream_gdn_impl(args.release)
+            peers, ports, foreign = {label: impl}, {}, UPSTREAM_KERNELS
+        else:
+            label, impl = fork_gdn_impl(args.release)  # refuses anything but a vllm-ascend release first
+            peers = {label: impl}
+            dist, version = parse_spec(args.release)
+            kimi, ports = fork_kimi_impls(release_dir(dist, version), label)
+            peers.update(kimi)
     except (ValueError, FileNotFoundError, ReleaseFetchError, PortMismatch) as error:
         print(f"kda-patches bench peer: {error}")
         return 2
@@ -90,7 +148,7 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
         else:
             not_run[name] = reason
             print(f"kda-patches bench peer: {name} is NOT measured on {args.device}: {reason}")
-    args.foreign_kernels = (*FOREIGN_KERNELS, *KIMI_KERNELS)
+    args.foreign_kernels = foreign
     fields = {"peers": list(runnable), "peer_ports": ports, **({"peers_not_run": not_run} if not_run else {})}
     return run_gdn_benchmark(args, extra_impls=runnable, extra_fields=fields)
 

@@ -821,6 +821,16 @@ _REPEAT_ENGINE_ARGS = {"--tensor-parallel-size": "tensor_parallel_size",
                        "--distributed-executor-backend": "distributed_executor_backend"}
 
 
+PEER_SHAPES = "qwen3.6-27b-tp4=12,128,128;kimi-linear-48b-tp1=32,128,128"
+
+
+def peer_argv(vllm_version: str, output: pathlib.Path) -> list[str]:
+    """``kda-patches bench peer`` with upstream vLLM's own GDN state-copy ops of the unpacked release beside the
+    plan (issue 27 deliverable 3): Qwen3.6-27B's GDN heads at TP4 and Kimi-Linear-48B's KDA heads on one GPU."""
+    return [sys.executable, "-m", "kda_patches", "bench", "peer", "--release", f"vllm=={vllm_version}",
+            "--output", str(output), "--device", "cuda", "--shapes", PEER_SHAPES]
+
+
 def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: list[str], repeats: int,
                 num_prompts: int | None = None, profile: bool = False) -> list[str]:
     """``python -m kda_patches.bench.engine_repeat`` for one of :data:`THROUGHPUT_SHAPES`: the shape's requests
@@ -923,6 +933,7 @@ def run_parent(args: argparse.Namespace) -> int:
                                                pathlib.Path("WORK")) for c in cases}
         report["throughput_plan"] = {shape: throughput_argv(shape, out / "models" / "qwen3_5_bench", args.rounds,
                                                             out / f"throughput-{shape}") for shape in THROUGHPUT_SHAPES}
+        report["peer_plan"] = peer_argv("VERSION", out / "peer.json")
         report["bisect_plan"] = {shape: bisect_argv(shape, out / "models" / "qwen3_5_bench", out / f"bisect-{shape}",
                                                     args.arms, args.repeats, args.num_prompts)
                                  for shape in THROUGHPUT_SHAPES}
@@ -941,6 +952,12 @@ def run_parent(args: argparse.Namespace) -> int:
     report["staged"] = staged and {key: staged[key] for key in ("have", "missing")}
     hook = gpu_harness.write_stand_in_hook(site.with_name(site.name + "-engine-hook"), "vllm_engine_check",
                                            "install_engine_stand_ins")
+    if args.peer:
+        env = case_env(Case("peer", "qwen3_5", "v2", True, False), hook, site)
+        env.pop(SEEDED_WEIGHTS_ENV)
+        argv = peer_argv(report["vllm"], out / "peer.json")
+        print(" ".join(argv), flush=True)
+        return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if args.bisect:
         target = out / f"bisect-{args.bisect}"
         env = case_env(Case(f"bisect-{args.bisect}", "qwen3_5", "v2", True, False), hook, site)
@@ -995,6 +1012,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget-s", type=float,
                         help="seconds for all throughput shapes: serve-ab starts no round that would end later; "
                              "the same command in the next call (machine still warm) continues where it stopped")
+    parser.add_argument("--peer", action="store_true",
+                        help="instead of cases: `bench peer` with the unpacked release's own GDN state-copy ops")
     parser.add_argument("--bisect", choices=sorted(THROUGHPUT_SHAPES),
                         help="instead of cases: engine_repeat over this shape's requests, the baseline and --arms "
                              "(one engine per arm, --repeats timed passes each, step times on)")

