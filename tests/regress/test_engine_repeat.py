@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import sys
+import types
 
 import pytest
 
@@ -127,3 +128,57 @@ def test_a_profiled_bisection_lists_each_arms_operator_tables(tmp_path, monkeypa
                                                     "--output-len", "1", "--result", "r", "--profile-dir", "p"])
     config = engine_kwargs(args)["profiler_config"]
     assert config["profiler"] == "torch" and config["torch_profiler_dir"] == os.path.abspath("p")
+
+
+class CountingEngine:
+    """Stands in for vLLM's LLM in one child (the real engine takes ~20 s to start here): returns ``produce``
+    tokens per request and records what it was asked."""
+
+    produce = 4
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(get_vocab_size=lambda: 64))
+        self.passes = []
+
+    def start_profile(self):
+        self.passes.append("profile on")
+
+    def stop_profile(self):
+        self.passes.append("profile off")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.passes.append((len(prompts), params.max_tokens, params.ignore_eos))
+        output = types.SimpleNamespace(token_ids=[1] * self.produce)
+        return [types.SimpleNamespace(outputs=[output]) for _ in prompts]
+
+
+CHILD = ["--model", "m", "--num-prompts", "3", "--input-len", "5", "--output-len", "4", "--repeats", "2"]
+
+
+@pytest.mark.parametrize("produce, error", [(4, None), (3, "repeat 0: 9 output tokens, expected 3 x 4")])
+def test_a_pass_with_another_output_count_is_an_error_not_a_sample(tmp_path, monkeypatch, produce, error):
+    import vllm
+
+    monkeypatch.setattr(vllm, "LLM", type("Engine", (CountingEngine,), {"produce": produce}))
+    result = tmp_path / "result.json"
+    if error:
+        with pytest.raises(SystemExit, match=error):
+            engine_repeat.child_main([*CHILD, "--result", str(result)])
+        assert not result.exists()
+        return
+    assert engine_repeat.child_main([*CHILD, "--result", str(result)]) == 0
+    written = json.load(open(result))
+    assert len(written["elapsed_s"]) == 2 and written["warmup_s"] is not None and written["output_tokens"] == 12
+
+
+def test_the_profiled_pass_comes_after_the_measured_ones_and_is_not_a_sample(tmp_path, monkeypatch):
+    import vllm
+
+    engines = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: engines.append(CountingEngine(**kwargs)) or engines[-1])
+    result = tmp_path / "result.json"
+    assert engine_repeat.child_main([*CHILD, "--result", str(result), "--profile-dir", str(tmp_path / "p")]) == 0
+    assert engines[0].passes == [(3, 4, True)] * 3 + ["profile on", (3, 4, True), "profile off"]
+    assert engines[0].kwargs["profiler_config"]["torch_profiler_dir"] == str(tmp_path / "p")
+    assert len(json.load(open(result))["elapsed_s"]) == 2
