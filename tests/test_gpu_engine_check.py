@@ -404,6 +404,30 @@ def test_the_peer_run_measures_the_unpacked_releases_own_ops_on_both_shapes(tmp_
     assert [shape.split("=")[1] for shape in args.shapes.split(";")] == ["12,128,128", "32,128,128"]
 
 
+@pytest.mark.parametrize("mode", ["bisect", "peer"])
+def test_the_bisect_and_peer_runs_start_one_child_in_the_engine_environment(tmp_path, monkeypatch, mode):
+    # the device steps before the child (unpacking, the library check) are stood in; what the child gets is real
+    module = load_script()
+    harness = module.gpu_harness
+    monkeypatch.setattr(harness, "prepare_site", lambda *a, **k: {"vllm_version": "0.33.0", "bundle": {}})
+    monkeypatch.setattr(harness, "library_present", lambda *a, **k: True)
+    monkeypatch.setattr(harness, "SITE_DIR", tmp_path / "site")
+    started = []
+    monkeypatch.setattr(module.subprocess, "run", lambda argv, env, cwd: started.append((argv, env)) or
+                        subprocess.CompletedProcess(argv, 7))
+    extra = ["--bisect", "short", "--num-prompts", "64", "--repeats", "2"] if mode == "bisect" else ["--peer"]
+    assert module.main(["--out", str(tmp_path / "out"), *extra]) == 7  # the child's exit status
+    (argv, env), = started
+    assert str(tmp_path / "site-engine-hook") == env["PYTHONPATH"].split(":")[0]  # the stand-in hook first
+    assert module.SEEDED_WEIGHTS_ENV not in env
+    if mode == "bisect":
+        assert argv[argv.index("--out") + 1] == str(tmp_path / "out" / "bisect-short")
+        assert argv[argv.index("--num-prompts") + 1] == "64" and env[module.STEP_TIMES_ENV] == "1"
+        assert (tmp_path / "out" / "models" / "qwen3_5_bench" / "config.json").is_file()
+    else:
+        assert argv[argv.index("--release") + 1] == "vllm==0.33.0"
+
+
 def test_the_throughput_line_says_a_shape_stopped_for_time():
     module = load_script()
     result = {"shape": "long", "exit_code": 3, "rounds_done": 2, "rounds": 5, "problems": [],
