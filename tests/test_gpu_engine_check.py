@@ -402,6 +402,7 @@ def test_the_peer_run_measures_the_unpacked_releases_own_ops_on_both_shapes(tmp_
     assert (args.benchmark, args.release, args.device, args.output) == ("peer", "vllm==0.33.0", "cuda",
                                                                        str(tmp_path / "peer.json"))
     assert [shape.split("=")[1] for shape in args.shapes.split(";")] == ["12,128,128", "32,128,128"]
+    assert args.pdl  # the plan with programmatic dependent launch measured beside it
 
 
 @pytest.mark.parametrize("mode", ["bisect", "peer"])

@@ -81,6 +81,8 @@ def add_gdn_parser(commands: argparse._SubParsersAction, name: str = "gdn-state-
     gdn.add_argument("--gap-items", type=int, default=8192, help="page gap between rows, in items")
     gdn.add_argument("--selected", type=parse_ints, default=[1, 8, 64, 256], help="selected counts")
     gdn.add_argument("--graph-calls", type=int, default=50, help="calls captured per CUDA graph")
+    gdn.add_argument("--pdl", action="store_true", help="also measure the plan compiled with programmatic dependent "
+                     "launch (plan+pdl; NVIDIA SM90+, left out where the target has none)")
     return gdn
 
 

@@ -15,7 +15,7 @@ GDN_TARGETS = {
 }
 SPEEDUP_CASES = (("float32", "float32"), ("bfloat16", "float32"))
 MODES = ("graph", "event", "wall", "enqueue")
-OWN_IMPLS = ("native", "plan", "plan+torch-cast", "copy")  # any other impl is a peer (``bench peer``)
+OWN_IMPLS = ("native", "plan", "plan+torch-cast", "plan+pdl", "copy")  # any other impl is a peer (``bench peer``)
 PEER_LEAD = 1.10  # the plan ahead of a peer by this much somewhere is what would justify an overlay plan there
 
 

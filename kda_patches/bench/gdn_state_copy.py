@@ -30,7 +30,7 @@ import torch
 from kda_patches.bench import timing
 from kda_patches.bench.state_copy import DTYPES, BenchRun, ContiguousCopyReference, build_cache
 
-NATIVE, PLAN, PLAN_TORCH_CAST = "native", "plan", "plan+torch-cast"
+NATIVE, PLAN, PLAN_TORCH_CAST, PLAN_PDL = "native", "plan", "plan+torch-cast", "plan+pdl"
 COPY = "copy"  # scatter only: the same bytes moved by torch into a contiguous buffer (no index): a size-matched floor
 
 
@@ -66,8 +66,10 @@ def native_scatter(state: torch.Tensor, last: torch.Tensor, indices: torch.Tenso
     state[indices] = last.to(state.dtype)
 
 
-def build_impls(state: torch.Tensor, final: torch.dtype, max_selected: int) -> tuple[dict[str, Any], Any]:
-    """Return ``{impl: (gather, scatter)}`` and the sealed binding (prepared for the one final dtype)."""
+def build_impls(state: torch.Tensor, final: torch.dtype, max_selected: int,
+                pdl: bool = False) -> tuple[dict[str, Any], Any]:
+    """Return ``{impl: (gather, scatter)}`` and the sealed binding (prepared for the one final dtype); with ``pdl``
+    also the plan compiled with programmatic dependent launch (``plan+pdl``) where the target honours it."""
     from kda_patches.state_copy.worker import initialize
 
     binding = initialize({"bench.gdn": state}, max_selected, final_dtypes=(final,))["bench.gdn"]
@@ -79,6 +81,13 @@ def build_impls(state: torch.Tensor, final: torch.dtype, max_selected: int) -> t
             cast_binding.scatter(cache, last.to(cache.dtype), indices)
 
         impls[PLAN_TORCH_CAST] = (cast_binding.gather, scatter_after_cast)
+    if pdl:
+        pdl_binding = initialize({"bench.gdn.pdl": state}, max_selected, final_dtypes=(final,), pdl=True)
+        described = pdl_binding["bench.gdn.pdl"].plan.describe()
+        if described["pdl"]:
+            impls[PLAN_PDL] = (pdl_binding["bench.gdn.pdl"].gather, pdl_binding["bench.gdn.pdl"].scatter)
+        else:
+            print(f"kda-patches bench: {PLAN_PDL} is not measured: {described['memory_hints']['dropped']}")
     return impls, binding
 
 
@@ -162,7 +171,7 @@ def run_gdn_benchmark(args: argparse.Namespace, extra_impls: dict[str, Any] | No
     for shape_name, inner in parse_shapes(args.shapes):
         for cache_name, final_name in parse_cases(args.cases):
             state = build_cache(run.device, DTYPES[cache_name], args.rows, inner, args.gap_items)
-            impls, binding = build_impls(state, DTYPES[final_name], max(args.selected))
+            impls, binding = build_impls(state, DTYPES[final_name], max(args.selected), getattr(args, "pdl", False))
             impls.update(extra_impls or {})
             plans[f"{shape_name}/{cache_name}:{final_name}"] = binding.plan.describe()
             with run.counter:

@@ -36,6 +36,10 @@ ASCEND_A5_RUNTIME_SOC = 260  # torch_npu.npu.get_soc_version() of the 950 class 
 
 
 EVICT_FIRST = "evict_first"
+# programmatic dependent launch: the kernel may start while the previous one on the stream finishes and waits
+# (griddepcontrol.wait) before it reads; NVIDIA SM90+ only
+PDL = "pdl"
+PDL_MIN_CAPABILITY = (9, 0)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class TargetFacts:
 
 
 CUDA_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST,))
+CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL))  # SM90+ (Hopper, Blackwell)
 INTERPRETER_TARGET = TargetFacts("cpu-interpreter")  # the interpreter has no caches: hints are no-ops
 # Measured with triton-ascend 3.2.0 + bishengir 1.2.0 (`make ascend-check`, probe in patches/ASCEND_COMPILE.md):
 # the largest power-of-two block, in items, up to 65536, that reaches the final HIVM IR with the backend's
@@ -168,13 +173,18 @@ def target_facts(device: torch.device, soc: int | str | None = None) -> TargetFa
         soc: Ascend SoC version for NPU caches (probed from torch_npu when None); ignored elsewhere.
     Returns:
         :data:`ASCEND_A5_TARGET` or :data:`ASCEND_A2A3_TARGET` on an NPU (every non-950 class compiles
-        for the A2/A3 buffer), :data:`INTERPRETER_TARGET` on the CPU, :data:`CUDA_TARGET` otherwise.
+        for the A2/A3 buffer), :data:`INTERPRETER_TARGET` on the CPU, :data:`CUDA_PDL_TARGET` on an SM90+ GPU,
+        :data:`CUDA_TARGET` on an older one.
     """
     if device.type == "npu":
         return ASCEND_A5_TARGET if is_ascend_a5(probe_ascend_soc() if soc is None else soc) else ASCEND_A2A3_TARGET
     if device.type == "cpu":
         return INTERPRETER_TARGET
-    return CUDA_TARGET
+    if not torch.cuda.is_available():  # a CUDA device named where CUDA cannot run: nothing compiles for it here
+        return CUDA_TARGET
+    index = getattr(device, "index", None)
+    capability = torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)
+    return CUDA_PDL_TARGET if capability >= PDL_MIN_CAPABILITY else CUDA_TARGET
 
 
 def route_plan(device: torch.device, dtype: torch.dtype, soc: int | str | None = None,

@@ -77,6 +77,19 @@ def selected_row_mask(index_ptr, flag_ptr, row, num_rows, BLOCK: tl.constexpr, S
 
 
 @triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """With ``PDL``: wait until the previous kernel on the stream has finished and its writes are visible, then let
+    the next one start (``griddepcontrol``, NVIDIA SM90+; the ``launch_pdl`` compile option launches the kernel
+    early). The same instructions as Triton's ``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents``, written here
+    because triton-ascend has no ``tl.extra.cuda`` and compiles this kernel too (``PDL`` False there: no code)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def flat_tile(TILES: tl.constexpr, BLOCK: tl.constexpr):
     """Return ``(row, offsets)`` of this program in a flat ``(S * TILES,)`` grid: byte or item tile
     ``program % TILES`` of selected row ``program // TILES`` (int64 scalar, ``[BLOCK]`` int64 offsets)."""
@@ -101,6 +114,7 @@ def copy_rows_kernel(
     DST: tl.constexpr,
     NAN_RULE: tl.constexpr,
     NAN_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Copy one ``BLOCK``-element tile of one selected row (fused plan).
 
@@ -129,7 +143,10 @@ def copy_rows_kernel(
             the target's compiler keeps the hint (triton-ascend drops it).
         SRC, DST: scatter only: kind codes (0 FP32, 1 BF16, 2 FP16) of F and T; equal codes copy bits.
         NAN_RULE, NAN_BITS: scatter only: the NaN rule probed at prepare (:mod:`~kda_patches.state_copy.casts`).
+        PDL: compiled with ``launch_pdl`` (programmatic dependent launch, :func:`pdl_prologue`): only where the
+            target honours it (:data:`~kda_patches.state_copy.device.PDL`) and the plan asked for it.
     """
+    pdl_prologue(PDL)
     tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
     offsets = tile * BLOCK + tl.arange(0, BLOCK)

@@ -35,6 +35,7 @@ import triton
 from kda_patches.state_copy import casts, kernels, layout
 from kda_patches.state_copy.device import (
     EVICT_FIRST,
+    PDL,
     PLAN_FALLBACK,
     PLAN_FUSED,
     TargetFacts,
@@ -77,11 +78,12 @@ class StateCopyPlan:
 
     def __init__(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
                  layer: str | None, stream: bool = False,
-                 final_dtypes: tuple[torch.dtype, ...] | None = None, target: TargetFacts | None = None) -> None:
+                 final_dtypes: tuple[torch.dtype, ...] | None = None, target: TargetFacts | None = None,
+                 pdl: bool = False) -> None:
         wanted = casts.normalize_final_dtypes(final_dtypes, state.dtype, layer)
         policies = {dtype: casts.probe_nan_policy(dtype, state.dtype, state.device, layer) for dtype in wanted}
         self._set_up(state, max_selected, block_bytes, num_warps, layer, stream, policies,
-                     target or target_facts(state.device))
+                     target or target_facts(state.device), pdl)
         self.signature = layout.cache_signature(state)
         self._alignment = self.signature[-1]
         self._check_device = state.device.type == "cuda"
@@ -102,7 +104,7 @@ class StateCopyPlan:
 
     def _set_up(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
                 layer: str | None, stream: bool, policies: dict[torch.dtype, casts.CastPolicy],
-                target: TargetFacts) -> None:
+                target: TargetFacts, pdl: bool = False) -> None:
         """Decide everything but the compiled code, from tensor metadata only (a ``meta`` tensor will do)."""
         self.layout = layout.describe_layout(state, layer)
         self.final_dtypes = tuple(policies)
@@ -121,6 +123,11 @@ class StateCopyPlan:
         if stream and not target.honours(EVICT_FIRST):
             self._hints_dropped.append(f"gather evict_first (stream=True): {target.name}'s compiler drops it")
         self._stream = bool(stream) and target.honours(EVICT_FIRST)
+        if pdl and not (target.honours(PDL) and self._launch_option_pdl()):
+            self._hints_dropped.append(f"pdl: {target.name} has no programmatic dependent launch for this plan kind"
+                                       if target.honours(PDL) else
+                                       f"pdl: {target.name} has no programmatic dependent launch")
+        self._pdl = bool(pdl) and target.honours(PDL) and self._launch_option_pdl()
         self._scatter_evict_first = self._scatter_hint(target)
         self._num_warps = self._configure(block_bytes, num_warps, layer)
         self._kernels = tuple(dict.fromkeys(self._variant_kernel(key) for key in self._variant_keys()))
@@ -128,7 +135,7 @@ class StateCopyPlan:
     @classmethod
     def variant_specs(cls, state: torch.Tensor, max_selected: int, target: TargetFacts,
                       policies: dict[torch.dtype, casts.CastPolicy], block_bytes: int | None = None,
-                      num_warps: int | None = None, stream: bool = False) -> list[dict[str, Any]]:
+                      num_warps: int | None = None, stream: bool = False, pdl: bool = False) -> list[dict[str, Any]]:
         """Return the variants :meth:`prepare` would compile for ``state`` on ``target``, compiling nothing.
 
         For checking a compiler that cannot run here (``make ascend-check``): the block, constexprs and
@@ -140,7 +147,7 @@ class StateCopyPlan:
             target: the compiler target (:mod:`~kda_patches.state_copy.device`).
             policies: final dtype -> its :class:`~kda_patches.state_copy.casts.CastPolicy` (on a device
                 that cannot run torch here, every NaN rule is a separate policy to check).
-            block_bytes, num_warps, stream: as for :meth:`prepare`.
+            block_bytes, num_warps, stream, pdl: as for :meth:`prepare`.
         Returns:
             One dict per variant: ``name``, ``kernel`` (the JIT function), ``pointers`` (the four pointer
             dtypes: cache, packed, indices, flags), ``scalars`` (the runtime scalar after them -> its Triton
@@ -148,7 +155,7 @@ class StateCopyPlan:
             ``family`` (the :attr:`TargetFacts.block_limits` key).
         """
         plan = cls.__new__(cls)
-        plan._set_up(state, max_selected, block_bytes, num_warps, None, stream, policies, target)
+        plan._set_up(state, max_selected, block_bytes, num_warps, None, stream, policies, target, pdl)
         specs = []
         for key in plan._variant_keys():
             kernel = plan._variant_kernel(key)
@@ -159,14 +166,15 @@ class StateCopyPlan:
             specs.append({"name": plan._variant_name(key), "kernel": kernel,
                           "pointers": (*pointers, key[1], torch.bool), "scalars": {ROWS_ARGUMENT: ROWS_TYPE},
                           "constexprs": dict(zip(names, plan._variant_constexprs(key), strict=True)),
-                          "num_warps": plan._num_warps, "family": plan._variant_family(key)})
+                          "num_warps": plan._num_warps, "family": plan._variant_family(key),
+                          "launch_pdl": plan._pdl})
         return specs
 
     @classmethod
     def prepare(cls, state: torch.Tensor, max_selected: int, block_bytes: int | None = None,
                 num_warps: int | None = None, layer: str | None = None, stream: bool = False,
                 final_dtypes: tuple[torch.dtype, ...] | None = None,
-                target: TargetFacts | None = None) -> StateCopyPlan:
+                target: TargetFacts | None = None, pdl: bool = False) -> StateCopyPlan:
         """Compile and test-run the ``2 + 2 * len(final_dtypes)`` variants for ``state``'s layout on scratch.
 
         Args:
@@ -182,17 +190,24 @@ class StateCopyPlan:
                 ``(cache dtype, torch.float32)`` deduplicated.
             target: the compiler target (default: the device's, :func:`~kda_patches.state_copy.device.target_facts`);
                 its unified-buffer limits cap the block.
+            pdl: fused plan only: compile with programmatic dependent launch where the target honours it
+                (:data:`~kda_patches.state_copy.device.PDL`, NVIDIA SM90+; an experiment, off); elsewhere the
+                request is recorded as dropped.
         Returns:
             An unsealed plan.
         Raises:
             StateCopyError: layout refused, a final dtype without an exact cast, a block over the
                 target's unified-buffer limit, hooks present, or a variant failed on scratch.
         """
-        return cls(state, max_selected, block_bytes, num_warps, layer, stream, final_dtypes, target)
+        return cls(state, max_selected, block_bytes, num_warps, layer, stream, final_dtypes, target, pdl)
 
     # -- preparation ------------------------------------------------------------------------
     def _scatter_hint(self, target: TargetFacts) -> bool:
         """Return whether the scatter's cache writes carry ``evict_first`` (only the fused kernel has the option)."""
+        return False
+
+    def _launch_option_pdl(self) -> bool:
+        """Return whether this plan kind's kernels take programmatic dependent launch (only the fused kernel)."""
         return False
 
     def _configure(self, block_bytes: int | None, num_warps: int | None, layer: str | None) -> int:
@@ -281,7 +296,7 @@ class StateCopyPlan:
             try:
                 variant = compile_variant(name, self._variant_kernel(key), (cache, source, indices, self._true_flags),
                                           self._variant_constexprs(key), self._num_warps, self._interpreted,
-                                          self._variant_kernel(key) is kernels.copy_row_bytes_kernel)
+                                          self._variant_kernel(key) is kernels.copy_row_bytes_kernel, self._pdl)
                 variant.launch(self._grid(1), cache, source, indices, self._true_flags, cache.shape[0])
                 synchronize(self._device)
             except Exception as exc:
@@ -454,7 +469,7 @@ class StateCopyPlan:
                 "device_kind": device_kind(self._device), "layout": self.layout.as_dict(),
                 "row_bound": f"{ROWS_ARGUMENT} ({ROWS_TYPE}): the cache's shape[0] at each launch",
                 "alignment": self._alignment, "num_warps": self._num_warps, "stream": self._stream,
-                "scatter_evict_first": self._scatter_evict_first, "target": self.target.name,
+                "scatter_evict_first": self._scatter_evict_first, "pdl": self._pdl, "target": self.target.name,
                 "block": self._block_facts(), "block_limited_by": self.block_limited_by,
                 "memory_hints": self.memory_hints(),
                 "launch_entry": "+".join(sorted({variant.entry for variant in self._variants.values()})),
@@ -491,6 +506,9 @@ class FusedStatePlan(StateCopyPlan):
         # the compiler keeps the hint (CUDA; triton-ascend's adapter drops it: patches/ASCEND_COMPILE.md).
         return target.honours(EVICT_FIRST)
 
+    def _launch_option_pdl(self) -> bool:
+        return True
+
     def _variant_family(self, key: tuple[Any, ...]) -> str:
         source = self._dtype if key[0] == "gather" else key[2]
         return f"fused/{casts.dtype_name(source)}->{casts.dtype_name(self._dtype)}"
@@ -515,8 +533,8 @@ class FusedStatePlan(StateCopyPlan):
     def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
         if key[0] == "gather":
             code = casts.KIND_CODES.get(self._dtype, 0)
-            return (*self._base, False, self._stream, code, code, 0, 0)
-        return (*self._base, True, self._scatter_evict_first, *self._casts[key[2]].constexprs())
+            return (*self._base, False, self._stream, code, code, 0, 0, self._pdl)
+        return (*self._base, True, self._scatter_evict_first, *self._casts[key[2]].constexprs(), self._pdl)
 
     def _grid(self, count: int) -> tuple[int, int]:
         return (self._tiles, count)

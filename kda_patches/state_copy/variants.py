@@ -199,7 +199,8 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def compile_variant(name: str, kernel: Any, scratch: tuple[torch.Tensor, ...], constexprs: tuple[Any, ...],
-                    num_warps: int, interpreted: bool, takes_bytes: bool) -> CompiledVariant | InterpretedVariant:
+                    num_warps: int, interpreted: bool, takes_bytes: bool,
+                    launch_pdl: bool = False) -> CompiledVariant | InterpretedVariant:
     """Compile ``kernel`` for the scratch tensors' signature (or wrap it for the interpreter).
 
     Args:
@@ -213,6 +214,8 @@ def compile_variant(name: str, kernel: Any, scratch: tuple[torch.Tensor, ...], c
         num_warps: warps per program.
         interpreted: True under ``TRITON_INTERPRET=1``.
         takes_bytes: the kernel addresses cache and packed as bytes.
+        launch_pdl: compile with Triton's ``launch_pdl`` option (programmatic dependent launch; the launcher then
+            sets the launch attribute on every launch, the direct entry included).
     Returns:
         The launchable variant.
     """
@@ -222,7 +225,9 @@ def compile_variant(name: str, kernel: Any, scratch: tuple[torch.Tensor, ...], c
     rows = cache.shape[0]
     if takes_bytes:
         cache, packed = as_bytes(cache), as_bytes(packed)
-    compiled = kernel.warmup(cache, packed, indices, flags, rows, *constexprs, grid=(1, 1, 1), num_warps=num_warps)
+    options = {"launch_pdl": True} if launch_pdl else {}
+    compiled = kernel.warmup(cache, packed, indices, flags, rows, *constexprs, grid=(1, 1, 1), num_warps=num_warps,
+                             **options)
     if compiled is None or not hasattr(compiled, "packed_metadata"):
         raise RuntimeError(f"Triton did not return a compiled kernel for {name} (async or hooked compilation "
                            "is not supported for state-copy plans)")

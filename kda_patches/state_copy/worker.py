@@ -120,7 +120,7 @@ def resolve_final_dtypes(states: Mapping[str, torch.Tensor], final_dtypes: Final
 
 
 def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int | str | None = None,
-               final_dtypes: FinalDtypes = None) -> dict[str, LayerStatePlan]:
+               final_dtypes: FinalDtypes = None, pdl: bool = False) -> dict[str, LayerStatePlan]:
     """Prepare and seal the plans of a worker's layers; return one binding per layer.
 
     Args:
@@ -134,6 +134,8 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
             ``2 + 2 * F`` variants for its ``F`` final dtypes (two gathers, INT32/INT64, and two
             scatters per final dtype: the issue's "four per final dtype"), all on scratch before
             seal; a scatter of any other dtype is refused before launch.
+        pdl: compile the fused plans with programmatic dependent launch where the target honours it
+            (NVIDIA SM90+; an experiment for the benchmarks, off in serving until measured there).
     Returns:
         ``{layer_name: LayerStatePlan}``; layers with the same plan kind, cache signature and
         final-dtype set share one compiled plan. Nothing is published anywhere: the caller attaches
@@ -163,7 +165,7 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
         try:
             plans[key] = PLAN_CLASSES[key[0]].prepare(states[names[0]], max_selected, layer=names[0],
                                                       final_dtypes=finals[names[0]],
-                                                      target=routes[names[0]].target)
+                                                      target=routes[names[0]].target, pdl=pdl)
         except Exception as exc:
             raise _fail(names[0], exc, "prepare") from exc
     for key, plan in plans.items():
@@ -185,6 +187,7 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
                 "variants": len(described["variants"]), "launch_entry": described["launch_entry"],
                 "scatter_evict_first": described["scatter_evict_first"], "block": described["block"],
                 "block_limited_by": described["block_limited_by"], "memory_hints": described["memory_hints"],
+                "pdl": described["pdl"],
                 "native_op": "never (KDA_PATCHES_FORCE_TRITON=1)" if force_triton else "none available"})
     ledger.count(LEDGER_SECTION, "tables_prepared", len(plans))
     ledger.set_fact(LEDGER_SECTION, "initialization", {"ok": True, "layers": len(bindings), "tables": len(plans)})

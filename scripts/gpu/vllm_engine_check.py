@@ -826,9 +826,10 @@ PEER_SHAPES = "qwen3.6-27b-tp4=12,128,128;kimi-linear-48b-tp1=32,128,128"
 
 def peer_argv(vllm_version: str, output: pathlib.Path) -> list[str]:
     """``kda-patches bench peer`` with upstream vLLM's own GDN state-copy ops of the unpacked release beside the
-    plan (issue 27 deliverable 3): Qwen3.6-27B's GDN heads at TP4 and Kimi-Linear-48B's KDA heads on one GPU."""
+    plan and the plan with programmatic dependent launch (issue 27 deliverable 3): Qwen3.6-27B's GDN heads at TP4
+    and Kimi-Linear-48B's KDA heads on one GPU."""
     return [sys.executable, "-m", "kda_patches", "bench", "peer", "--release", f"vllm=={vllm_version}",
-            "--output", str(output), "--device", "cuda", "--shapes", PEER_SHAPES]
+            "--output", str(output), "--device", "cuda", "--shapes", PEER_SHAPES, "--pdl"]
 
 
 def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: list[str], repeats: int,

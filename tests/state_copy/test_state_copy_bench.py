@@ -77,3 +77,20 @@ def test_replay_graphs_times_every_call_in_each_round(device) -> None:
     samples = replay_graphs(calls, graph_calls=5, trials=3, device=device, shuffler=random.Random(3))
     assert set(samples) == set(calls) and all(len(values) == 3 and min(values) > 0 for values in samples.values())
     assert torch.equal(targets["copy"], source) and torch.equal(targets["scaled"], source * 2.0)
+
+
+def test_gdn_bench_measures_the_pdl_plan_only_where_the_target_has_pdl(tmp_path, device, capsys):
+    output = tmp_path / "gdn.json"
+    argv = ["gdn-state-copy", "--output", str(output), "--device", str(device), "--rows", "12", "--shapes",
+            "tiny=2,3,8", "--gap-items", "5", "--selected", "1,3", "--trials", "2", "--graph-calls", "3", "--cases",
+            "bfloat16:float32", "--seed", "3", "--pdl"]
+    assert main(argv) == 0
+    impls = {record["impl"] for record in json.loads(output.read_text())["records"]}
+    from kda_patches.state_copy.device import PDL, target_facts
+
+    if target_facts(device).honours(PDL):  # an SM90+ GPU: measured, bit-exact checked first like every impl
+        assert "plan+pdl" in impls
+    else:
+        assert "plan+pdl" not in impls
+        assert "plan+pdl is not measured: ['pdl: cpu-interpreter has no programmatic dependent launch']" in \
+            capsys.readouterr().out

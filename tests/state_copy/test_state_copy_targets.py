@@ -14,7 +14,14 @@ from state_copy_helpers import bits, build_cache
 
 from kda_patches.ledger import get_ledger
 from kda_patches.state_copy import casts, device, naive
-from kda_patches.state_copy.device import ASCEND_A2A3_TARGET, ASCEND_A5_TARGET, CUDA_TARGET, TargetFacts
+from kda_patches.state_copy.device import (
+    ASCEND_A2A3_TARGET,
+    ASCEND_A5_TARGET,
+    CUDA_PDL_TARGET,
+    CUDA_TARGET,
+    PDL,
+    TargetFacts,
+)
 from kda_patches.state_copy.errors import StateCopyError
 from kda_patches.state_copy.plan import FallbackStatePlan, FusedStatePlan, initialize
 
@@ -115,7 +122,7 @@ def test_routes_carry_the_target_of_their_device():
     assert device.route_plan(npu, BF16, soc=260).target is ASCEND_A5_TARGET
     assert device.route_plan(npu, BF16, soc="Ascend910B3").target is ASCEND_A2A3_TARGET
     assert device.route_plan(npu, F16, soc=260).target is ASCEND_A5_TARGET  # fallback plan, A5 buffer
-    assert device.route_plan(SimpleNamespace(type="cuda"), F32).target is CUDA_TARGET
+    assert device.route_plan(SimpleNamespace(type="cuda", index=0), F32).target.name == "cuda"
     assert device.route_plan(npu, F32, soc=253).as_dict()["target"] == "ascend-a2a3"
 
 
@@ -142,3 +149,54 @@ def test_a_canonical_fp32_nan_with_the_sign_bit_is_written_exactly(device, monke
     written = bits(cache.state[1]).reshape(-1)
     assert int(written[5]) == 0x3F800000
     assert set(written[torch.arange(64, device=device) != 5].tolist()) == {0xFFC00000 - (1 << 32)}
+
+
+@pytest.mark.parametrize("capability, expected", [((8, 0), CUDA_TARGET), ((8, 9), CUDA_TARGET),
+                                                  ((9, 0), CUDA_PDL_TARGET), ((10, 0), CUDA_PDL_TARGET)])
+def test_programmatic_dependent_launch_is_honoured_from_sm90(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    target = device.target_facts(SimpleNamespace(type="cuda", index=0))
+    assert target is expected and target.honours(PDL) is (capability >= (9, 0))
+    assert target.honours("evict_first")
+
+
+def test_pdl_is_compiled_only_into_the_fused_kernel_where_the_target_honours_it():
+    pdl = FusedStatePlan.variant_specs(meta(BF16), 8, CUDA_PDL_TARGET, policies(BF16, (BF16,)), pdl=True)
+    assert {spec["constexprs"]["PDL"] for spec in pdl} == {True} and {spec["launch_pdl"] for spec in pdl} == {True}
+    for target, asked in ((CUDA_PDL_TARGET, False), (CUDA_TARGET, True), (ASCEND_A5_TARGET, True)):
+        specs = FusedStatePlan.variant_specs(meta(BF16), 8, target, policies(BF16, (BF16,)), pdl=asked)
+        assert {spec["constexprs"]["PDL"] for spec in specs} == {False} and not any(s["launch_pdl"] for s in specs)
+    fallback = FallbackStatePlan.variant_specs(meta(F16), 8, CUDA_PDL_TARGET, policies(F16, (F16,)), pdl=True)
+    assert not any(spec["launch_pdl"] or "PDL" in spec["constexprs"] for spec in fallback)
+
+
+def test_a_dropped_pdl_request_is_said_in_the_plan_facts(device):
+    cache = build_cache(device, dtype=F32, num_rows=4, inner=(2, 16, 64))
+    facts = FusedStatePlan.prepare(cache.state, 2, pdl=True, target=ASCEND_A5_TARGET).describe()
+    assert facts["pdl"] is False and "pdl: ascend-a5 has no programmatic dependent launch" in \
+        facts["memory_hints"]["dropped"]
+    assert FusedStatePlan.prepare(cache.state, 2, target=ASCEND_A5_TARGET).describe()["memory_hints"]["dropped"] == []
+
+
+@pytest.mark.parametrize("asked", ["pdl", "plain"])
+def test_the_fused_variants_compile_for_sm90_with_grid_dependency_control_only_when_asked(asked):
+    # compiled for real by Triton's NVIDIA backend on this machine (no GPU needed), in a process without the
+    # interpreter; the PTX is what the H200 would load
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("pdl_compile_child.py")), asked],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found) == 6  # gather and two scatters, int32 and int64 indices
+    expected = asked == "pdl"
+    assert all(entry == {"wait": expected, "launch_dependents": expected, "launch_pdl": expected}
+               for entry in found.values()), found
