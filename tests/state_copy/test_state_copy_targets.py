@@ -200,3 +200,26 @@ def test_the_fused_variants_compile_for_sm90_with_grid_dependency_control_only_w
     expected = asked == "pdl"
     assert all(entry == {"wait": expected, "launch_dependents": expected, "launch_pdl": expected}
                for entry in found.values()), found
+
+
+@pytest.mark.parametrize("dtype, final", [(BF16, F32), (F32, F32)])
+def test_a_pdl_plan_copies_exactly_where_it_is_compiled(device, dtype, final):
+    # on an SM90+ GPU (--run-gpu) the plan launches with programmatic dependent launch, back to back on one stream
+    # after other kernels; elsewhere the request is dropped and the same plan runs without it
+    cache = build_cache(device, dtype=dtype, num_rows=7, inner=(2, 16, 64), seed=11)
+    plan = FusedStatePlan.prepare(cache.state, 4, pdl=True, final_dtypes=(final,)).seal()
+    assert plan.describe()["pdl"] is (device.type == "cuda" and device_target_has_pdl(device))
+    indices = torch.tensor([5, -1, 2, 7], dtype=torch.int64, device=device)  # -1 and 7 (== N) are invalid
+    flags = torch.tensor([True, True, False, True], device=device)
+    for _ in range(3):  # consecutive launches: each waits for the one before it
+        expected = naive.gather_states(cache.state, indices, flags)
+        assert torch.equal(bits(plan.gather(cache.state, indices, flags)), bits(expected))
+        last = torch.randn((4, 2, 16, 64), generator=torch.Generator().manual_seed(5)).to(device=device, dtype=final)
+        reference = cache.clone()
+        naive.scatter_states(reference.state, last, indices)
+        plan.scatter(cache.state, last, indices)
+        assert torch.equal(bits(cache.backing), bits(reference.backing)) and cache.gaps_untouched()
+
+
+def device_target_has_pdl(where: torch.device) -> bool:
+    return device.target_facts(where).honours(PDL)
