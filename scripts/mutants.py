@@ -358,6 +358,34 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_gpu_engine_check.py::"
             "test_a_case_that_stands_aside_passes_only_when_the_seam_is_visibly_left_alone",), "H (bench)",
            "a 0.34 case passes as standing aside when the seam was merely never imported"),
+    # -- issue 26/27 (session of 2026-12-03 night): the instruments of the engine slowdown, PDL -------------------
+    Mutant("serve-ab-budget-ignores-warmup", "kda_patches/bench/serve_ab.py",
+           "        if not walls and warmup_runs:",
+           "        if False:",
+           ("tests/regress/test_serve_ab_resume.py::test_the_warmup_is_the_first_rounds_time_estimate",), "H (bench)",
+           "a time budget smaller than the warm-up starts round 0 anyway and the device call is cut inside it"),
+    Mutant("engine-repeat-baseline-once", "kda_patches/bench/engine_repeat.py",
+           "    return [BASELINE, *shuffled, BASELINE]",
+           "    return [BASELINE, *shuffled]",
+           ("tests/regress/test_engine_repeat.py::test_the_baseline_runs_first_and_last_around_the_shuffled_arms",),
+           "H (bench)", "a bisection without the second baseline run cannot show drift over the run"),
+    Mutant("step-times-decode-as-prefill", "kda_patches/bench/step_times.py",
+           "    return \"prefill\" if max(per_request.values()) > 1 else \"decode\"",
+           "    return \"prefill\" if max(per_request.values()) >= 1 else \"decode\"",
+           ("tests/regress/test_step_times.py::test_a_batch_is_prefill_when_any_request_gets_more_than_one_token",),
+           "H (bench)", "decode steps counted as prefill: the step times no longer split where the overlay runs"),
+    Mutant("pdl-prologue-dropped", "kda_patches/state_copy/kernels.py",
+           "    pdl_prologue(PDL)\n    tile = tl.program_id(0).to(tl.int64)",
+           "    tile = tl.program_id(0).to(tl.int64)",
+           ("tests/state_copy/test_state_copy_targets.py::"
+            "test_the_fused_variants_compile_for_sm90_with_grid_dependency_control_only_when_asked",), "D (state_copy)",
+           "a kernel launched early by PDL reads before the previous kernel's writes are visible"),
+    Mutant("peer-any-vllm-version", "kda_patches/bench/peer.py",
+           "    if running != version:",
+           "    if False:",
+           ("tests/state_copy/test_state_copy_bench_peer.py::"
+            "test_upstream_ops_come_from_the_running_vllm_of_that_release_or_are_refused",), "H (bench)",
+           "bench peer labels another vLLM's ops as the release asked for"),
 )
 
 
