@@ -33,8 +33,11 @@ STATE_INDEX = "vllm_ascend.ops.triton.mamba.state_index"
 # near 3.6e-3 differed by 9.2e-5 (6 BF16 ulps) from the direct recurrence (the stand-in prefill's chunked sums),
 # so 1e-5 failed about one run in twenty; a wrong or missing state copy moves elements by the states' own scale
 # (many elements by their own magnitude), which 2e-4 still catches; the A/B against KDA_PATCHES=1 stays bitwise.
+# FP32 caches get the same bound: with seed 1725747703 (0.30.0rc2, clean-clone CI of 2026-12-03) 38 of 6144 FP32
+# finals differed by up to 1.4e-4 from the direct recurrence (the inputs pass through BF16 on both paths, in
+# another order), so FP32 finals are no closer to it than BF16 ones.
 OUTPUT_TOLERANCE = {"atol": 1e-3, "rtol": 1e-2}
-FINAL_TOLERANCE = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 2e-4, "rtol": 1e-2}}
+FINAL_TOLERANCE = {"float32": {"atol": 2e-4, "rtol": 1e-2}, "bfloat16": {"atol": 2e-4, "rtol": 1e-2}}
 WRITTEN_ROWS = {row for batch in BATCHES for row in batch[0]}  # every row a batch selects (prefill or decode)
 
 
