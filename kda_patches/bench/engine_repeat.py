@@ -70,13 +70,13 @@ def run_child(child_args: list[str], env_overrides: dict[str, str], run_dir: str
     ``profile``: the arm also runs one profiled pass after its measured ones (``--profile-dir RUN_DIR/profile``);
     ``profile_tables`` lists the operator tables vLLM's torch profiler wrote there (``*.profiler_out.txt``).
     """
+    from kda_patches.bench.serve_ab import run_env
     from kda_patches.bench.step_times import load_step_times
     from kda_patches.regress.ledgers import collect_ledgers
 
     os.makedirs(run_dir)
     status_dir, result_path = os.path.join(run_dir, "status"), os.path.join(run_dir, "result.json")
-    env = {key: value for key, value in os.environ.items() if key not in ("KDA_PATCHES", "KDA_PATCHES_STATUS_DIR")}
-    env.update(env_overrides, KDA_PATCHES_STATUS_DIR=status_dir, PYTHONUNBUFFERED="1")
+    env = run_env(env_overrides, status_dir)
     command = [sys.executable, "-m", "kda_patches.bench.engine_repeat", CHILD_FLAG, *child_args,
                "--result", result_path]
     if profile:

@@ -129,6 +129,14 @@ def extract_metrics(kind: str, result: dict[str, Any], log_text: str) -> dict[st
     return metrics
 
 
+def run_env(switches: dict[str, str], status_dir: str) -> dict[str, str]:
+    """The environment of one benchmark process: this one's, without its own overlay switch and status directory,
+    plus ``switches`` (``KDA_PATCHES`` at least) and ``status_dir`` for every process's ledger."""
+    env = {key: value for key, value in os.environ.items() if key not in ("KDA_PATCHES", "KDA_PATCHES_STATUS_DIR")}
+    env.update(switches, KDA_PATCHES_STATUS_DIR=status_dir, PYTHONUNBUFFERED="1")
+    return env
+
+
 def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: float,
                    entry: str = "cli") -> dict[str, Any]:
     """Run ``vllm bench`` once in a fresh process group (through ``entry``, see :data:`ENTRIES`); return its record.
@@ -143,8 +151,7 @@ def run_bench_once(bench: list[str], enabled: bool, run_dir: str, timeout_s: flo
     label = "patched" if enabled else "baseline"
     os.makedirs(run_dir)
     status_dir, out_json, log_path = (os.path.join(run_dir, name) for name in ("status", "result.json", "run.log"))
-    env = {key: value for key, value in os.environ.items() if key not in ("KDA_PATCHES", "KDA_PATCHES_STATUS_DIR")}
-    env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STATUS_DIR=status_dir, PYTHONUNBUFFERED="1")
+    env = run_env({"KDA_PATCHES": "1" if enabled else "0"}, status_dir)
     command = [sys.executable, "-m", "kda_patches.bench.serve_ab", f"--exec-vllm-{entry}", "bench", *bench,
                "--output-json", out_json]
     record: dict[str, Any] = {"label": label, "command": command, "log": log_path, "error": None}

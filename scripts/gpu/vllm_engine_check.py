@@ -499,6 +499,14 @@ def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, st
     return env
 
 
+def bench_env(name: str, hook: pathlib.Path, site: pathlib.Path) -> dict[str, str]:
+    """A benchmark's environment: a V2-runner Qwen3.5 case's (:func:`case_env`) without seeded weights (a benchmark
+    needs none; the dummy loader's run as they are)."""
+    env = case_env(Case(name, "qwen3_5", "v2", True, False), hook, site)
+    env.pop(SEEDED_WEIGHTS_ENV)
+    return env
+
+
 def regress_argv(case: Case, params: dict[str, Any], work: pathlib.Path) -> list[str]:
     """The ``kda-patches regress`` command line of a case (baseline twice; a negative control once)."""
     argv = [sys.executable, "-m", "kda_patches", "regress", "--workload", "vllm", "--json", "--work-dir", str(work),
@@ -874,8 +882,7 @@ def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook:
         return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": None, "metrics": {},
                 "problems": [f"not run: needs {shape_gpus(shape)} GPUs, this machine has {gpus}"], "output_tail": ""}
     target = out / f"throughput-{shape}"
-    env = case_env(Case(f"throughput-{shape}", "qwen3_5", "v2", True, False), hook, site)
-    env.pop(SEEDED_WEIGHTS_ENV)  # throughput needs no particular weights
+    env = bench_env(f"throughput-{shape}", hook, site)
     done = subprocess.run(throughput_argv(shape, model_dir, rounds, target, time_budget_s), env=env,
                           capture_output=True, text=True, cwd=ROOT)
     result_file = target / "serve_ab.json"
@@ -954,15 +961,13 @@ def run_parent(args: argparse.Namespace) -> int:
     hook = gpu_harness.write_stand_in_hook(site.with_name(site.name + "-engine-hook"), "vllm_engine_check",
                                            "install_engine_stand_ins")
     if args.peer:
-        env = case_env(Case("peer", "qwen3_5", "v2", True, False), hook, site)
-        env.pop(SEEDED_WEIGHTS_ENV)
+        env = bench_env("peer", hook, site)
         argv = peer_argv(report["vllm"], out / "peer.json")
         print(" ".join(argv), flush=True)
         return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if args.bisect:
         target = out / f"bisect-{args.bisect}"
-        env = case_env(Case(f"bisect-{args.bisect}", "qwen3_5", "v2", True, False), hook, site)
-        env.pop(SEEDED_WEIGHTS_ENV)
+        env = bench_env(f"bisect-{args.bisect}", hook, site)
         env[STEP_TIMES_ENV] = "1"
         argv = bisect_argv(args.bisect, write_bench_model(out / "models"), target, args.arms, args.repeats,
                            args.num_prompts, args.profile)
