@@ -384,7 +384,10 @@ def test_a_bisection_runs_the_shapes_requests_with_the_benchmarks_engine_setting
         if "--tensor-parallel-size" in bench:
             assert kwargs["tensor_parallel_size"] == option("--tensor-parallel-size")
     argv = module.bisect_argv("short", tmp_path, tmp_path / "b", ["patched"], 2, num_prompts=1024)
-    assert argv[argv.index("--num-prompts") + 1] == "1024"
+    assert argv[argv.index("--num-prompts") + 1] == "1024" and "--interleave" not in argv
+    driver = module.bisect_argv("short", tmp_path, tmp_path / "b", ["patched"], 2, interleave=6)
+    driver = driver[:driver.index("--")]
+    assert driver[driver.index("--interleave") + 1] == "6"  # an engine_repeat option, not the child's
     module.THROUGHPUT_SHAPES["odd"] = (("--dataset-name", "sharegpt"), "an option engine_repeat cannot follow")
     try:
         with pytest.raises(ValueError, match="--dataset-name has no engine_repeat counterpart"):
@@ -416,7 +419,8 @@ def test_the_bisect_and_peer_runs_start_one_child_in_the_engine_environment(tmp_
     started = []
     monkeypatch.setattr(module.subprocess, "run", lambda argv, env, cwd: started.append((argv, env)) or
                         subprocess.CompletedProcess(argv, 7))
-    extra = ["--bisect", "short", "--num-prompts", "64", "--repeats", "2"] if mode == "bisect" else ["--peer"]
+    extra = (["--bisect", "short", "--num-prompts", "64", "--repeats", "2", "--interleave", "5"] if mode == "bisect"
+             else ["--peer"])
     assert module.main(["--out", str(tmp_path / "out"), *extra]) == 7  # the child's exit status
     (argv, env), = started
     assert str(tmp_path / "site-engine-hook") == env["PYTHONPATH"].split(":")[0]  # the stand-in hook first
@@ -424,6 +428,7 @@ def test_the_bisect_and_peer_runs_start_one_child_in_the_engine_environment(tmp_
     if mode == "bisect":
         assert argv[argv.index("--out") + 1] == str(tmp_path / "out" / "bisect-short")
         assert argv[argv.index("--num-prompts") + 1] == "64" and env[module.STEP_TIMES_ENV] == "1"
+        assert argv[argv.index("--interleave") + 1] == "5"
         assert (tmp_path / "out" / "models" / "qwen3_5_bench" / "config.json").is_file()
     else:
         assert argv[argv.index("--release") + 1] == "vllm==0.33.0"

@@ -71,23 +71,35 @@ def run_child(child_args: list[str], env_overrides: dict[str, str], run_dir: str
     ``profile_tables`` lists the operator tables vLLM's torch profiler wrote there (``*.profiler_out.txt``).
     """
     from kda_patches.bench.serve_ab import run_env
-    from kda_patches.bench.step_times import load_step_times
-    from kda_patches.regress.ledgers import collect_ledgers
 
     os.makedirs(run_dir)
-    status_dir, result_path = os.path.join(run_dir, "status"), os.path.join(run_dir, "result.json")
-    env = run_env(env_overrides, status_dir)
-    command = [sys.executable, "-m", "kda_patches.bench.engine_repeat", CHILD_FLAG, *child_args,
-               "--result", result_path]
-    if profile:
-        command += ["--profile-dir", os.path.join(run_dir, "profile")]
+    env = run_env(env_overrides, os.path.join(run_dir, "status"))
     started = time.perf_counter()
     with open(os.path.join(run_dir, "run.log"), "wb") as log:
         try:
-            returncode = subprocess.run(command, env=env, stdout=log, stderr=log, timeout=timeout_s).returncode
+            returncode = subprocess.run(child_command(child_args, run_dir, profile), env=env, stdout=log,
+                                        stderr=log, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             returncode = None
-    record: dict[str, Any] = {"env": env_overrides, "wall_s": time.perf_counter() - started, "returncode": returncode,
+    return finish_record(run_dir, env_overrides, returncode, time.perf_counter() - started)
+
+
+def child_command(child_args: list[str], run_dir: str, profile: bool, *extra: str) -> list[str]:
+    """Return the command line of one arm's process (result in ``RUN_DIR/result.json``)."""
+    command = [sys.executable, "-m", "kda_patches.bench.engine_repeat", CHILD_FLAG, *child_args,
+               "--result", os.path.join(run_dir, "result.json"), *extra]
+    return command + (["--profile-dir", os.path.join(run_dir, "profile")] if profile else [])
+
+
+def finish_record(run_dir: str, env_overrides: dict[str, str], returncode: int | None,
+                  wall_s: float) -> dict[str, Any]:
+    """Return an ended arm's record: its result file, the ledgers and step times of ``RUN_DIR/status``, the
+    profiler tables, and ``error`` with the log's tail when it did not exit 0 with a result."""
+    from kda_patches.bench.step_times import load_step_times
+    from kda_patches.regress.ledgers import collect_ledgers
+
+    status_dir, result_path = os.path.join(run_dir, "status"), os.path.join(run_dir, "result.json")
+    record: dict[str, Any] = {"env": env_overrides, "wall_s": wall_s, "returncode": returncode,
                               "ledgers": collect_ledgers(status_dir), "step_times": load_step_times(status_dir),
                               "profile_tables": sorted(glob.glob(os.path.join(run_dir, "profile", "*_out.txt")))}
     if returncode != 0 or not os.path.isfile(result_path):
@@ -144,11 +156,20 @@ def run_arms(arms: dict[str, dict[str, str]], child_args: list[str], out_dir: st
         runs.append((name, record))
         print(f"  {name:<24} " + (record.get("error") or " ".join(f"{value:.3f}" for value in record["elapsed_s"])),
               flush=True)
-    document = {"child_args": child_args, "arms": plan, "order": [name for name, _ in runs], "seed": seed,
-                "summary": summarize_arms(runs), "runs": [{"arm": name, **record} for name, record in runs]}
-    with open(os.path.join(out_dir, "engine_repeat.json"), "w") as handle:
-        json.dump(document, handle, indent=1, sort_keys=True)
+        # after every arm: a device call that ends mid-run still brings back the arms that finished
+        document = {"child_args": child_args, "arms": plan, "order": [name for name, _ in runs], "seed": seed,
+                    "summary": summarize_arms(runs), "runs": [{"arm": name, **record} for name, record in runs]}
+        write_document(document, out_dir)
     return document
+
+
+def write_document(document: dict[str, Any], out_dir: str) -> str:
+    """Write ``OUT_DIR/engine_repeat.json`` atomically (a reader sees the previous write or this one)."""
+    path = os.path.join(out_dir, "engine_repeat.json")
+    with open(path + ".partial", "w") as handle:
+        json.dump(document, handle, indent=1, sort_keys=True)
+    os.replace(path + ".partial", path)
+    return path
 
 
 def format_summary(summary: dict[str, dict[str, Any]]) -> list[str]:
@@ -178,6 +199,9 @@ def child_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                         help="one more LLM(...) argument, e.g. gpu_memory_utilization=0.6")
     parser.add_argument("--result", required=True)
+    parser.add_argument("--serve-fd", type=int, help="interleaved runs (engine_interleave): after the unmeasured "
+                        "pass, report ready on this file descriptor, then one timed pass per 'pass' line on stdin "
+                        "until 'quit' (--repeats is not used)")
     parser.add_argument("--profile-dir", help="after the measured passes, one pass under vLLM's torch profiler, its "
                         "traces and operator tables written here (not a measured pass)")
     return parser
@@ -201,8 +225,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def child_main(argv: list[str]) -> int:
     """One arm: start the engine, run the batch once unmeasured and ``--repeats`` times measured, write the result.
 
-    Every request decodes exactly ``--output-len`` tokens (``ignore_eos``); a repeat that returns another count is
-    an error, not a sample.
+    With ``--serve-fd``, the measured passes come one per ``pass`` command on stdin, each answered on that file
+    descriptor with a JSON line (``elapsed_s``, and the pass's ``start`` / ``end`` in ``time.time()`` seconds), after a
+    first line ``{"ready": true, ...}``; ``quit`` ends them. Every request decodes exactly ``--output-len`` tokens
+    (``ignore_eos``); a pass that returns another count is an error, not a sample.
+
+    Raises:
+        SystemExit: a pass produced another token count, or stdin gave a command other than ``pass`` / ``quit``.
     """
     args = child_parser().parse_args(argv)
     from vllm import LLM, SamplingParams
@@ -213,19 +242,33 @@ def child_main(argv: list[str]) -> int:
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [{"prompt_token_ids": ids} for ids in random_prompts(args.num_prompts, args.input_len, vocab, args.seed)]
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    elapsed, warmup_s = [], None
-    for repeat in range(args.repeats + 1):
+
+    def timed_pass(number: int) -> float:
         begin = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - begin
         produced = sum(len(output.outputs[0].token_ids) for output in outputs)
         if produced != args.num_prompts * args.output_len:
-            raise SystemExit(f"repeat {repeat}: {produced} output tokens, expected "
+            raise SystemExit(f"repeat {number}: {produced} output tokens, expected "
                              f"{args.num_prompts} x {args.output_len}")
-        if repeat == 0:
-            warmup_s = seconds
-        else:
-            elapsed.append(seconds)
+        return seconds
+
+    warmup_s = timed_pass(0)
+    elapsed: list[float] = []
+    if args.serve_fd is None:
+        elapsed = [timed_pass(number) for number in range(1, args.repeats + 1)]
+    else:
+        with os.fdopen(args.serve_fd, "w", buffering=1) as reply:
+            reply.write(json.dumps({"ready": True, "startup_s": startup_s, "warmup_s": warmup_s}) + "\n")
+            for line in sys.stdin:
+                command = line.strip()
+                if command == "quit":
+                    break
+                if command != "pass":
+                    raise SystemExit(f"engine_repeat --serve-fd: unknown command {command!r} (pass or quit)")
+                begin = time.time()
+                elapsed.append(timed_pass(len(elapsed) + 1))
+                reply.write(json.dumps({"elapsed_s": elapsed[-1], "start": begin, "end": time.time()}) + "\n")
     if args.profile_dir:
         llm.start_profile()
         llm.generate(prompts, params, use_tqdm=False)
@@ -249,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--profile", action="store_true", help="each arm also runs one pass under vLLM's torch "
                         "profiler after its measured passes (RUN_DIR/profile/*.profiler_out.txt)")
+    parser.add_argument("--interleave", type=int, metavar="CYCLES", help="every arm's engine alive at once, CYCLES "
+                        "cycles of one timed pass per arm, paired ratios (kda_patches.bench.engine_interleave)")
     args = parser.parse_args(own)
     if not child:
         parser.error("give the engine's arguments after --")
@@ -258,9 +303,18 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(names)) != len(names):
             raise ValueError(f"--arm names must differ, got {names}")
         arms = dict(parsed)
-        document = run_arms(arms, child, os.path.abspath(args.out), args.seed, args.timeout, args.profile)
+        if args.interleave is not None:
+            from kda_patches.bench.engine_interleave import format_pairs, run_interleaved
+
+            document = run_interleaved(arms, child, os.path.abspath(args.out), args.interleave, args.seed,
+                                       args.timeout, args.profile)
+        else:
+            document = run_arms(arms, child, os.path.abspath(args.out), args.seed, args.timeout, args.profile)
     except ValueError as error:
         parser.error(str(error))
+    if args.interleave is not None:
+        print("\n".join(format_pairs(document)))
+        return 1 if "error" in document or any("error" in run for run in document["runs"]) else 0
     print("\n".join(format_summary(document["summary"])))
     return 1 if any("error" in run for run in document["runs"]) else 0
 

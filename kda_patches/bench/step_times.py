@@ -6,9 +6,11 @@ them), or occasional stalls (a high p99 / max). Both sides record the same way, 
 ``perf_counter`` pair and a list append per call) cancels in the ratio.
 
 ``KDA_BENCH_STEP_TIMES=1`` plus :func:`install_from_env` (the GPU scripts' start-up hook calls it in every
-process) wraps :data:`TARGETS` when their modules are imported; at exit a process that recorded anything writes
+process) wraps :data:`TARGETS` when their modules are imported; a process that recorded anything writes
 ``step-times-<pid>.json`` into ``KDA_PATCHES_STATUS_DIR`` (serve-ab gives each run its own), which
-:func:`load_step_times` summarizes per label.
+:func:`load_step_times` summarizes per label. It writes every :data:`FLUSH_EVERY_S` seconds while new samples
+arrive (a background thread, off the timed calls) and again at exit: vLLM stops its engine-core process without
+running exit handlers (on the H200 its ledger stayed ``final: false``), so an exit-only write lost every sample.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import glob
 import json
 import os
 import statistics
+import sys
+import threading
 import time
 from typing import Any
 
 ENV = "KDA_BENCH_STEP_TIMES"
 STATUS_DIR_ENV = "KDA_PATCHES_STATUS_DIR"
 FILE_PATTERN = "step-times-*.json"
+FLUSH_EVERY_S = 1.0
 
 # (module, qualname, label); execute_model's label gets [prefill] / [decode] / [empty] from its scheduler output
 TARGETS: tuple[tuple[str, str, str], ...] = (
@@ -69,20 +74,60 @@ class StepTimes:
                 record(name, []).append(elapsed)
         return timed
 
+    def count(self) -> int:
+        """Return how many samples are recorded, over all labels."""
+        return sum(len(values) for values in list(self.samples.values()))
+
     def write(self, directory: str) -> str | None:
-        """Write ``step-times-<pid>.json`` into ``directory``; return its path (None: nothing was recorded)."""
-        if not self.samples:
+        """Write ``step-times-<pid>.json`` into ``directory``; return its path (None: nothing was recorded).
+
+        Safe beside the recording threads: it writes a copy taken in one step (whole lists, no torn sample), and
+        replaces the file atomically, so a reader sees the previous write or this one.
+        """
+        snapshot = {label: list(values) for label, values in list(self.samples.items())}
+        if not snapshot:
             return None
         path = os.path.join(directory, f"step-times-{os.getpid()}.json")
-        with open(path + ".partial", "w") as handle:
-            json.dump({"pid": os.getpid(), "samples": self.samples}, handle)
-        os.replace(path + ".partial", path)
+        partial = f"{path}.{threading.get_ident()}.partial"
+        with open(partial, "w") as handle:
+            json.dump({"pid": os.getpid(), "samples": snapshot}, handle)
+        os.replace(partial, path)
         return path
+
+    def start_flusher(self, directory: str, every_s: float = FLUSH_EVERY_S) -> threading.Thread:
+        """Start a daemon thread that writes every ``every_s`` seconds when samples were added since its last write.
+
+        Returns:
+            the thread (a daemon: it never holds the process open).
+
+        Raises:
+            ValueError: ``every_s`` is not positive.
+        """
+        if every_s <= 0:
+            raise ValueError(f"every_s={every_s}: the flush interval must be positive")
+
+        def flush_forever() -> None:
+            written = 0
+            while True:
+                time.sleep(every_s)
+                count = self.count()
+                if count != written:
+                    try:
+                        self.write(directory)
+                    except OSError as error:  # the run's directory is gone: the at-exit write says the same
+                        print(f"kda_patches step times: stopped flushing to {directory}: {error}", file=sys.stderr)
+                        return
+                    written = count
+
+        thread = threading.Thread(target=flush_forever, name="kda-step-times-flush", daemon=True)
+        thread.start()
+        return thread
 
 
 def install(times: StepTimes, directory: str, targets: tuple[tuple[str, str, str], ...] = TARGETS,
-            write_at_exit: bool = True) -> None:
-    """Wrap each target of ``targets`` when its module is imported (now, if it is); write at exit.
+            write_at_exit: bool = True, flush_every_s: float | None = FLUSH_EVERY_S) -> None:
+    """Wrap each target of ``targets`` when its module is imported (now, if it is); write at exit and, unless
+    ``flush_every_s`` is None, every ``flush_every_s`` seconds while samples arrive (:meth:`StepTimes.start_flusher`).
 
     A target missing from its module (another vLLM release) is skipped: each release has only some of them.
     """
@@ -99,6 +144,8 @@ def install(times: StepTimes, directory: str, targets: tuple[tuple[str, str, str
             lambda module, qualname=qualname, label=label: attach(module, qualname, label), module_name)
     if write_at_exit:
         atexit.register(times.write, directory)
+    if flush_every_s is not None:
+        times.start_flusher(directory, flush_every_s)
 
 
 def install_from_env() -> StepTimes | None:

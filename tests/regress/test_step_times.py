@@ -57,7 +57,8 @@ def test_the_timer_records_each_call_under_its_label_and_batch_kind(dummy_engine
     install(times, str(tmp_path), (("kda_step_times_dummy", "Engine.step", "engine_step"),
                                    ("kda_step_times_dummy", "Runner.execute_model", "execute_model"),
                                    ("kda_step_times_dummy", "Runner.sample_tokens", "sample_tokens"),  # absent
-                                   ("kda_step_times_dummy", "Missing.step", "engine_step")), write_at_exit=False)
+                                   ("kda_step_times_dummy", "Missing.step", "engine_step")), write_at_exit=False,
+            flush_every_s=None)
     engine, runner = dummy_engine.Engine(), dummy_engine.Runner()
     assert engine.step() == "stepped" and engine.step() == "stepped"
     assert runner.execute_model(scheduled(a=3, b=1)) == 4  # results pass through
@@ -68,6 +69,44 @@ def test_the_timer_records_each_call_under_its_label_and_batch_kind(dummy_engine
     assert os.path.basename(path) == f"step-times-{os.getpid()}.json"
     summary = load_step_times(str(tmp_path))
     assert summary["engine_step"]["count"] == 2 and summary["execute_model[prefill]"]["count"] == 1
+
+
+KILLED_CHILD = """
+import os, sys, time, types
+from kda_patches.bench.step_times import StepTimes, install
+module = types.ModuleType("kda_killed_engine")
+class Engine:
+    def step(self):
+        return 1
+module.Engine = Engine
+sys.modules[module.__name__] = module
+install(StepTimes(), sys.argv[1], (("kda_killed_engine", "Engine.step", "engine_step"),),
+        flush_every_s=None if sys.argv[2] == "none" else float(sys.argv[2]))
+engine = Engine()
+for _ in range(3):
+    engine.step()
+time.sleep(0.6)
+os._exit(0)  # as vLLM stops its engine core: no exit handler runs
+"""
+
+
+@pytest.mark.parametrize("flush_every_s", ["0.05", "none"])
+def test_a_process_stopped_without_exit_handlers_keeps_the_samples_it_flushed(tmp_path, flush_every_s):
+    import subprocess
+
+    status = tmp_path / "status"
+    status.mkdir()
+    subprocess.run([sys.executable, "-c", KILLED_CHILD, str(status), flush_every_s], check=True, timeout=60)
+    summary = load_step_times(str(status))
+    if flush_every_s == "none":
+        assert summary == {}  # the exit-only write is lost: what the flusher is for
+    else:
+        assert summary["engine_step"]["count"] == 3
+
+
+def test_the_flush_interval_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="every_s=0"):
+        StepTimes().start_flusher(str(tmp_path), 0)
 
 
 def test_a_process_that_recorded_nothing_writes_no_file(tmp_path):
