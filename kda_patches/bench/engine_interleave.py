@@ -87,8 +87,14 @@ class ArmProcess:
         deadline = time.monotonic() + timeout_s
         while b"\n" not in self.buffer:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.replies], [], [], left)[0]:
+            if left <= 0:
                 raise ArmFailed(f"arm {self.name}: no answer within {timeout_s:.0f} s")
+            # a forked engine process may hold the pipe's writer too, so the arm's end is not always end of file
+            if not select.select([self.replies], [], [], min(left, 1.0))[0]:
+                if self.process.poll() is not None:
+                    raise ArmFailed(f"arm {self.name}: its process ended with status {self.process.returncode} "
+                                    f"(see {self.run_dir}/run.log)")
+                continue
             chunk = os.read(self.replies, 65536)
             if not chunk:
                 raise ArmFailed(f"arm {self.name}: its process ended (see {self.run_dir}/run.log)")

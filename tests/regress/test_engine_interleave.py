@@ -24,7 +24,8 @@ from kda_patches.bench.engine_repeat import BASELINE
 
 # A stand-in interpreter for the arms' processes (vLLM's engine takes ~20 s to start here): it speaks the
 # --serve-fd protocol. Pass k of an arm takes (1 + k) s on the "clock" -- the machine drifting from cycle to cycle,
-# the same for every arm -- times SLOW when patched; FAIL_AT=k ends the process at its k-th pass.
+# the same for every arm -- times SLOW when patched; FAIL_AT=k ends the process at its k-th pass; FORK_HOLD=1 leaves
+# a forked process holding the reply pipe.
 STAND_IN = """
 import json, os, sys, time
 argv = sys.argv[1:]
@@ -32,6 +33,9 @@ run_dir = os.path.dirname(argv[argv.index("--result") + 1])
 with open(os.path.join(run_dir, "argv.json"), "w") as handle:
     json.dump(argv, handle)
 reply = os.fdopen(int(argv[argv.index("--serve-fd") + 1]), "w", buffering=1)
+if os.environ.get("FORK_HOLD") and os.fork() == 0:  # like a forked engine core: holds the reply pipe open
+    time.sleep(25)
+    os._exit(0)
 reply.write(json.dumps({"ready": True, "startup_s": 0.5, "warmup_s": 0.25}) + "\\n")
 factor = float(os.environ.get("SLOW", "1")) if os.environ.get("KDA_PATCHES") == "1" else 1.0
 passes = []
@@ -122,6 +126,12 @@ def test_an_arm_that_dies_stops_the_run_and_every_engine_is_ended(tmp_path, stan
     status = engine_repeat.main(["--out", str(tmp_path / "cli"), "--interleave", "2", "--arm",
                                  "dies:FAIL_AT=1", "--", "--model", "m"])
     assert status == 1
+
+
+def test_an_arm_whose_forked_engine_holds_the_pipe_is_still_seen_to_end(tmp_path, stand_in):
+    document = run_interleaved({"dies": {"KDA_PATCHES": "1", "FAIL_AT": "1", "FORK_HOLD": "1"}}, ["--model", "m"],
+                               str(tmp_path / "out"), cycles=2, timeout_s=20, start_sampler=no_sampler)
+    assert "arm dies: its process ended with status 3" in document["error"]  # not "no answer within 20 s"
 
 
 def test_each_pass_gets_the_gpu_clock_samples_of_its_window(tmp_path, stand_in):
