@@ -41,6 +41,10 @@ SWITCHES: dict[str, str] = {
     "KDA_PATCHES_ROUTING": "rewrite (default): a seam whose released source has exactly the declared copy lines "
     "runs a twin compiled at apply time that calls the plan directly; alias: every seam routes through the "
     "routed alias of its cache (tensor subclasses, more host time per call). Read when a seam is wrapped",
+    "KDA_PATCHES_PDL": "0 (default): the fused state-copy plans launch as plain kernels; 1: compile them with "
+    "programmatic dependent launch where the target has it (NVIDIA SM90+; elsewhere dropped and recorded in each "
+    "layer's memory_hints). Measured on the H200 (bench peer, 72 rows): at or below the plain plan in graph "
+    "replay, equal in host time; not yet measured in the engine",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
     "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
     "(default ~/.cache/kda-patches/releases); not read at activation",
@@ -66,19 +70,19 @@ class Flags:
 
     __slots__ = ("enabled", "disable", "only", "force_triton", "strict", "status_dir", "log_level",
                  "custom_opp", "preload", "kv_state_mode", "kimi_plan", "gdn_plan", "gdn_ops", "routing", "role",
-                 "warnings")
+                 "pdl", "warnings")
 
     def __init__(self, enabled: bool = True, disable: frozenset[str] = frozenset(),
                  only: frozenset[str] | None = None, force_triton: bool = False, strict: bool = False,
                  status_dir: str | None = None, log_level: str = "WARNING", custom_opp: tuple[str, ...] = (),
                  preload: tuple[str, ...] = (), kv_state_mode: str = "auto", role: str | None = None,
                  warnings: tuple[str, ...] = (), kimi_plan: str = "fork", routing: str = "rewrite",
-                 gdn_plan: str = "fork", gdn_ops: str = "upstream") -> None:
+                 gdn_plan: str = "fork", gdn_ops: str = "upstream", pdl: bool = False) -> None:
         values = dict(enabled=enabled, disable=frozenset(disable), only=None if only is None else frozenset(only),
                       force_triton=force_triton, strict=strict, status_dir=status_dir, log_level=log_level,
                       custom_opp=tuple(custom_opp), preload=tuple(preload), kv_state_mode=kv_state_mode,
                       kimi_plan=kimi_plan, gdn_plan=gdn_plan, gdn_ops=gdn_ops, routing=routing, role=role,
-                      warnings=tuple(warnings))
+                      pdl=bool(pdl), warnings=tuple(warnings))
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -118,6 +122,7 @@ class Flags:
             "KDA_PATCHES_GDN_OPS": self.gdn_ops,
             "KDA_PATCHES_ROUTING": self.routing,
             "KDA_PATCHES_ROLE": self.role,
+            "KDA_PATCHES_PDL": self.pdl,
         }
 
 
@@ -217,6 +222,7 @@ def parse_flags(environ: Mapping[str, str] | None = None,
         gdn_ops=gdn_ops,
         routing=routing,
         role=env.get("KDA_PATCHES_ROLE") or None,
+        pdl=parse_boolean("KDA_PATCHES_PDL", env.get("KDA_PATCHES_PDL"), False),
         warnings=tuple(warnings),
     )
     if warnings:

@@ -70,3 +70,10 @@ def test_gdn_ops_switch_defaults_to_upstream_and_accepts_overlay():
     assert parse_flags({"KDA_PATCHES_GDN_OPS": "overlay"}, KNOWN).as_dict()["KDA_PATCHES_GDN_OPS"] == "overlay"
     with pytest.raises(ValueError, match="KDA_PATCHES_GDN_OPS"):
         parse_flags({"KDA_PATCHES_GDN_OPS": "fork"}, KNOWN)
+
+
+def test_pdl_switch_is_off_by_default_and_parsed_as_a_boolean():
+    assert parse_flags({}, KNOWN).pdl is False
+    assert parse_flags({"KDA_PATCHES_PDL": "1"}, KNOWN).as_dict()["KDA_PATCHES_PDL"] is True
+    with pytest.raises(ValueError, match="KDA_PATCHES_PDL"):
+        parse_flags({"KDA_PATCHES_PDL": "fast"}, KNOWN)

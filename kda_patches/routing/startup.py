@@ -164,7 +164,9 @@ def prepare_and_publish(runner: Any, section: str | None = None) -> dict[str, An
             record_cpu_layers(seams, states)
             selected = {name: layer for name, layer in selected.items() if states[name].device.type != "cpu"}
             states = {name: states[name] for name in selected}
-        plans = initialize(states, max_num_seqs) if states else {}
+        from kda_patches import current_flags
+
+        plans = initialize(states, max_num_seqs, pdl=current_flags().pdl) if states else {}
         missing = sorted(set(selected) - set(plans))
         if missing:
             raise RuntimeError(f"{seams[missing[0]].section}: worker startup aborted: no plan was returned for "

@@ -135,7 +135,8 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
             scatters per final dtype: the issue's "four per final dtype"), all on scratch before
             seal; a scatter of any other dtype is refused before launch.
         pdl: compile the fused plans with programmatic dependent launch where the target honours it
-            (NVIDIA SM90+; an experiment for the benchmarks, off in serving until measured there).
+            (NVIDIA SM90+; ``KDA_PATCHES_PDL=1`` turns it on in serving, off by default until the engine A/B
+            measures it).
     Returns:
         ``{layer_name: LayerStatePlan}``; layers with the same plan kind, cache signature and
         final-dtype set share one compiled plan. Nothing is published anywhere: the caller attaches

@@ -65,6 +65,8 @@ def test_unavailable_values_become_none():
     [sample] = parse_samples(line)
     assert sample["sm_mhz"] == 1410.0 and sample["temp_c"] == 40.0
     assert sample["mem_mhz"] is None and sample["power_w"] is None and sample["reasons"] is None
+    [sample] = parse_samples("2024/05/06 13:14:15.000, 1410, 2619, 300, [Unknown Error], [GPU requires reset]")
+    assert sample["temp_c"] is None and sample["reasons"] is None  # any bracketed value: not a number
 
 
 def test_malformed_lines_are_skipped_and_counted(tmp_path):

@@ -274,3 +274,19 @@ def test_cpu_caches_without_the_interpreter_get_no_plan_and_refuse(load_dummies,
     assert facts[layer.prefix]["decision"] == "not-prepared" and "TRITON_INTERPRET" in facts[layer.prefix]["reason"]
     with pytest.raises(PlanNotPublished, match=r"model\.layers\.0\.attn"):
         call(module, layer, *batch(24, 3, torch.int32, 0))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_pdl_switch_reaches_the_plans_compiled_at_startup(load_dummies, monkeypatch, pdl):
+    """``KDA_PATCHES_PDL=1`` asks the startup's plans for programmatic dependent launch: on this CPU target it is
+    dropped, and the layer's ledger fact says so; without the switch nothing is asked and nothing dropped."""
+    import kda_patches
+    from kda_patches.flags import Flags
+    from kda_patches.state_copy.errors import LEDGER_SECTION
+
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True, pdl=pdl))
+    module = load_dummies(record("routing_pdl", ("NativeClearLayer",)))
+    _, _, layer = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
+    fact = get_ledger().snapshot()["facts"][LEDGER_SECTION][layer.prefix]
+    dropped = [hint for hint in fact["memory_hints"]["dropped"] if hint.startswith("pdl")]
+    assert fact["pdl"] is False and bool(dropped) is pdl
