@@ -386,6 +386,32 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/state_copy/test_state_copy_bench_peer.py::"
             "test_upstream_ops_come_from_the_running_vllm_of_that_release_or_are_refused",), "H (bench)",
            "bench peer labels another vLLM's ops as the release asked for"),
+    Mutant("interleave-unpaired", "kda_patches/bench/engine_interleave.py",
+           "        ratios = [cycle[name] / cycle[BASELINE] for cycle in by_cycle.values() if name in cycle and "
+           "BASELINE in cycle]",
+           "        ratios = [cycle[name] / statistics.median(c[BASELINE] for c in by_cycle.values() if BASELINE in c) "
+           "for cycle in by_cycle.values() if name in cycle and BASELINE in cycle]",
+           ("tests/regress/test_engine_interleave.py::"
+            "test_the_ratio_pairs_each_pass_with_the_baselines_pass_of_the_same_cycle",
+            "tests/regress/test_engine_interleave.py::test_interleaved_arms_cancel_the_drift_and_record_every_pass"),
+           "H (bench)", "the interleaved A/B compares against the pooled baseline: the machine's drift is back in"),
+    Mutant("interleave-eof-only", "kda_patches/bench/engine_interleave.py",
+           "                if self.process.poll() is not None:",
+           "                if False:",
+           ("tests/regress/test_engine_interleave.py::"
+            "test_an_arm_whose_forked_engine_holds_the_pipe_is_still_seen_to_end",), "H (bench)",
+           "a dead arm whose forked engine holds the pipe is waited on for the whole timeout"),
+    Mutant("step-times-exit-only", "kda_patches/bench/step_times.py",
+           "    if flush_every_s is not None:",
+           "    if False:",
+           ("tests/regress/test_step_times.py::"
+            "test_a_process_stopped_without_exit_handlers_keeps_the_samples_it_flushed",), "H (bench)",
+           "step times written only at exit: vLLM's engine core never writes them"),
+    Mutant("pdl-switch-ignored", "kda_patches/routing/startup.py",
+           "initialize(states, max_num_seqs, pdl=current_flags().pdl)",
+           "initialize(states, max_num_seqs)",
+           ("tests/routing/test_routing_core.py::test_the_pdl_switch_reaches_the_plans_compiled_at_startup",),
+           "D (state_copy)", "KDA_PATCHES_PDL=1 is accepted and shown but never reaches the plans"),
 )
 
 
