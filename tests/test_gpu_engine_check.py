@@ -385,9 +385,10 @@ def test_a_bisection_runs_the_shapes_requests_with_the_benchmarks_engine_setting
             assert kwargs["tensor_parallel_size"] == option("--tensor-parallel-size")
     argv = module.bisect_argv("short", tmp_path, tmp_path / "b", ["patched"], 2, num_prompts=1024)
     assert argv[argv.index("--num-prompts") + 1] == "1024" and "--interleave" not in argv
-    driver = module.bisect_argv("short", tmp_path, tmp_path / "b", ["patched"], 2, interleave=6)
+    driver = module.bisect_argv("short", tmp_path, tmp_path / "b", ["patched"], 2, interleave=6, cpus="2-9")
     driver = driver[:driver.index("--")]
     assert driver[driver.index("--interleave") + 1] == "6"  # an engine_repeat option, not the child's
+    assert driver[driver.index("--cpus") + 1] == "2-9"
     module.THROUGHPUT_SHAPES["odd"] = (("--dataset-name", "sharegpt"), "an option engine_repeat cannot follow")
     try:
         with pytest.raises(ValueError, match="--dataset-name has no engine_repeat counterpart"):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kda_patches.bench import gpu_clocks
+from kda_patches.bench.cpu_pin import check_available, pin_children
 from kda_patches.bench.engine_repeat import BASELINE, child_command, finish_record, write_document
 
 SHARED_MEMORY = 0.85  # of the GPU's memory, split equally between the arms' engines
@@ -63,7 +64,7 @@ class ArmProcess:
     """One arm's engine process in ``--serve-fd`` mode, and the reply lines it writes."""
 
     def __init__(self, name: str, env_overrides: dict[str, str], child_args: list[str], run_dir: str,
-                 profile: bool) -> None:
+                 profile: bool, cpus: frozenset[int] | None = None) -> None:
         from kda_patches.bench.serve_ab import run_env
 
         os.makedirs(run_dir)
@@ -74,7 +75,7 @@ class ArmProcess:
         self.process = subprocess.Popen(
             child_command(child_args, run_dir, profile, "--serve-fd", str(write_fd)), stdin=subprocess.PIPE,
             stdout=self.log, stderr=self.log, env=run_env(env_overrides, os.path.join(run_dir, "status")),
-            pass_fds=(write_fd,))
+            pass_fds=(write_fd,), preexec_fn=pin_children(cpus))
         os.close(write_fd)  # the child holds the only writer: its exit is the reader's end of file
         self.replies, self.buffer = read_fd, b""
 
@@ -159,7 +160,8 @@ def attach_clocks(passes: list[dict[str, Any]], samples: list[dict[str, Any]]) -
 
 def run_interleaved(arms: dict[str, dict[str, str]], child_args: list[str], out_dir: str, cycles: int,
                     seed: int = 0, timeout_s: float = 900.0, profile: bool = False,
-                    start_sampler: Callable[[str], tuple[Any, str]] = gpu_clocks.start_sampler) -> dict[str, Any]:
+                    start_sampler: Callable[[str], tuple[Any, str]] = gpu_clocks.start_sampler,
+                    cpus: frozenset[int] | None = None) -> dict[str, Any]:
     """Start the baseline and every arm, run ``cycles`` cycles of one timed pass each, and write and return
     ``OUT_DIR/engine_repeat.json`` (rewritten after every cycle).
 
@@ -169,6 +171,8 @@ def run_interleaved(arms: dict[str, dict[str, str]], child_args: list[str], out_
         cycles: timed passes per arm.
         timeout_s: for one engine's start (with its unmeasured pass), one pass, and one arm's quit.
         start_sampler: starts the GPU clock record into a path (:func:`kda_patches.bench.gpu_clocks.start_sampler`).
+        cpus: pin every arm's processes to these same host cores (:mod:`kda_patches.bench.cpu_pin`); None: not
+            pinned.
 
     Returns:
         the document: ``passes`` (cycle, position, arm, elapsed, window, ``gpu``), ``summary``
@@ -176,10 +180,12 @@ def run_interleaved(arms: dict[str, dict[str, str]], child_args: list[str], out_
         later cycles would compare fewer arms).
 
     Raises:
-        ValueError: ``out_dir`` is not empty, or ``cycles`` < 1.
+        ValueError: ``out_dir`` is not empty, ``cycles`` < 1, or a core of ``cpus`` is not available.
     """
     if cycles < 1:
         raise ValueError(f"cycles={cycles}: give at least one cycle")
+    if cpus is not None:
+        check_available(cpus)
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir} is not empty; give a new --out")
     os.makedirs(out_dir, exist_ok=True)
@@ -188,12 +194,13 @@ def run_interleaved(arms: dict[str, dict[str, str]], child_args: list[str], out_
     clock_path = os.path.join(out_dir, "gpu_clocks.csv")
     sampler, clock_note = start_sampler(clock_path)
     document: dict[str, Any] = {"mode": "interleaved", "child_args": shared, "arms": plan, "cycles": cycles,
-                                "seed": seed, "passes": [], "gpu_clocks": {"note": clock_note}}
+                                "seed": seed, "passes": [], "gpu_clocks": {"note": clock_note},
+                                "cpus": None if cpus is None else sorted(cpus)}
     running: dict[str, ArmProcess] = {}
     try:
         for position, name in enumerate(plan):
             running[name] = ArmProcess(name, plan[name], shared, os.path.join(out_dir, f"{position}-{name}"),
-                                       profile)
+                                       profile, cpus)
             ready = running[name].read_reply(timeout_s)
             print(f"  {name:<24} ready: start-up {ready['startup_s']:.1f} s, unmeasured pass "
                   f"{ready['warmup_s']:.3f} s", flush=True)

@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--profile", action="store_true", help="each arm also runs one pass under vLLM's torch "
                         "profiler after its measured passes (RUN_DIR/profile/*.profiler_out.txt)")
+    parser.add_argument("--cpus", help="pin every arm's processes to these same host cores, e.g. 2-9 "
+                        "(kda_patches.bench.cpu_pin; interleaved runs only)")
     parser.add_argument("--interleave", type=int, metavar="CYCLES", help="every arm's engine alive at once, CYCLES "
                         "cycles of one timed pass per arm, paired ratios (kda_patches.bench.engine_interleave)")
     args = parser.parse_args(own)
@@ -303,11 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(names)) != len(names):
             raise ValueError(f"--arm names must differ, got {names}")
         arms = dict(parsed)
+        if args.cpus and args.interleave is None:
+            raise ValueError("--cpus pins the arms of an interleaved run: give --interleave CYCLES too")
         if args.interleave is not None:
+            from kda_patches.bench.cpu_pin import parse_cpus
             from kda_patches.bench.engine_interleave import format_pairs, run_interleaved
 
             document = run_interleaved(arms, child, os.path.abspath(args.out), args.interleave, args.seed,
-                                       args.timeout, args.profile)
+                                       args.timeout, args.profile, cpus=parse_cpus(args.cpus) if args.cpus else None)
         else:
             document = run_arms(arms, child, os.path.abspath(args.out), args.seed, args.timeout, args.profile)
     except ValueError as error:

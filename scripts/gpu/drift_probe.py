@@ -5,7 +5,9 @@ Run 6 of issue 26 (docs/results/h200-vllm-engine) saw the same engine pass take 
 decode graphs 1.97-2.97 ms per step minutes apart. This probe removes vLLM and the overlay from the question: each
 round replays one CUDA graph of fixed matrix products (device time, on ``--device cuda``) and runs one fixed
 pure-Python loop (host time), and :mod:`kda_patches.bench.gpu_clocks` records the GPU's SM clock, power,
-temperature and clock-event reasons for every round's window. A steady machine gives flat rounds.
+temperature and clock-event reasons for every round's window. A steady machine gives flat rounds. Each round
+also records the core its host segment ended on; ``--cpus`` pins the probe to cores (run 7: the host segment took
+19-42 ms unpinned while the GPU's stayed within 1 %; the spread by core says whether pinning is the cure).
 
     python3 scripts/gpu/drift_probe.py --out probe.json [--seconds 120] [--device cuda]
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kda_patches.bench import gpu_clocks
+from kda_patches.bench.cpu_pin import check_available, current_cpu, parse_cpus
 
 HOST_LOOP = 300_000  # iterations of the host segment (~10-20 ms of one core)
 
@@ -86,14 +89,20 @@ def run_probe(seconds: float, device: str, size: int, products: int, clock_path:
             begin = time.perf_counter()
             host_work()
             host_s = time.perf_counter() - begin
-            rounds.append({"start": start, "end": time.time(), "device_ms": device_s * 1e3, "host_ms": host_s * 1e3})
+            rounds.append({"start": start, "end": time.time(), "device_ms": device_s * 1e3, "host_ms": host_s * 1e3,
+                           "cpu": current_cpu()})
     finally:
         gpu_clocks.stop_sampler(sampler)
     samples, skipped = gpu_clocks.read_samples(clock_path)
     for record in rounds:
         record["gpu"] = gpu_clocks.summarize_window(samples, record["start"], record["end"])
     clocks = [record["gpu"]["sm_mhz_median"] for record in rounds if record["gpu"].get("sm_mhz_median")]
+    by_core: dict[int, list[float]] = {}
+    for record in rounds:
+        by_core.setdefault(record["cpu"], []).append(record["host_ms"])
     return {"device": device, "size": size, "products": products, "seconds": seconds, "rounds": rounds,
+            "host_ms_by_core": {str(core): spread(values) | {"rounds": len(values)}
+                                for core, values in sorted(by_core.items(), key=lambda item: str(item[0]))},
             "gpu_clocks": {"note": note, "samples": len(samples), "skipped_lines": skipped},
             "spread": {"device_ms": spread([record["device_ms"] for record in rounds]),
                        "host_ms": spread([record["host_ms"] for record in rounds]),
@@ -108,14 +117,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--products", type=int, default=64)
+    parser.add_argument("--cpus", help="pin the probe to these cores first, e.g. 3 or 2-5")
     args = parser.parse_args(argv)
+    if args.cpus:
+        cores = parse_cpus(args.cpus)
+        check_available(cores)
+        os.sched_setaffinity(0, cores)
     with tempfile.TemporaryDirectory() as scratch:
         result = run_probe(args.seconds, args.device, args.size, args.products, os.path.join(scratch, "clocks.csv"))
+    result["cpus"] = args.cpus
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{len(result['rounds'])} rounds; GPU clock record: {result['gpu_clocks']['note']}")
     for name, row in result["spread"].items():
         print(f"  {name:<10} min {row['min']:.2f}  median {row['median']:.2f}  max {row['max']:.2f}  "
               f"max/min {row['max_over_min']:.3f}")
+    for core, row in result["host_ms_by_core"].items():
+        print(f"  host on core {core:<4} {row['rounds']:>5} rounds  median {row['median']:.2f}  min {row['min']:.2f}  "
+              f"max {row['max']:.2f}")
     return 0
 
 

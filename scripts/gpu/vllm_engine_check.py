@@ -841,10 +841,12 @@ def peer_argv(vllm_version: str, output: pathlib.Path) -> list[str]:
 
 
 def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: list[str], repeats: int,
-                num_prompts: int | None = None, profile: bool = False, interleave: int | None = None) -> list[str]:
+                num_prompts: int | None = None, profile: bool = False, interleave: int | None = None,
+                cpus: str | None = None) -> list[str]:
     """``python -m kda_patches.bench.engine_repeat`` for one of :data:`THROUGHPUT_SHAPES`: the shape's requests
     (``num_prompts`` overrides their count) and the engine settings :func:`throughput_argv` gives vLLM's benchmark.
-    ``interleave``: that many cycles with every arm's engine alive at once (engine_repeat shares the memory).
+    ``interleave``: that many cycles with every arm's engine alive at once (engine_repeat shares the memory);
+    ``cpus``: every arm's processes pinned to these same host cores (interleaved runs).
 
     Raises:
         ValueError: the shape has an option engine_repeat has no counterpart for.
@@ -861,7 +863,7 @@ def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: li
             raise ValueError(f"shape {shape}: option {flag} has no engine_repeat counterpart")
     child += ["--engine-arg", "gpu_memory_utilization=0.6", "--engine-arg", 'attention_backend="TRITON_ATTN"',
               "--engine-arg", "additional_config=" + json.dumps({"gdn_prefill_backend": "triton"})]
-    mode = ["--interleave", str(interleave)] if interleave else []
+    mode = (["--interleave", str(interleave)] if interleave else []) + (["--cpus", cpus] if cpus else [])
     return [sys.executable, "-m", "kda_patches.bench.engine_repeat", "--out", str(out), *(["--profile"] * profile),
             *mode, *(item for arm in arms for item in ("--arm", arm)), "--", *child]
 
@@ -972,7 +974,7 @@ def run_parent(args: argparse.Namespace) -> int:
         env = bench_env(f"bisect-{args.bisect}", hook, site)
         env[STEP_TIMES_ENV] = "1"
         argv = bisect_argv(args.bisect, write_bench_model(out / "models"), target, args.arms, args.repeats,
-                           args.num_prompts, args.profile, args.interleave)
+                           args.num_prompts, args.profile, args.interleave, args.cpus)
         return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if args.throughput:
         bench_model = write_bench_model(out / "models")
@@ -1032,6 +1034,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--bisect: every arm's engine alive at once, CYCLES cycles of one timed pass per arm "
                              "in shuffled order, ratios paired within a cycle, GPU clocks sampled (the H200 drifts "
                              "by more than the effect: run 6)")
+    parser.add_argument("--cpus", help="--bisect --interleave: pin every arm's processes to these same host cores, "
+                        "e.g. 2-9 (run 7: the H200 machine's host speed varies by core, its GPU does not)")
     parser.add_argument("--profile", action="store_true",
                         help="--bisect: each arm also runs one pass under vLLM's torch profiler (operator tables)")
     parser.add_argument("--dry-run", action="store_true")

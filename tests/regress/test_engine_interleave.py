@@ -32,6 +32,8 @@ argv = sys.argv[1:]
 run_dir = os.path.dirname(argv[argv.index("--result") + 1])
 with open(os.path.join(run_dir, "argv.json"), "w") as handle:
     json.dump(argv, handle)
+with open(os.path.join(run_dir, "affinity.json"), "w") as handle:
+    json.dump(sorted(os.sched_getaffinity(0)), handle)
 reply = os.fdopen(int(argv[argv.index("--serve-fd") + 1]), "w", buffering=1)
 if os.environ.get("FORK_HOLD") and os.fork() == 0:  # like a forked engine core: holds the reply pipe open
     time.sleep(25)
@@ -151,6 +153,23 @@ def test_each_pass_gets_the_gpu_clock_samples_of_its_window(tmp_path, stand_in):
         assert record["gpu"]["count"] >= 1 and record["gpu"]["sm_mhz_median"] == 1980
         assert record["gpu"]["throttled_fraction"] == 1.0  # 0x4: the power cap
     assert "sm 1980 MHz" in "\n".join(format_pairs(document))
+
+
+def test_every_arm_runs_on_the_same_pinned_cores(tmp_path, stand_in):
+    core = min(os.sched_getaffinity(0))
+    out = tmp_path / "out"
+    document = run_interleaved({"patched": {"KDA_PATCHES": "1"}}, ["--model", "m"], str(out), cycles=1,
+                               start_sampler=no_sampler, cpus=frozenset({core}))
+    assert document["cpus"] == [core]
+    assert [json.load(open(out / f"{n}-{name}" / "affinity.json")) for n, name in enumerate((BASELINE, "patched"))] \
+        == [[core], [core]]
+    unpinned = run_interleaved({}, ["--model", "m"], str(tmp_path / "free"), cycles=1, start_sampler=no_sampler)
+    assert unpinned["cpus"] is None
+    assert json.load(open(tmp_path / "free" / f"0-{BASELINE}" / "affinity.json")) == sorted(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="not available"):
+        run_interleaved({}, ["--model", "m"], str(tmp_path / "x"), cycles=1, cpus=frozenset({4095}))
+    with pytest.raises(SystemExit):  # pinning is for the interleaved runs
+        engine_repeat.main(["--out", str(tmp_path / "y"), "--cpus", "0", "--", "--model", "m"])
 
 
 def test_a_run_needs_a_cycle_and_an_empty_directory(tmp_path):
