@@ -500,9 +500,17 @@ def test_a_dry_run_with_nothing_staged_names_no_release(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- vLLM 0.34 cases (issue 27): each rule alone decides
 
 def stood_aside_report(module, state="not-applicable", reason="... so the overlay stands aside (...)", seen=0):
-    target = {module.QWEN_GDN_SEAM: {"state": state, "reason": reason}}
-    ledgers = [{"role": "EngineCore", "patches": {}},
-               {"role": "VllmWorker-0", "patches": {"gdn_state_copy": {"state": "applied", "targets": target}}}]
+    """A regress report whose patched ledgers are what the runner keeps of real ledger snapshots (H200 run 9: the
+    summary once dropped every target but the applied ones, so a real stand-aside read as "no record")."""
+    from kda_patches.ledger import Ledger
+    from kda_patches.regress.ledgers import summarize_ledger
+
+    core, worker = Ledger(), Ledger()
+    core.role, worker.role = "EngineCore", "VllmWorker-0"
+    worker.record_target("gdn_state_copy", "vllm.v1.worker.gpu.model_runner:GPUModelRunner.initialize_kv_cache",
+                         "applied", "wrapped")
+    worker.record_target("gdn_state_copy", module.QWEN_GDN_SEAM, state, reason)
+    ledgers = [summarize_ledger(ledger.snapshot()) for ledger in (core, worker)]
     return {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {"calls_seen": seen}},
             "runs": {"patched": {"ledgers": ledgers}}}
 

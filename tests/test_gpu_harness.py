@@ -308,3 +308,54 @@ def test_a_library_artifact_names_its_version():
     assert harness.artifact_version("vllm-0.34.0-_C_stable_libtorch.abi3.so.xz") == "0.34.0"
     assert harness.artifact_version("vllm-0.34.0-cp312.zip") == "0.34.0"
     assert harness.artifact_version("ray-wheels-cp312.zip") is None and harness.artifact_version("library.xz") is None
+
+
+def fake_site_with_msa_warmup(tmp_path: pathlib.Path, monkeypatch, with_cutlass: bool) -> pathlib.Path:
+    """An unpacked bundle with vLLM 0.34's MiniMax M3 warm-up module (which imports ``cutlass``), optionally the
+    CuTe DSL package beside it."""
+    site = tmp_path / "site"
+    warmup = site / harness.MSA_WARMUP_FILE
+    warmup.parent.mkdir(parents=True)
+    for folder in (site / "vllm", site / "vllm" / "model_executor", warmup.parent):
+        (folder / "__init__.py").write_text("")
+    warmup.write_text("import cutlass\n\ndef minimax_m3_msa_warmup(worker):\n    return 'release'\n")
+    if with_cutlass:
+        (site / "cutlass").mkdir()
+        (site / "cutlass" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.") or n == "cutlass"]:
+        monkeypatch.delitem(sys.modules, name)
+    return site
+
+
+@pytest.mark.parametrize("with_cutlass", [False, True])
+def test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_cutlass(tmp_path, monkeypatch,
+                                                                                 with_cutlass):
+    import importlib
+
+    site = fake_site_with_msa_warmup(tmp_path, monkeypatch, with_cutlass)
+    monkeypatch.setattr(sys, "meta_path", [harness.StandInFinder(), *sys.meta_path])
+    module = importlib.import_module(harness.MSA_WARMUP)
+    assert (module.minimax_m3_msa_warmup is harness.stand_in_msa_warmup) != with_cutlass
+    assert (harness.MSA_WARMUP in harness.stood_in_record(True, site)) != with_cutlass
+    assert harness.MSA_WARMUP not in harness.stood_in_record(True)  # no site: a 0.33 run stands nothing in there
+
+
+def test_the_msa_warmup_is_stood_in_only_where_the_release_would_have_warmed_nothing(monkeypatch):
+    import torch
+
+    class MiniMaxM3SparseAttention(torch.nn.Module):
+        pass
+
+    def worker(*layers):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), *layers)
+        return type("Worker", (), {"get_model": lambda self: model})()
+
+    for major, layers, raises in ((10, (), False), (9, (MiniMaxM3SparseAttention(),), False),
+                                  (10, (MiniMaxM3SparseAttention(),), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda major=major: (major, 0))
+        if raises:
+            with pytest.raises(RuntimeError, match="nvidia-cutlass-dsl"):
+                harness.stand_in_msa_warmup(worker(*layers))
+        else:
+            assert harness.stand_in_msa_warmup(worker(*layers)) is None

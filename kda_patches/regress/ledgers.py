@@ -19,16 +19,20 @@ def summarize_ledger(ledger: dict[str, Any]) -> dict[str, Any]:
     """Return the per-process summary of one ledger snapshot.
 
     Returns:
-        ``{"pid", "role", "argv", "enabled", "patches": {name: {"state", "reason", "applied_targets"}},
-        "counters", "facts", "final"}``; ``enabled`` is the process's ``KDA_PATCHES`` switch, ``argv`` its first
+        ``{"pid", "role", "argv", "enabled", "patches": {name: {"state", "reason", "applied_targets",
+        "targets"}}, "counters", "facts", "final"}``; ``targets`` keeps every target's own ``state`` and ``reason``
+        (a seam the patch stood aside from is ``not-applicable`` there, with why), ``applied_targets`` names the
+        applied ones; ``enabled`` is the process's ``KDA_PATCHES`` switch, ``argv`` its first
         three arguments (Ray actors are told apart by them), ``final`` the ledger's own end-of-process
         marker when it has one, else None.
     """
     patches = {}
     for name, entry in sorted(ledger.get("patches", {}).items()):
-        applied = sorted(key for key, target in entry.get("targets", {}).items() if target.get("state") == "applied")
+        targets = {key: {"state": target.get("state"), "reason": target.get("reason", "")}
+                   for key, target in sorted(entry.get("targets", {}).items())}
+        applied = [key for key, target in targets.items() if target["state"] == "applied"]
         patches[name] = {"state": entry.get("state"), "reason": entry.get("reason", ""),
-                         "applied_targets": applied}
+                         "applied_targets": applied, "targets": targets}
     return {"pid": ledger.get("pid"), "role": ledger.get("role"), "argv": list(ledger.get("argv") or []),
             "enabled": bool((ledger.get("switches") or {}).get("KDA_PATCHES")), "patches": patches,
             "counters": {path: dict(values) for path, values in sorted(ledger.get("counters", {}).items())},

@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import importlib
 import importlib.machinery
+import importlib.util
 import json
 import lzma
 import os
@@ -408,6 +409,8 @@ def library_present(site: pathlib.Path = SITE_DIR, file: str = LIBRARY_FILE) -> 
 
 # ---------------------------------------------------------------- stand-ins (only what cannot run there)
 
+MSA_WARMUP = "vllm.model_executor.warmup.minimax_m3_msa_warmup"
+MSA_WARMUP_FILE = pathlib.Path(*MSA_WARMUP.split(".")).with_suffix(".py")
 STOOD_IN = {
     "vllm._C_stable_libtorch": "vLLM's compiled custom-op library, only when its real file is not carried (92 MB "
     "in the wheel; it loads on the H200's torch 2.11): vllm/platforms/cuda.py imports it unconditionally to "
@@ -415,15 +418,57 @@ STOOD_IN = {
     "vllm.vllm_flash_attn": "package __init__ raises ImportError without the compiled FA2/FA3 extensions (~480 MB); "
     "vllm.v1.worker.utils imports it through vllm.model_executor.layers.attention. Stood in by the package's own "
     "flash_attn_interface module (FA2_AVAILABLE = FA3_AVAILABLE = False there): no FlashAttention kernel runs",
+    MSA_WARMUP: "vLLM >= 0.34's kernel_warmup imports it on every CUDA GPU, and it imports MiniMax M3's CuTe DSL "
+    "kernels (`import cutlass`, the nvidia-cutlass-dsl wheel, not carried). Stood in only when the release has "
+    "the file and `cutlass` is absent, by a minimax_m3_msa_warmup(worker) that returns None where the release's "
+    "returns None before any kernel (the model has no MiniMaxM3SparseAttention, or the GPU is not SM100-family: "
+    "the H200 is SM90) and raises otherwise",
 }
 CAPABILITY_QUERIES = ("cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_block_fp8",
                       "cutlass_group_gemm_supported")
 _LIBRARIES: list[Any] = []
 
 
-def stood_in_names(library: bool) -> tuple[str, ...]:
-    """Return the modules stood in: FlashAttention's package always, the library's import only without it."""
-    return tuple(name for name in STOOD_IN if not (library and name == "vllm._C_stable_libtorch"))
+def stood_in_names(library: bool, site: pathlib.Path | None = None) -> tuple[str, ...]:
+    """Return the modules stood in.
+
+    Args:
+        library: vLLM's real compiled library is carried (then its import is not stood in).
+        site: the unpacked bundle; the MiniMax M3 warm-up module is stood in only where it holds that file and no
+            ``cutlass`` package (None: not stood in).
+    Returns:
+        FlashAttention's package always; the library's import only without it; the warm-up module as above.
+    """
+    names = []
+    for name in STOOD_IN:
+        if name == "vllm._C_stable_libtorch" and library:
+            continue
+        if name == MSA_WARMUP and not (site is not None and msa_warmup_needs_stand_in(site)):
+            continue
+        names.append(name)
+    return tuple(names)
+
+
+def msa_warmup_needs_stand_in(site: pathlib.Path) -> bool:
+    """Return whether the bundle in ``site`` has vLLM >= 0.34's MiniMax M3 warm-up module but not the CuTe DSL."""
+    if not (site / MSA_WARMUP_FILE).is_file() or (site / "cutlass").is_dir():
+        return False
+    return importlib.util.find_spec("cutlass") is None
+
+
+def stand_in_msa_warmup(worker: Any) -> None:
+    """The stood-in ``minimax_m3_msa_warmup``: nothing to warm, as in the release, unless MiniMax M3 is served.
+
+    Raises:
+        RuntimeError: the model has a ``MiniMaxM3SparseAttention`` module on an SM100-family GPU (the release
+            would build its CuTe DSL kernels; the fix is carrying nvidia-cutlass-dsl).
+    """
+    import torch
+
+    sparse = [m for m in worker.get_model().modules() if type(m).__name__ == "MiniMaxM3SparseAttention"]
+    if sparse and torch.cuda.get_device_capability()[0] == 10:
+        raise RuntimeError("MiniMax M3's MSA warm-up is stood in (gpu_harness.STOOD_IN): carry nvidia-cutlass-dsl "
+                           "to serve a MiniMax M3 model on an SM100-family GPU")
 
 
 class StandInFinder:
@@ -441,6 +486,9 @@ class StandInFinder:
             if any(os.path.isfile(os.path.join(folder, LIBRARY_FILE)) for folder in folders):
                 return None
             return importlib.machinery.ModuleSpec(fullname, self)
+        if fullname == MSA_WARMUP and path:
+            site = pathlib.Path(next(iter(path))).parents[2]  # .../site/vllm/model_executor/warmup
+            return importlib.machinery.ModuleSpec(fullname, self) if msa_warmup_needs_stand_in(site) else None
         if fullname == "vllm.vllm_flash_attn" and path:
             spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
             spec.submodule_search_locations = [os.path.join(next(iter(path)), "vllm_flash_attn")]
@@ -456,6 +504,9 @@ class StandInFinder:
         module.__doc__ = f"kda_patches gpu_harness stand-in: {STOOD_IN[module.__name__]}"
         if module.__name__ == "vllm._C_stable_libtorch":
             stand_in_capability_queries()
+            return
+        if module.__name__ == MSA_WARMUP:
+            module.minimax_m3_msa_warmup = stand_in_msa_warmup
             return
         interface = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface")
         for name in dir(interface):
@@ -497,9 +548,10 @@ def write_stand_in_hook(folder: pathlib.Path, module: str, function: str) -> pat
     return folder
 
 
-def stood_in_record(library: bool) -> dict[str, str]:
-    """Return every module stood in and why, for the results (the capability queries only without the library)."""
-    record = {name: STOOD_IN[name] for name in stood_in_names(library)}
+def stood_in_record(library: bool, site: pathlib.Path | None = None) -> dict[str, str]:
+    """Return every module stood in and why, for the results (the capability queries only without the library;
+    ``site`` as in :func:`stood_in_names`)."""
+    record = {name: STOOD_IN[name] for name in stood_in_names(library, site)}
     if not library:
         record.update({f"torch.ops._C.{name}": "capability query called at import time; answers False "
                        "(unsupported), so vLLM picks no CUTLASS/compiled path" for name in CAPABILITY_QUERIES})

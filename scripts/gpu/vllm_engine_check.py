@@ -957,7 +957,7 @@ def run_parent(args: argparse.Namespace) -> int:
     report["vllm"], report["bundle"] = report_version(prepared), prepared["bundle"]
     library = gpu_harness.library_present(site)
     report["compiled_library"] = "vLLM's real _C_stable_libtorch" if library else "ABSENT: op stand-ins declared"
-    report["stood_in"] = gpu_harness.stood_in_record(library)
+    report["stood_in"] = gpu_harness.stood_in_record(library, site)
     if not library:
         report["stood_in"].update({f"torch.ops._C.{name}": why for name, why in {**OP_LOOKUP_ONLY,
                                                                                  **OP_STAND_INS}.items()})

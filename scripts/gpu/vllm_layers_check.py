@@ -293,7 +293,7 @@ def write_stand_in_hook(folder: pathlib.Path) -> pathlib.Path:
 
 def stood_in_record() -> dict[str, str]:
     """Return every stand-in and why (for the results): depends on whether the real library was carried."""
-    return gpu_harness.stood_in_record(gpu_harness.library_present(SITE_DIR))
+    return gpu_harness.stood_in_record(gpu_harness.library_present(SITE_DIR), SITE_DIR)
 
 
 def write_model_dir(layer: str, root: pathlib.Path) -> pathlib.Path:
