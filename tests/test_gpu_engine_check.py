@@ -547,9 +547,9 @@ def test_the_extensible_cache_must_rebind_the_routed_plans_and_a_disabled_one_ne
 def test_034_cases_set_the_seam_choice_the_cache_and_the_jit_monitor(tmp_path):
     module = load_script()
     by_name = {c.name: c for c in module.CASES}
-    overlay = by_name["qwen3_next-v2-prefix-compiled-034-overlay-jit-error"]
+    overlay = by_name["qwen3_next-v2-prefix-compiled-034-overlay-jit-watch"]
     params = module.engine_params(overlay, tmp_path, tmp_path / "p.jsonl")
-    assert params["jit_monitor_mode"] == "error" and "kv_cache_memory_bytes" not in params  # else 0.34 turns it off
+    assert params["jit_monitor_mode"] == "warn" and "kv_cache_memory_bytes" not in params  # else 0.34 turns it off
     assert module.case_env(overlay, tmp_path, tmp_path)["KDA_PATCHES_GDN_OPS"] == "overlay"
     fixed = module.engine_params(by_name["qwen3_next-v2-prefix-eager-034-overlay-not-extensible"], tmp_path,
                                  tmp_path / "p.jsonl")
@@ -583,3 +583,56 @@ def test_034_has_only_the_v2_runner_and_a_stand_aside_needs_a_declared_seam():
                 module.validate_cases([bad.name])
         finally:
             module.CASES = original
+
+
+# vLLM 0.34's JIT monitor as its warn mode logs it (utils/jit_monitor.py _handle_jit_event; a line of H200 run 9)
+JIT_LOG = ("INFO [jit_monitor.py:87] Kernel JIT monitor activated; monitored JIT compilations during inference will "
+           "use mode=warn.\n")
+UPSTREAM_JIT = ("WARNING [jit_monitor.py:143] Triton kernel JIT compilation during inference: kernel_unified_attention"
+                ". This causes a latency spike; consider extending warmup to cover this shape/config.\n")
+OVERLAY_JIT = UPSTREAM_JIT.replace("kernel_unified_attention", "fused_state_copy_kernel (num_warps=4)")
+
+
+def jit_outputs(module, baseline_log, patched_log):
+    outputs = passing_outputs(module)
+    outputs["baseline"] = {"jit": module.jit_compiles(baseline_log)}
+    outputs["patched"]["jit"] = module.jit_compiles(patched_log)
+    return outputs
+
+
+def test_a_jit_watch_case_fails_only_on_a_compile_the_baseline_did_not_have():
+    module = load_script()
+    watch = case(module, eager=False, jit_watch=True)
+    both = JIT_LOG + UPSTREAM_JIT
+    assert module.jit_compiles(both)["events"] == [
+        "Triton kernel JIT compilation: kernel_unified_attention"]
+    passed, why = module.judge_case(watch, PASSING_REPORT, jit_outputs(module, both, both))
+    assert passed and "beyond the baseline's 1" in why
+    passed, why = module.judge_case(watch, PASSING_REPORT, jit_outputs(module, both, both + OVERLAY_JIT))
+    assert not passed and "fused_state_copy_kernel (num_warps=4)" in why
+    passed, why = module.judge_case(watch, PASSING_REPORT, jit_outputs(module, both, UPSTREAM_JIT))
+    assert not passed and "not activated" in why  # a monitor that never ran shows nothing
+    assert module.judge_case(case(module), PASSING_REPORT, jit_outputs(module, both, UPSTREAM_JIT))[0]  # no watch
+
+
+def test_summarize_outputs_reads_each_side_s_jit_compiles_from_its_log(tmp_path):
+    module = load_script()
+    for side, log in (("baseline", JIT_LOG + UPSTREAM_JIT), ("patched", "")):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "outputs.json").write_text(json.dumps({"outputs": {"requests": []}}))
+        (tmp_path / side / "run.log").write_text(log)
+    summary = module.summarize_outputs(tmp_path)
+    assert summary["baseline"]["jit"] == {"monitor_on": True,
+                                          "events": ["Triton kernel JIT compilation: kernel_unified_attention"]}
+    assert summary["patched"]["jit"] == {"monitor_on": False, "events": []}
+
+
+def test_cases_that_profile_memory_run_alone_after_the_shared_wave():
+    module = load_script()
+    fixed = [case(module, name=f"f{i}") for i in range(3)]
+    profiling = [case(module, name=f"p{i}", release="0.34.0", extensible=True) for i in range(2)]
+    off = case(module, name="off", release="0.34.0", extensible=False)
+    waves = module.schedule_cases([profiling[0], *fixed, profiling[1], off], parallel=8)
+    assert [([c.name for c in wave], workers) for wave, workers in waves] == [
+        (["f0", "f1", "f2", "off"], 4), (["p0"], 1), (["p1"], 1)]
+    assert module.schedule_cases(fixed, parallel=2) == [(fixed, 2)]

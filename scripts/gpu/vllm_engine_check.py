@@ -160,7 +160,17 @@ class Case:
     gdn_ops: str | None = None  # KDA_PATCHES_GDN_OPS (vLLM >= 0.34: ``overlay`` routes Qwen / Kimi Linear GDN)
     stands_aside: bool = False  # the overlay must leave the model's seam to vLLM's own ops (0.34's default)
     extensible: bool | None = None  # vLLM >= 0.34: the extensible KV cache on (its default) or off; None: 0.33
-    jit_monitor_error: bool = False  # vLLM >= 0.34: --jit-monitor-mode=error (a JIT compile while serving fails)
+    # vLLM >= 0.34: the JIT monitor watches (mode warn) and the patched run may JIT-compile nothing the baseline did
+    # not: mode error stops vLLM's own baseline with TRITON_ATTN (H200 run 9: kernel_unified_attention compiles
+    # while serving), so it cannot tell the overlay apart
+    jit_watch: bool = False
+
+    @property
+    def profiles_memory(self) -> bool:
+        """vLLM sizes this case's KV cache from the GPU's free memory (0.34's extensible cache: no fixed budget), so
+        no other engine may start or stop beside it (H200 run 9: "Error in memory profiling" and "No available
+        memory for the cache blocks" with eight cases at a time)."""
+        return bool(self.extensible)
 
     @property
     def expected(self) -> str:
@@ -189,14 +199,14 @@ CASES = (
     # FlashInfer's norm, which is not carried); the default stands aside for upstream's warmed gather/scatter
     *(Case(f"qwen3_next-v2-prefix-{mode}-034{suffix}", "qwen3_next", "v2", True, mode == "eager", release="0.34.0",
            extensible=extensible, gdn_ops=gdn_ops, stands_aside=gdn_ops is None, mutant=mutant,
-           jit_monitor_error=mode == "compiled")
+           jit_watch=mode == "compiled")
       for mode, suffix, extensible, gdn_ops, mutant in (
           ("eager", "", True, None, None),
           ("eager", "-overlay", True, "overlay", None),
           ("eager", "-overlay-NEGATIVE", True, "overlay", "scatter-halved"),
           ("eager", "-overlay-not-extensible", False, "overlay", None),
-          ("compiled", "-jit-error", True, None, None),
-          ("compiled", "-overlay-jit-error", True, "overlay", None))),
+          ("compiled", "-jit-watch", True, None, None),
+          ("compiled", "-overlay-jit-watch", True, "overlay", None))),
     Case("kimi_k3-v2-prefix-eager-034", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True),
     Case("kimi_k3-v2-prefix-eager-034-NEGATIVE", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True,
          mutant="scatter-halved"),
@@ -474,8 +484,8 @@ def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) ->
         del params["kv_cache_memory_bytes"]
     elif case.extensible is False:
         params["enable_extensible_kv_cache"] = False
-    if case.jit_monitor_error:
-        params["jit_monitor_mode"] = "error"
+    if case.jit_watch:
+        params["jit_monitor_mode"] = "warn"
     return params
 
 
@@ -603,8 +613,9 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
     that stands aside, saw none and recorded the seam as standing aside (:func:`seam_stood_aside`); with prefix
     caching on, the continuation of round two was served from the cache (``cached_prompt_tokens > 0``); a case
     with a small cache (``kv_blocks``) preempted at least once; with vLLM 0.34's extensible cache on, the routed
-    patch republished its plans after the rebind (``rebinds > 0``), and with it off, never. A scenario the case
-    claims but did not produce is a failure, never a pass.
+    patch republished its plans after the rebind (``rebinds > 0``), and with it off, never; a case that watches
+    vLLM's JIT monitor (``jit_watch``) passes :func:`judge_jit`. A scenario the case claims but did not produce is a
+    failure, never a pass.
     """
     verdict = report.get("verdict", "error")
     patch = MODELS[case.model].patch
@@ -635,9 +646,16 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         return False, f"the extensible KV cache was on, but {patch} republished no plan after the rebind"
     if case.extensible is False and rebinds:
         return False, f"the extensible KV cache was off, but {patch} rebound {rebinds} layer(s)"
+    jit = ""
+    if case.jit_watch:
+        quiet, why = judge_jit(outputs)
+        if not quiet:
+            return False, why
+        jit = f"; {why}"
     if case.stands_aside:
-        return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen)"
-    return True, f"{verdict}; {patch} routed {routed} == seen {seen}" + (f"; rebinds {rebinds}" if rebinds else "")
+        return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen){jit}"
+    return True, (f"{verdict}; {patch} routed {routed} == seen {seen}" + (f"; rebinds {rebinds}" if rebinds else "")
+                  + jit)
 
 
 def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
@@ -682,20 +700,51 @@ def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
     return True, "; ".join(parts)
 
 
+JIT_MONITOR_ON = "Kernel JIT monitor activated"
+JIT_EVENT = re.compile(r"\] ([^\]\n]+?) during inference: (.+?)\. This causes a latency spike")
+
+
+def jit_compiles(log: str) -> dict[str, Any]:
+    """Return what vLLM's JIT monitor (>= 0.34) reported in one process tree's log.
+
+    Returns:
+        ``{"monitor_on": bool, "events": [sorted "backend event: kernel (detail)" strings]}``; the monitor logs each
+        distinct event once (mode warn).
+    """
+    events = sorted({f"{what}: {kernel}" for what, kernel in JIT_EVENT.findall(log)})
+    return {"monitor_on": JIT_MONITOR_ON in log, "events": events}
+
+
 def summarize_outputs(work: pathlib.Path) -> dict[str, Any]:
-    """Digests and facts of the kept outputs: per side the sha256 of the requests, cached tokens, preemptions."""
+    """Digests and facts of the kept outputs: per side the sha256 of the requests, cached tokens, preemptions, and
+    the JIT compiles while serving that its log reports (:func:`jit_compiles`)."""
     import hashlib
 
     summary: dict[str, Any] = {}
     for side in sorted(p for p in work.iterdir() if (p / "outputs.json").is_file()) if work.is_dir() else []:
         outputs = json.loads((side / "outputs.json").read_text())["outputs"]
         requests = outputs.get("requests", [])
+        log = side / "run.log"
         summary[side.name] = {
             "requests_sha256": hashlib.sha256(json.dumps(requests, sort_keys=True).encode()).hexdigest(),
             "tokens": {r["name"]: r["token_ids"] for r in requests},
             "cached_prompt_tokens": {r["name"]: r["cached_prompt_tokens"] for r in requests},
-            "engine_stats": outputs.get("engine_stats"), "engine": outputs.get("engine")}
+            "engine_stats": outputs.get("engine_stats"), "engine": outputs.get("engine"),
+            "jit": jit_compiles(log.read_text(errors="replace") if log.is_file() else "")}
     return summary
+
+
+def judge_jit(outputs: dict[str, Any]) -> tuple[bool, str]:
+    """For a ``jit_watch`` case: the JIT monitor was on in the patched run, and it compiled nothing while serving
+    that the baseline did not (what the baseline compiles is vLLM's own warm-up gap, reported, not judged)."""
+    patched = (outputs.get("patched") or {}).get("jit") or {}
+    baseline = (outputs.get("baseline") or {}).get("jit") or {}
+    if not patched.get("monitor_on") or not baseline.get("monitor_on"):
+        return False, "vLLM's JIT monitor was not activated in both runs: nothing shows what compiled while serving"
+    extra = sorted(set(patched.get("events", [])) - set(baseline.get("events", [])))
+    if extra:
+        return False, f"the patched run JIT-compiled while serving what the baseline did not: {extra}"
+    return True, f"no JIT compile while serving beyond the baseline's {len(baseline.get('events', []))}"
 
 
 def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path],
@@ -998,15 +1047,27 @@ def run_parent(args: argparse.Namespace) -> int:
     print(f"vLLM {report['vllm']}; compiled library: {report['compiled_library']}; {len(cases)} cases, "
           f"{args.parallel} at a time", flush=True)
     (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))  # also when none can run
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        futures = [pool.submit(run_case, case, out, model_dirs, prompts, hook, site, args.case_timeout_s)
-                   for case in cases]
-        for future in futures:
-            record = future.result()
-            report["runs"].append(record)
-            print(engine_line(record), flush=True)
-            (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))
+    for wave, workers in schedule_cases(cases, args.parallel):
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(run_case, case, out, model_dirs, prompts, hook, site, args.case_timeout_s)
+                       for case in wave]
+            for future in futures:
+                record = future.result()
+                report["runs"].append(record)
+                print(engine_line(record), flush=True)
+                (out / "vllm_engine.json").write_text(json.dumps(report, indent=1, default=str))
     return 0 if all(record["passed"] for record in report["runs"]) else 1
+
+
+def schedule_cases(cases: list[Case], parallel: int) -> list[tuple[list[Case], int]]:
+    """Return the waves to run, in order, each with its number of cases at a time.
+
+    The cases with a fixed KV budget share one wave, ``parallel`` at a time; every case that profiles the GPU's
+    memory (:attr:`Case.profiles_memory`) then runs alone, one after the other.
+    """
+    shared = [case for case in cases if not case.profiles_memory]
+    waves = [(shared, max(1, min(parallel, len(shared))))] if shared else []
+    return waves + [([case], 1) for case in cases if case.profiles_memory]
 
 
 def main(argv: list[str] | None = None) -> int:
