@@ -3,7 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kda-patches-installed
-PIP := $(VPY) -m pip install -q --disable-pip-version-check
+# --no-compile: pip would byte-compile every installed module (torch, transformers, Ray, vLLM: most never imported
+# here); Python writes a module's .pyc on its first import instead. .venv alone: 135 s -> 85 s on this machine, the
+# first `import vllm` 5.6 s -> 11.3 s once (2026-12-04).
+PIP_FLAGS := -q --no-compile --disable-pip-version-check
+PIP := $(VPY) -m pip install $(PIP_FLAGS)
 
 .PHONY: setup setup-vllm013 setup-ascend ascend-check demo test test-fast environments env-main env-vllm013 \
 	env-ascend lint bench gpu-check mutants clean conformance
@@ -31,7 +35,7 @@ purelib = $$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
 
 $(STAMP013): $(STAMP)
 	test -x $(VENV013)/bin/python || $(VPY) -m venv $(VENV013)
-	$(VENV013)/bin/python -m pip install -q --disable-pip-version-check --no-deps vllm==0.13.0 gguf diskcache
+	$(VENV013)/bin/python -m pip install $(PIP_FLAGS) --no-deps vllm==0.13.0 gguf diskcache
 	printf '%s\n%s\n' "$(CURDIR)" "$(call purelib,$(VPY))" > "$(call purelib,$(VENV013)/bin/python)/zz_kda_main_venv.pth"
 	touch $(STAMP013)
 
@@ -46,7 +50,7 @@ STAMPASC := $(VENVASC)/.kda-ascend-installed
 
 $(STAMPASC):
 	test -x $(VENVASC)/bin/python || $(PYTHON) -m venv $(VENVASC)
-	$(VENVASC)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 triton-ascend==3.2.0 \
+	$(VENVASC)/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0 triton-ascend==3.2.0 \
 		ascendnpu-ir==1.2.0 pybind11 numpy
 	printf '%s\n' "$(CURDIR)" > "$(call purelib,$(VENVASC)/bin/python)/zz_kda_repo.pth"
 	touch $(STAMPASC)

@@ -32,9 +32,17 @@ def parse_spec(text: str) -> tuple[str, str]:
 
 
 def parse_stack(text: str) -> list[tuple[str, str]]:
-    """Return the ``(dist, version)`` pairs of one stack argument, adding the paired vLLM of a lone vllm-ascend."""
+    """Return the ``(dist, version)`` pairs of one stack argument, adding the paired vLLM of a lone vllm-ascend.
+
+    Raises:
+        ValueError: a part is not ``DIST==VERSION``, or the stack names one package twice (refused before anything
+            is fetched: a stack holds one release per package).
+    """
     specs = [parse_spec(part) for part in text.split("+")]
     dists = {dist for dist, _ in specs}
+    if len(dists) < len(specs):
+        raise ValueError(f"bad release stack {text!r}: a stack holds one release per package; join releases of "
+                         "different packages with '+', e.g. vllm-ascend==0.30.0rc2+vllm==0.30.0")
     if dists == {"vllm-ascend"} and len(specs) == 1 and specs[0][1] in PAIRED_VLLM:
         specs.append(("vllm", PAIRED_VLLM[specs[0][1]]))
     return specs

@@ -154,3 +154,16 @@ def test_ascend_rows_are_judged_by_the_forks_targets() -> None:
     assert only_upstream["verdict"] == "inert"
     assert only_upstream["reason"].startswith("the patch declares no vllm-ascend target (its targets are for vllm)")
     assert verdict(Patch("t_up", "test record", (upstream,)), "vllm==0.30.0")["verdict"] == "works"
+
+
+def test_a_stack_naming_one_package_twice_is_refused_before_anything_is_fetched(monkeypatch) -> None:
+    from kda_patches.releases import matrix
+
+    def no_fetch(dist: str, version: str) -> None:
+        raise AssertionError(f"fetched {dist}=={version} for a stack that must be refused first")
+
+    monkeypatch.setattr(matrix, "release_dir", no_fetch)
+    with pytest.raises(ValueError, match="one release per package"):
+        build_stack("vllm-ascend==0.30.0rc2+vllm-ascend==0.29.0rc1")
+    with pytest.raises(ValueError, match="one release per package"):
+        parse_stack("vllm==0.33.0+vllm==0.34.0")
