@@ -412,6 +412,37 @@ MUTANTS: tuple[Mutant, ...] = (
            "initialize(states, max_num_seqs)",
            ("tests/routing/test_routing_core.py::test_the_pdl_switch_reaches_the_plans_compiled_at_startup",),
            "D (state_copy)", "KDA_PATCHES_PDL=1 is accepted and shown but never reaches the plans"),
+    Mutant("ledger-summary-applied-only", "kda_patches/regress/ledgers.py",
+           '"applied_targets": applied, "targets": targets}',
+           '"applied_targets": applied, "targets": {k: v for k, v in targets.items() if v["state"] == "applied"}}',
+           ("tests/test_gpu_engine_check.py::"
+            "test_a_case_that_stands_aside_passes_only_when_the_seam_is_visibly_left_alone",), "H (bench)",
+           "regress keeps only the applied targets: a seam's stand-aside record never reaches the engine judge"),
+    Mutant("extensible-cases-share-the-gpu", "scripts/gpu/vllm_engine_check.py",
+           "        return bool(self.extensible)",
+           "        return False",
+           ("tests/test_gpu_engine_check.py::test_cases_that_profile_memory_run_alone_after_the_shared_wave",),
+           "H (bench)", "an engine sizing its KV cache by profiling runs beside others (H200 run 9's failures)"),
+    Mutant("jit-watch-any-compile-allowed", "scripts/gpu/vllm_engine_check.py",
+           "    if extra:\n        return False, f\"the patched run JIT-compiled",
+           "    if False:\n        return False, f\"the patched run JIT-compiled",
+           ("tests/test_gpu_engine_check.py::"
+            "test_a_jit_watch_case_fails_only_on_a_compile_the_baseline_did_not_have",), "H (bench)",
+           "a compile while serving that only the patched engine had passes the JIT watch"),
+    Mutant("msa-warmup-stood-in-with-cutlass", "scripts/gpu/gpu_harness.py",
+           "    if not (site / MSA_WARMUP_FILE).is_file() or (site / \"cutlass\").is_dir():",
+           "    if not (site / MSA_WARMUP_FILE).is_file():",
+           ("tests/test_gpu_harness.py::"
+            "test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_cutlass",
+            "tests/test_gpu_harness.py::test_the_parent_s_record_reads_the_unpacked_site_it_does_not_import"),
+           "H (bench)",
+           "the MiniMax M3 warm-up is stood in even where the CuTe DSL is carried"),
+    Mutant("stack-twice-fetched-first", "kda_patches/releases/matrix.py",
+           "    if len(dists) < len(specs):",
+           "    if False:",
+           ("tests/releases/test_conformance_verdicts.py::"
+            "test_a_stack_naming_one_package_twice_is_refused_before_anything_is_fetched",), "B (releases)",
+           "a stack naming one package twice downloads both releases before it is refused"),
 )
 
 

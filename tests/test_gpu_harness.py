@@ -328,9 +328,19 @@ def fake_site_with_msa_warmup(tmp_path: pathlib.Path, monkeypatch, with_cutlass:
     return site
 
 
+@pytest.fixture
+def modules_imported_here_dropped():
+    """Drop the modules a test imported from its own fake site (``cutlass``, ``vllm.*``) when it ends."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
 @pytest.mark.parametrize("with_cutlass", [False, True])
 def test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_cutlass(tmp_path, monkeypatch,
-                                                                                 with_cutlass):
+                                                                                 with_cutlass,
+                                                                                 modules_imported_here_dropped):
     import importlib
 
     site = fake_site_with_msa_warmup(tmp_path, monkeypatch, with_cutlass)
@@ -359,3 +369,16 @@ def test_the_msa_warmup_is_stood_in_only_where_the_release_would_have_warmed_not
                 harness.stand_in_msa_warmup(worker(*layers))
         else:
             assert harness.stand_in_msa_warmup(worker(*layers)) is None
+
+
+@pytest.mark.parametrize("with_cutlass", [False, True])
+def test_the_parent_s_record_reads_the_unpacked_site_it_does_not_import(tmp_path, with_cutlass):
+    """The engine check's parent process never puts the unpacked bundle on its path: the record follows the files."""
+    site = tmp_path / "site"
+    (site / harness.MSA_WARMUP_FILE).parent.mkdir(parents=True)
+    (site / harness.MSA_WARMUP_FILE).write_text("import cutlass\n")
+    if with_cutlass:
+        (site / "cutlass").mkdir()
+        (site / "cutlass" / "__init__.py").write_text("")
+    assert str(site) not in sys.path
+    assert (harness.MSA_WARMUP in harness.stood_in_record(True, site)) != with_cutlass
