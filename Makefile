@@ -5,9 +5,12 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kda-patches-installed
 # --no-compile: pip would byte-compile every installed module (torch, transformers, Ray, vLLM: most never imported
 # here); Python writes a module's .pyc on its first import instead. .venv alone: 135 s -> 85 s on this machine, the
-# first `import vllm` 5.6 s -> 11.3 s once (2026-12-04).
+# first `import vllm` 5.6 s -> 11.3 s once (2026-12-04). That needs bytecode writing on: this machine sets
+# PYTHONDONTWRITEBYTECODE=1, under which every process would compile vLLM and torch from source again, so the
+# commands that run them (RUN_PY) clear it; vLLM's spawned processes inherit that.
 PIP_FLAGS := -q --no-compile --disable-pip-version-check
 PIP := $(VPY) -m pip install $(PIP_FLAGS)
+RUN_PY := env -u PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup setup-vllm013 setup-ascend ascend-check demo test test-fast environments env-main env-vllm013 \
 	env-ascend lint bench gpu-check mutants clean conformance
@@ -61,11 +64,11 @@ setup-ascend: $(STAMPASC)
 # hints and the calibration on vllm-ascend's kernels (fetched into the release cache with the main venv's pip).
 # ASCEND_CHECK_ARGS: e.g. --write-matrix, --json FILE, --chips a2a3.
 ascend-check: setup setup-ascend
-	$(VPY) -c 'from kda_patches.ascend_check.calibration import release_root; release_root()'
-	$(VENVASC)/bin/python -m kda_patches.ascend_check $(ASCEND_CHECK_ARGS)
+	$(RUN_PY) $(VPY) -c 'from kda_patches.ascend_check.calibration import release_root; release_root()'
+	$(RUN_PY) $(VENVASC)/bin/python -m kda_patches.ascend_check $(ASCEND_CHECK_ARGS)
 
 demo: setup
-	$(VPY) -m kda_patches regress
+	$(RUN_PY) $(VPY) -m kda_patches regress
 
 # $(call timed,LABEL,COMMAND): run COMMAND, then print its wall time (kept in every CI log) and pass on its status.
 timed = start=$$(date +%s); $(2); status=$$?; echo "[make test] $(1): $$(( $$(date +%s) - start )) s"; exit $$status
@@ -87,19 +90,19 @@ environments:
 # pytest prints the 25 slowest tests at the end. PYTEST_ARGS: e.g. -x, -k NAME.
 PYTEST_WORKERS ?= 2
 test: environments
-	@$(call timed,pytest (full suite),TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=25 \
+	@$(call timed,pytest (full suite),TRITON_INTERPRET=1 $(RUN_PY) $(VPY) -m pytest -q -p no:cacheprovider --durations=25 \
 		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests)
 
 # The inner loop while developing: unit tests only (no real engine, no Ascend compile, no fresh-process A/B of
 # the reference workloads; markers in tests/conftest.py), about two and a quarter minutes (793 tests, 2 min 17 s). `make test` remains the full suite.
 test-fast: setup
-	@$(call timed,pytest (fast subset),TRITON_INTERPRET=1 $(VPY) -m pytest -q -p no:cacheprovider --durations=10 \
+	@$(call timed,pytest (fast subset),TRITON_INTERPRET=1 $(RUN_PY) $(VPY) -m pytest -q -p no:cacheprovider --durations=10 \
 		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not engine and not slow" $(PYTEST_ARGS) tests)
 
 # Hand-picked mutants against their killing tests, on a temporary copy (slow; not part of `test`).
 # MUTANTS_ARGS: e.g. --repeat 3, --only NAME, --worktree.
 mutants: setup
-	$(VPY) scripts/mutants.py $(MUTANTS_ARGS)
+	$(RUN_PY) $(VPY) scripts/mutants.py $(MUTANTS_ARGS)
 
 # Every patch record read against the forks' released source (support matrix; fetched into the release cache).
 conformance: setup
