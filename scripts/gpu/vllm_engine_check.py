@@ -16,7 +16,8 @@ this machine cannot run (GPUs, a library or Ray not carried) is reported NOT RUN
 The *negative control* is the same A/B with the plan's scatter deliberately wrong in the patched processes
 (:data:`MUTANTS`, applied by this script's stand-in hook): it must come out DIFFERENT, or the A/B proves nothing.
 
-Stand-ins (``gpu_harness.stood_in_record``): FlashAttention's compiled package only, when the library is carried.
+Stand-ins (``gpu_harness.stood_in_record``): FlashAttention's compiled package, when the library is carried; on
+vLLM >= 0.34 also MiniMax M3's MSA warm-up module (it imports the CuTe DSL, which is not carried).
 Missing ``torch.ops._C`` lookups are recorded with their call site (:class:`OpRecorder`); without the library the
 declared op stand-ins of :data:`OP_STAND_INS` / :data:`OP_LOOKUP_ONLY` answer.
 
