@@ -439,14 +439,9 @@ def stood_in_names(library: bool, site: pathlib.Path | None = None) -> tuple[str
     Returns:
         FlashAttention's package always; the library's import only without it; the warm-up module as above.
     """
-    names = []
-    for name in STOOD_IN:
-        if name == "vllm._C_stable_libtorch" and library:
-            continue
-        if name == MSA_WARMUP and not (site is not None and msa_warmup_needs_stand_in(site)):
-            continue
-        names.append(name)
-    return tuple(names)
+    left_out = {"vllm._C_stable_libtorch": library,
+                MSA_WARMUP: site is None or not msa_warmup_needs_stand_in(site)}
+    return tuple(name for name in STOOD_IN if not left_out.get(name, False))
 
 
 def msa_warmup_needs_stand_in(site: pathlib.Path) -> bool:
@@ -465,7 +460,7 @@ def stand_in_msa_warmup(worker: Any) -> None:
     """
     import torch
 
-    sparse = [m for m in worker.get_model().modules() if type(m).__name__ == "MiniMaxM3SparseAttention"]
+    sparse = any(type(m).__name__ == "MiniMaxM3SparseAttention" for m in worker.get_model().modules())
     if sparse and torch.cuda.get_device_capability()[0] == 10:
         raise RuntimeError("MiniMax M3's MSA warm-up is stood in (gpu_harness.STOOD_IN): carry nvidia-cutlass-dsl "
                            "to serve a MiniMax M3 model on an SM100-family GPU")
