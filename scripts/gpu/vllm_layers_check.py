@@ -1,6 +1,7 @@
-"""vLLM 0.33's own GDN-family seam layers on the GPU, overlay off vs on: exactness and prefill time.
+"""vLLM's own GDN-family seam layers on the GPU (0.33, or 0.34 as staged), overlay off vs on: exactness and time.
 
-Issues 9 and 19. Runs vLLM's released layer code (``KimiK3DeltaAttention._forward``,
+Issues 9, 19 and 27 (on 0.34: the per-seam default, :func:`seam_default`). Runs vLLM's released layer code
+(``KimiK3DeltaAttention._forward``,
 ``QwenGatedDeltaNetAttention._forward_core``, ``OlmoHybridGatedDeltaNetAttention._forward_core``,
 ``KimiGatedDeltaNetAttention._forward`` of Kimi Linear; :data:`KINDS`) with its real Triton kernels, brought
 along as the bundle of ``scripts/gpu/vllm_bundle.py`` (vLLM's ``.py`` files + the wheels its import chain needs;
@@ -24,6 +25,12 @@ must show ``calls_routed == calls_seen > 0`` for the patched prefills. A second 
 Timing: the layer call (``_forward`` / ``_forward_core``) for 1, 8, 64, 256 sequences of 512 new tokens
 continuing 512 cached ones, CUDA events and synchronized wall time, medians over shuffled rounds.
 
+On vLLM >= 0.34 the Qwen and Kimi Linear seams copy states with upstream's own ops and the overlay stands aside
+there unless ``KDA_PATCHES_GDN_OPS=overlay``: the children get ``--gdn-ops`` (default ``overlay``, so the patched
+side routes and the comparison is the plan against upstream's ops). Kimi K3's layer needs the V1 runner's builder
+path (see ``RUNNER_NOTE``), which 0.34 no longer has: it is left out there by default, with the reason in the
+report (:func:`layers_for`); the engine check runs it on 0.34.
+
 Usage: ``python scripts/gpu/vllm_layers_check.py --out DIR [--bundle ZIP] [--dry-run] [--rounds N]``.
 ``--dry-run`` (CPU machine): same bundle for this interpreter, CPU platform, Triton interpreter, tiny shapes; it
 imports, builds, allocates, binds and publishes the plans, and names where the CPU stops (the Kimi builder asserts
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import pathlib
@@ -112,6 +120,9 @@ PATCH_OF = {name: kind.patch for name, kind in KINDS.items()}
 FOLDS = tuple(name for name, kind in KINDS.items() if kind.folds)
 PREFIX_OF = {name: kind.prefix for name, kind in KINDS.items()}
 RUNNER_NOTE = "kimi_k3: VLLM_USE_V2_MODEL_RUNNER=0 (builder computes aligned state indices itself)"
+V2_ONLY = (0, 34)  # vLLM >= 0.34 builds only the V2 runner; VLLM_USE_V2_MODEL_RUNNER=0 is a start-up error there
+V1_GONE = ("needs VLLM_USE_V2_MODEL_RUNNER=0 (its metadata builder computes aligned state indices only on the V1 "
+           "runner's path), which vLLM >= 0.34 refuses at start-up; the engine check runs this layer on 0.34")
 TIMED_SEQS = (1, 8, 64, 256)
 TIMED_LEN, TIMED_CACHED = 512, 512
 MAX_NUM_SEQS = 256
@@ -131,18 +142,74 @@ QUICK_CASES = (
 
 # ---------------------------------------------------------------- parent: bundle, children, verdicts
 
-def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool) -> dict[str, str]:
-    """Return the environment of one child: bundle + project on the path (+ the stand-in hook on GPU), switches."""
+def version_tuple(version: str | None) -> tuple[int, ...]:
+    """``"0.34.0"`` -> ``(0, 34, 0)``; None or an unparsable string -> ``()``."""
+    parts = []
+    for piece in (version or "").split("."):
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts)
+
+
+def layers_for(version: str | None, asked: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    """Return the layers to run on vLLM ``version`` and those left out with why.
+
+    Args:
+        version: the bundle's vLLM version (None: unknown, every layer runs).
+        asked: ``--layers`` as given, or None for the default (every layer that can run on that version).
+    Raises:
+        SystemExit: a layer asked for by name cannot run on that version (named, with the reason).
+    """
+    left_out = {name: V1_GONE for name, kind in KINDS.items()
+                if kind.v1_runner and version_tuple(version)[:2] >= V2_ONLY}
+    refused = [name for name in asked or [] if name in left_out]
+    if refused:
+        raise SystemExit(f"--layers {' '.join(refused)}: cannot run on vLLM {version}: {left_out[refused[0]]}; "
+                         f"run the others ({', '.join(n for n in LAYERS if n not in left_out)})")
+    chosen = list(asked) if asked else [name for name in LAYERS if name not in left_out]
+    return chosen, {name: why for name, why in left_out.items() if name not in chosen}
+
+
+def seam_default(layer: str, rows: list[dict[str, Any]]) -> str:
+    """The per-seam default the layer's timing justifies (issue 27's rule), as one ``DEFAULT`` line.
+
+    Route when the patched layer call is at least as fast as the unpatched one (median of the per-round paired
+    ratios of the engine-step figure, unpatched / patched >= 1.00) at every timed batch size; otherwise stand
+    aside, naming the batch sizes below 1.00. No timed row with both variants: no verdict.
+    """
+    paired = [(row["seqs"], row["paired_step_speedup"]) for row in rows if "paired_step_speedup" in row]
+    if not paired:
+        return f"DEFAULT {layer}: none (no batch size timed with both variants)"
+    figures = ", ".join(f"{seqs}: {ratio:.3f}x" for seqs, ratio in paired)
+    slower = [str(seqs) for seqs, ratio in paired if ratio < 1.0]
+    if slower:
+        return (f"DEFAULT {layer}: stand aside (patched slower at {', '.join(slower)} sequences; unpatched/patched "
+                f"per engine step {figures})")
+    return (f"DEFAULT {layer}: route (patched at least as fast at every batch size; unpatched/patched per engine "
+            f"step {figures})")
+
+
+def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool,
+              gdn_ops: str = "overlay") -> dict[str, str]:
+    """Return the environment of one child: bundle + project on the path (+ the stand-in hook on GPU), switches.
+
+    ``gdn_ops`` is the child's ``KDA_PATCHES_GDN_OPS`` (on vLLM >= 0.34: ``overlay`` routes the seams where
+    upstream's own ops copy the states; ``upstream`` lets the overlay stand aside there).
+    """
     env = dict(os.environ)
     hook = [] if dry_run else [str(write_stand_in_hook(site.with_name(site.name + "-standins")))]
     env["PYTHONPATH"] = os.pathsep.join([*hook, str(ROOT), str(site), *filter(None, [env.get("PYTHONPATH")])])
     env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_ONLY=PATCH_OF[layer],
-               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
-               VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
+               KDA_PATCHES_GDN_OPS=gdn_ops, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_LOGGING_LEVEL="WARNING", VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
     if KINDS[layer].v1_runner:  # see RUNNER_NOTE
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if dry_run:
-        env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1")
+        # an empty CUDA_VISIBLE_DEVICES is vLLM's "distributed start-up" case, where it keeps the installed Triton
+        # without an active GPU driver: 0.34's CPU platform refuses x86 without Triton, and its warm-up decorators
+        # need the real module (the interpreter runs the kernels)
+        env.update(VLLM_TARGET_DEVICE="cpu", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     else:
         env.pop("TRITON_INTERPRET", None)
         env.update(gpu_harness.compile_cache_env())
@@ -158,7 +225,8 @@ def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Name
     argv += ["--dry-run"] if args.dry_run else []
     argv += ["--host-profile", *map(str, args.host_profile)] if args.host_profile and enabled else []
     started = time.perf_counter()
-    process = subprocess.Popen(argv, env=child_env(site, layer, enabled, args.dry_run), stdout=subprocess.PIPE,
+    process = subprocess.Popen(argv, env=child_env(site, layer, enabled, args.dry_run, args.gdn_ops),
+                               stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     deadline = started + args.child_timeout_s
@@ -227,6 +295,8 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
         else:
             lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched only {row['baseline_event_ms']:.3f} "
                          f"ms (events), wall {row['baseline_wall_ms']:.3f} ms")
+    if patched and on.get("timing"):
+        lines.append(seam_default(layer, on["timing"]))
     if not on.get("cases"):
         lines.append(f"VERDICT {layer}: FAIL no case ran")
     return lines
@@ -255,6 +325,12 @@ def run_parent(args: argparse.Namespace) -> int:
         report["bundle"]["unpack_s"] = round(time.perf_counter() - started, 1)
         report["compiled_library"] = prepared["compiled_library"]
         report["source_sha256"] = source_hash()
+        report["vllm_version"] = prepared.get("vllm_version")
+        args.layers, report["left_out"] = layers_for(report["vllm_version"], args.layers)
+        report["gdn_ops"] = args.gdn_ops
+        for name, why in report["left_out"].items():
+            print(f"LEFT OUT {name} on vLLM {report['vllm_version']}: {why}", file=log, flush=True)
+            print(f"LEFT OUT {name} on vLLM {report['vllm_version']}: {why}")
         print(f"bundle {prepared['bundle_file']} unpacked in {report['bundle']['unpack_s']} s; vLLM's compiled library "
               f"{'staged' if prepared['compiled_library'] else 'absent (its import stood in)'}", file=log, flush=True)
         results: dict[str, dict[str, Any]] = {}
@@ -397,8 +473,11 @@ class LayerBench:
         kernel_block_sizes = [group.kv_cache_spec.block_size for group in kv_config.kv_cache_groups]
         raw = allocate_kv_cache(kv_config, self.device, layout, kernel_block_sizes)
         self.runner_kv_caches: list[Any] = []
+        # 0.33 shares ReplaySSM trackers across the groups it is given; 0.34's bind_kv_cache has no such parameter
+        groups_kwarg = ({"kv_cache_groups": kv_config.kv_cache_groups}
+                        if "kv_cache_groups" in inspect.signature(bind_kv_cache).parameters else {})
         bind_kv_cache(raw, self.config.compilation_config.static_forward_context, self.runner_kv_caches,
-                      kv_cache_groups=kv_config.kv_cache_groups)
+                      **groups_kwarg)
         self.spec, self.kv_config = spec, kv_config
         view = raw[self.prefix]
         self.raw = torch.empty(0, dtype=torch.int8, device=self.device).set_(view.untyped_storage())
@@ -933,7 +1012,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="calls per timed step (back to back on one metadata object, as one engine step)")
     parser.add_argument("--copy-costs", action="store_true",
                         help="also time the seam's copies alone, the fork's ops against the overlay's plan")
-    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
+    parser.add_argument("--layers", nargs="+", choices=LAYERS,
+                        help="default: every layer that can run on the bundle's vLLM (layers_for)")
+    parser.add_argument("--gdn-ops", choices=("overlay", "upstream"), default="overlay",
+                        help="KDA_PATCHES_GDN_OPS of the children (vLLM >= 0.34: overlay routes the seams where "
+                             "upstream's own ops copy the states, so patched vs unpatched is plan vs upstream)")
     parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
     parser.add_argument("--host-profile", type=int, nargs="*", default=[], metavar="SEQS",
                         help="also profile the layer call's host side at these batch sizes (x512 tokens)")

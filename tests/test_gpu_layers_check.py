@@ -1,0 +1,71 @@
+"""The layer check's parent-side rules (``scripts/gpu/vllm_layers_check.py``): which layers run on a release, the
+per-seam default its timing justifies, and the children's switches. The GPU children themselves run on the H200."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from script_loader import load_script
+
+layers_check = load_script("gpu/vllm_layers_check.py", "vllm_layers_check_under_test")
+
+
+def timed_row(seqs: int, step_ratio: float) -> dict:
+    return {"seqs": seqs, "paired_step_speedup": step_ratio}
+
+
+def test_every_layer_runs_on_033_and_kimi_k3_is_left_out_on_034_with_the_reason():
+    chosen, left_out = layers_check.layers_for("0.33.0", None)
+    assert chosen == list(layers_check.LAYERS) and left_out == {}
+    chosen, left_out = layers_check.layers_for("0.34.0", None)
+    assert "kimi_k3" not in chosen and set(chosen) == set(layers_check.LAYERS) - {"kimi_k3"}
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in left_out["kimi_k3"]
+
+
+def test_a_version_that_cannot_be_read_leaves_nothing_out():
+    assert layers_check.layers_for(None, None) == (list(layers_check.LAYERS), {})
+
+
+def test_asking_for_kimi_k3_on_034_by_name_is_refused_with_the_layer_and_the_others():
+    with pytest.raises(SystemExit, match=r"--layers kimi_k3: cannot run on vLLM 0\.34\.0.*qwen_gdn"):
+        layers_check.layers_for("0.34.0", ["qwen_gdn", "kimi_k3"])
+    chosen, left_out = layers_check.layers_for("0.34.1", ["qwen_gdn"])
+    assert chosen == ["qwen_gdn"] and list(left_out) == ["kimi_k3"]
+
+
+def test_route_when_the_patched_call_is_at_least_as_fast_at_every_batch_size():
+    line = layers_check.seam_default("qwen_gdn", [timed_row(1, 1.4), timed_row(8, 1.0), timed_row(64, 1.02)])
+    assert line.startswith("DEFAULT qwen_gdn: route") and "8: 1.000x" in line
+
+
+def test_one_batch_size_below_one_makes_the_seam_stand_aside_and_names_it():
+    line = layers_check.seam_default("qwen_gdn", [timed_row(1, 1.4), timed_row(8, 0.999), timed_row(64, 1.2),
+                                                  timed_row(256, 0.95)])
+    assert line.startswith("DEFAULT qwen_gdn: stand aside (patched slower at 8, 256 sequences")
+
+
+def test_no_paired_row_gives_no_default():
+    line = layers_check.seam_default("kimi_linear_gdn", [{"seqs": 1, "baseline_step_ms": 1.0}])
+    assert line == "DEFAULT kimi_linear_gdn: none (no batch size timed with both variants)"
+
+
+def test_the_judge_adds_the_default_only_when_the_seam_was_patched():
+    case = {"name": "c", "shape": "s", "outputs_equal": True, "cache_equal": True, "cache_bytes": 1,
+            "calls_seen": 1, "calls_routed": 1, "digest_baseline": "a", "digest_patched": "a"}
+    row = {"seqs": 1, "rounds": 3, "baseline_event_ms": 2.0, "patched_event_ms": 1.0, "baseline_wall_ms": 2.0,
+           "patched_wall_ms": 1.0, "paired_step_speedup": 1.1, "paired_event_speedup": 2.0,
+           "baseline_step_ms": 1.1, "patched_step_ms": 1.0, "burst": 8}
+    on = {"patched_available": True, "cases": [case], "timing": [row]}
+    assert any(line.startswith("DEFAULT olmo_gdn: route") for line in layers_check.judge("olmo_gdn", on, {}))
+    unpatched = {**on, "patched_available": False,
+                 "timing": [{"seqs": 1, "baseline_event_ms": 2.0, "baseline_wall_ms": 2.0}]}
+    assert not any(line.startswith("DEFAULT") for line in layers_check.judge("olmo_gdn", unpatched, {}))
+
+
+@pytest.mark.parametrize("gdn_ops", ["overlay", "upstream"])
+def test_the_children_get_the_gdn_ops_switch_asked_for(gdn_ops, tmp_path: pathlib.Path):
+    env = layers_check.child_env(tmp_path / "site", "qwen_gdn", True, dry_run=True, gdn_ops=gdn_ops)
+    assert env["KDA_PATCHES_GDN_OPS"] == gdn_ops and env["KDA_PATCHES_ONLY"] == "gdn_state_copy"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in env or env["VLLM_USE_V2_MODEL_RUNNER"] == __import__(
+        "os").environ.get("VLLM_USE_V2_MODEL_RUNNER")
