@@ -34,9 +34,11 @@ SWITCHES: dict[str, str] = {
     "KDA_PATCHES_GDN_PLAN": "fork (default): on vllm-ascend >=0.30, whose NPU GDN prefill copies states with its "
     "own Triton kernels (gather_ssm_states / scatter_ssm_states_), gdn_state_copy stands aside; overlay: route "
     "those two calls through the overlay's sealed plan (needs KDA_PATCHES_ROUTING=rewrite; unverified on NPUs)",
-    "KDA_PATCHES_GDN_OPS": "upstream (default): on vLLM >=0.34, whose Qwen and Kimi Linear GDN prefill copies "
-    "states with its own startup-warmed Triton ops (gather_initial_states / scatter_states), gdn_state_copy "
-    "stands aside on those seams; overlay: route those two calls through the overlay's sealed plan (needs "
+    "KDA_PATCHES_GDN_OPS": "measured (default): on vLLM >=0.34, whose Qwen and Kimi Linear GDN prefill copies "
+    "states with its own startup-warmed Triton ops (gather_initial_states / scatter_states), each of those seams "
+    "follows the H200 measurement of 0.34's own layer (docs/results/h200-vllm-layers run 18): Qwen is routed "
+    "through the overlay's sealed plan (at least as fast at 1-256 sequences), gdn_state_copy stands aside on Kimi "
+    "Linear (0.998-0.999x at 64-256); upstream: stand aside on both; overlay: route both (needs "
     "KDA_PATCHES_ROUTING=rewrite). Kimi K3 and Olmo are routed either way",
     "KDA_PATCHES_ROUTING": "rewrite (default): a seam whose released source has exactly the declared copy lines "
     "runs a twin compiled at apply time that calls the plan directly; alias: every seam routes through the "
@@ -56,7 +58,7 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _KV_STATE_MODES = ("auto", "separate")
 _KIMI_PLANS = ("fork", "overlay")
 _GDN_PLANS = ("fork", "overlay")
-_GDN_OPS = ("upstream", "overlay")
+_GDN_OPS = ("measured", "upstream", "overlay")
 _ROUTINGS = ("rewrite", "alias")
 
 
@@ -77,7 +79,7 @@ class Flags:
                  status_dir: str | None = None, log_level: str = "WARNING", custom_opp: tuple[str, ...] = (),
                  preload: tuple[str, ...] = (), kv_state_mode: str = "auto", role: str | None = None,
                  warnings: tuple[str, ...] = (), kimi_plan: str = "fork", routing: str = "rewrite",
-                 gdn_plan: str = "fork", gdn_ops: str = "upstream", pdl: bool = False) -> None:
+                 gdn_plan: str = "fork", gdn_ops: str = "measured", pdl: bool = False) -> None:
         values = dict(enabled=enabled, disable=frozenset(disable), only=None if only is None else frozenset(only),
                       force_triton=force_triton, strict=strict, status_dir=status_dir, log_level=log_level,
                       custom_opp=tuple(custom_opp), preload=tuple(preload), kv_state_mode=kv_state_mode,
@@ -197,7 +199,7 @@ def parse_flags(environ: Mapping[str, str] | None = None,
     if gdn_plan not in _GDN_PLANS:
         raise ValueError(f"KDA_PATCHES_GDN_PLAN={env.get('KDA_PATCHES_GDN_PLAN')!r} is not a choice; "
                          f"use one of {', '.join(_GDN_PLANS)}")
-    gdn_ops = (env.get("KDA_PATCHES_GDN_OPS") or "upstream").strip().lower()
+    gdn_ops = (env.get("KDA_PATCHES_GDN_OPS") or "measured").strip().lower()
     if gdn_ops not in _GDN_OPS:
         raise ValueError(f"KDA_PATCHES_GDN_OPS={env.get('KDA_PATCHES_GDN_OPS')!r} is not a choice; "
                          f"use one of {', '.join(_GDN_OPS)}")

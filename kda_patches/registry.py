@@ -106,10 +106,11 @@ class Target:
             why, e.g. "no adapter for vLLM 0.26-0.29 KV reshaping"); such a target is never applied and is
             ``not-applicable`` with reason ``inert: <text>``, which also keeps the range from looking like an
             unverified newer release. ``wrapper`` may be None.
-        chosen_by: ``(flags attribute, value)``: the target is inert (with its ``inert`` text) unless the
-            process's switch has that value, e.g. ``("gdn_plan", "overlay")``: where the fork does the job
-            itself the overlay stands aside by default and wraps only when the user chose it
-            (:func:`inert_reason`). Needs both a wrapper and an ``inert`` text.
+        chosen_by: ``(flags attribute, value)`` or ``(flags attribute, (value, ...))``: the target is inert
+            (with its ``inert`` text) unless the process's switch has that value (one of those values), e.g.
+            ``("gdn_plan", "overlay")``: where the fork does the job itself the overlay stands aside by default
+            and wraps only when the user chose it (:func:`inert_reason`). Kept as ``(attribute, tuple of
+            values)``. Needs both a wrapper and an ``inert`` text.
     """
 
     __slots__ = ("module", "qualname", "wrapper", "stack", "distribution", "min_version", "max_version",
@@ -119,7 +120,7 @@ class Target:
                  distribution: str = "vllm", min_version: str | None = None, max_version: str | None = None,
                  parameters: tuple[str, ...] | None = None, group: str | None = None,
                  shapes: tuple[str, ...] = (), inert: str | None = None,
-                 chosen_by: tuple[str, str] | None = None) -> None:
+                 chosen_by: tuple[str, str | tuple[str, ...]] | None = None) -> None:
         if wrapper is None and inert is None:
             raise ValueError(f"target {module}:{qualname} has no wrapper; declare it inert (with the reason) "
                              "or give it a wrapper")
@@ -137,7 +138,8 @@ class Target:
         self.group = group
         self.shapes = tuple(shapes)
         self.inert = inert
-        self.chosen_by = None if chosen_by is None else tuple(chosen_by)
+        self.chosen_by = None if chosen_by is None else (
+            chosen_by[0], (chosen_by[1],) if isinstance(chosen_by[1], str) else tuple(chosen_by[1]))
 
     def __repr__(self) -> str:
         return f"Target({self.key!r}, {version_range(self)!r}, group={self.group!r})"

@@ -31,15 +31,15 @@ def stands_aside_by_choice(target: Target | None) -> bool:
 def inert_reason(target: Target) -> str | None:
     """Return why ``target`` stays unwrapped in this process (its ``inert`` text), or None when it is live.
 
-    A target ``chosen_by`` a switch is live exactly when the process's flags hold the chosen value.
+    A target ``chosen_by`` a switch is live exactly when the process's flags hold one of the chosen values.
     """
     if target.inert is None:
         return None
     if target.chosen_by is not None:
         from kda_patches import current_flags  # deferred: the package imports this module
 
-        attribute, value = target.chosen_by
-        if getattr(current_flags(), attribute) == value:
+        attribute, values = target.chosen_by
+        if getattr(current_flags(), attribute) in values:
             return None
     return target.inert
 

@@ -64,8 +64,9 @@ def test_the_release_cache_variable_is_a_known_switch():
     assert not parse_flags({"KDA_PATCHES_RELEASE_CACHE": "/tmp/cache"}, known_patches=()).warnings
 
 
-def test_gdn_ops_switch_defaults_to_upstream_and_accepts_overlay():
-    assert parse_flags({}, KNOWN).gdn_ops == "upstream"
+def test_gdn_ops_switch_defaults_to_measured_and_accepts_upstream_and_overlay():
+    assert parse_flags({}, KNOWN).gdn_ops == "measured"
+    assert parse_flags({"KDA_PATCHES_GDN_OPS": "upstream"}, KNOWN).gdn_ops == "upstream"
     assert parse_flags({"KDA_PATCHES_GDN_OPS": " Overlay "}, KNOWN).gdn_ops == "overlay"
     assert parse_flags({"KDA_PATCHES_GDN_OPS": "overlay"}, KNOWN).as_dict()["KDA_PATCHES_GDN_OPS"] == "overlay"
     with pytest.raises(ValueError, match="KDA_PATCHES_GDN_OPS"):

@@ -555,7 +555,9 @@ def test_034_cases_set_the_seam_choice_the_cache_and_the_jit_monitor(tmp_path):
                                  tmp_path / "p.jsonl")
     assert fixed["enable_extensible_kv_cache"] is False and fixed["kv_cache_memory_bytes"] == 2 << 30
     default = by_name["qwen3_next-v2-prefix-eager-034"]
-    assert "KDA_PATCHES_GDN_OPS" not in module.case_env(default, tmp_path, tmp_path)
+    assert "KDA_PATCHES_GDN_OPS" not in module.case_env(default, tmp_path, tmp_path) and not default.stands_aside
+    upstream = by_name["qwen3_next-v2-prefix-eager-034-upstream"]
+    assert upstream.stands_aside and module.case_env(upstream, tmp_path, tmp_path)["KDA_PATCHES_GDN_OPS"] == "upstream"
     assert "jit_monitor_mode" not in module.engine_params(default, tmp_path, tmp_path / "p.jsonl")
     assert "enable_extensible_kv_cache" not in module.engine_params(by_name["qwen3_5-v2-prefix-eager"], tmp_path,
                                                                     tmp_path / "p.jsonl")

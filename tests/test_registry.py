@@ -490,6 +490,29 @@ def test_a_target_chosen_by_a_switch_is_wrapped_only_when_chosen(tmp_path, monke
     registry.revert_patch(patch)
 
 
+@pytest.mark.parametrize(("choice", "wrapped"), [("measured", True), ("overlay", True), ("upstream", False)])
+def test_a_target_chosen_by_several_values_is_wrapped_under_each_of_them(tmp_path, monkeypatch, choice, wrapped):
+    """``chosen_by=(switch, (value, ...))``: live under any listed value (vLLM 0.34's Qwen seam: the measured
+    default and overlay), inert with its text under any other."""
+    import kda_patches
+    from kda_patches.flags import Flags
+
+    monkeypatch.setattr(kda_patches, "_FLAGS", Flags(strict=True, gdn_ops=choice))
+    name = make_module(tmp_path, monkeypatch, ENGINE, version="0.34.0")
+    target = registry.Target(name, "Engine.step", add_one, distribution=name, min_version="0.34",
+                             max_version="0.35", parameters=("self", "value"), inert="upstream copies itself",
+                             chosen_by=("gdn_ops", ("measured", "overlay")))
+    assert target.chosen_by == ("gdn_ops", ("measured", "overlay"))
+    patch = registry.Patch(name=f"p_{uuid.uuid4().hex[:8]}", summary="chosen by two values", targets=(target,))
+    registry.register_patch(patch, strict=True)
+    module = importlib.import_module(name)
+    state, reason = get_ledger().patch_state(patch.name)
+    assert module.Engine().step(1) == (11 if wrapped else 10)
+    assert (state == "applied") == wrapped, reason
+    assert wrapped or reason.startswith("inert: upstream copies itself"), reason
+    registry.revert_patch(patch)
+
+
 def test_a_chosen_target_needs_a_wrapper_and_the_text_of_what_stands_aside():
     with pytest.raises(ValueError, match="needs a wrapper"):
         registry.Target("m", "f", None, inert="aside", chosen_by=("gdn_plan", "overlay"))

@@ -30,9 +30,10 @@ Seams, per the released sources (``kda-patches conformance`` re-reads them):
 vLLM 0.34 (V2 runner only; ``extend_kv_cache`` re-validates and republishes the plans after the extensible KV
 cache's rebind, :mod:`kda_patches.routing.rebind`): Olmo is unchanged and routed; Qwen ``_forward_core`` and Kimi
 Linear ``_forward`` copy states with upstream's own startup-warmed Triton ops ``gather_initial_states`` /
-``scatter_states(state, src, indices)``, so the overlay stands aside on those two seams by default
-(``KDA_PATCHES_GDN_OPS=upstream``: inert with the reason, conformance "stands down" on them);
-``KDA_PATCHES_GDN_OPS=overlay`` routes both calls through the plan (rewritten twin only:
+``scatter_states(state, src, indices)``. Each of those two seams follows the H200 measurement of 0.34's own layer
+(``KDA_PATCHES_GDN_OPS=measured``, the default): Qwen is routed through the plan (at least as fast at every batch
+size), the overlay stands aside on Kimi Linear (inert with the reason, conformance "stands down" on it: 0.998-0.999x
+at 64-256 sequences). ``upstream`` stands aside on both, ``overlay`` routes both (rewritten twin only:
 ``QWEN_034_SEAM`` / ``KIMI_GDN_034_SEAM``). Qwen's FlashInfer prefill backend passes the cache to its kernel
 without either op: such a call is reported bypassed.
 
@@ -156,11 +157,21 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
     return era("vllm", low, high, (*members, *upstream_runners(wrap_initialize_kv_cache, low)))
 
 
-UPSTREAM_OPS_STAND_ASIDE = ("vLLM >= 0.34 copies this seam's GDN states with its own startup-warmed Triton ops "
-                           "gather_initial_states / scatter_states (flags and cast in one pass, PDL on SM90+), so "
-                           "the overlay stands aside (KDA_PATCHES_GDN_OPS=upstream, the default; no H200 measurement "
-                           "of vLLM 0.34's own layers shows the plan at least as fast yet); KDA_PATCHES_GDN_OPS="
-                           "overlay routes those two calls through the overlay's sealed plan")
+UPSTREAM_OPS_CHOSEN = ("vLLM >= 0.34 copies this seam's GDN states with its own startup-warmed Triton ops "
+                       "gather_initial_states / scatter_states (flags and cast in one pass, PDL on SM90+)")
+QWEN_034_STAND_ASIDE = (f"{UPSTREAM_OPS_CHOSEN}; KDA_PATCHES_GDN_OPS=upstream chose them, so the overlay stands "
+                        "aside; the default (measured) and overlay route those two calls through the overlay's "
+                        "sealed plan (H200, 0.34's own Qwen layer, 20-40 rounds: unpatched/patched per engine step "
+                        "1.06-1.09x at 1-8 sequences, 1.000-1.003x at 64-256)")
+KIMI_GDN_034_STAND_ASIDE = (f"{UPSTREAM_OPS_CHOSEN}, and on the H200 the plan is not at least as fast in 0.34's own "
+                            "Kimi Linear layer at every batch size (unpatched/patched per engine step 1.04-1.08x at "
+                            "1-8 sequences, 0.998-0.999x at 64-256 with the FP32 cache), so the overlay stands aside "
+                            "(KDA_PATCHES_GDN_OPS=measured, the default, or upstream); KDA_PATCHES_GDN_OPS=overlay "
+                            "routes those two calls through the overlay's sealed plan")
+# which KDA_PATCHES_GDN_OPS values route each 0.34 seam: the default follows the H200 layer measurement
+# (docs/results/h200-vllm-layers run 18: vllm_layers_check.py's DEFAULT lines)
+QWEN_034_ROUTED_BY = ("measured", "overlay")
+KIMI_GDN_034_ROUTED_BY = ("overlay",)
 _QWEN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(ssm_state, ...)",
                     "scatter:scatter_states(ssm_state, ...)")
 _KIMI_GDN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recurrent_state, ...)",
@@ -168,7 +179,10 @@ _KIMI_GDN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recu
 
 
 def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
-    """vLLM >= 0.34: Olmo (index copies) routed; Qwen and Kimi Linear (upstream's own ops) only when chosen.
+    """vLLM >= 0.34: Olmo (index copies) routed; Qwen and Kimi Linear (upstream's own ops) each when chosen.
+
+    ``KDA_PATCHES_GDN_OPS=measured`` (default) routes Qwen and leaves Kimi Linear to upstream's ops, as the H200
+    measurement of 0.34's own layers says (:data:`QWEN_034_ROUTED_BY`, :data:`KIMI_GDN_034_ROUTED_BY`).
 
     One group: the members standing aside by choice are not members while they stand aside
     (:func:`kda_patches.verdicts.group_verdict`), so Olmo and the runner hooks apply without them; chosen, they
@@ -179,13 +193,15 @@ def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
          FORWARD_CORE_PARAMETERS, _OLMO_SHAPES),
         (f"{_GDN}.olmo_gdn_linear_attn", "chunk_gated_delta_rule", wrap_final, None, ()),
         *upstream_runners(wrap_initialize_kv_cache, low, wrap_extend_kv_cache)))
-    chosen = era("vllm", low, high, (
+    qwen = era("vllm", low, high, (
         (f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_034_forward_core,
-         FORWARD_CORE_PARAMETERS, _QWEN_034_SHAPES),
+         FORWARD_CORE_PARAMETERS, _QWEN_034_SHAPES),), chosen_by=("gdn_ops", QWEN_034_ROUTED_BY),
+        stands_aside=QWEN_034_STAND_ASIDE)
+    kimi_linear = era("vllm", low, high, (
         (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_034_forward,
-         KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_034_SHAPES)),
-        chosen_by=("gdn_ops", "overlay"), stands_aside=UPSTREAM_OPS_STAND_ASIDE)
-    return (*plain, *chosen)
+         KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_034_SHAPES),), chosen_by=("gdn_ops", KIMI_GDN_034_ROUTED_BY),
+        stands_aside=KIMI_GDN_034_STAND_ASIDE)
+    return (*plain, *qwen, *kimi_linear)
 
 
 def _ascend_era(low: str, high: str) -> tuple[Target, ...]:

@@ -33,7 +33,8 @@ def release_tuple(version: str) -> tuple[int, ...]:
 
 
 def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], ...],
-        chosen_by: tuple[str, str] | None = None, stands_aside: str | None = None) -> tuple[Target, ...]:
+        chosen_by: tuple[str, str | tuple[str, ...]] | None = None,
+        stands_aside: str | None = None) -> tuple[Target, ...]:
     """Return one coupled group of targets valid for ``distribution`` in ``[low, high)``.
 
     A release era is one group (named ``<distribution>-<low>``): its members -- a seam, the copy functions

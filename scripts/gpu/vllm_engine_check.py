@@ -197,16 +197,19 @@ CASES = (
     Case("qwen3_5-v1-noprefix-compiled-tp2", "qwen3_5", "v1", False, False, tp=2),
     Case("qwen3_5-v2-prefix-eager-tp2-ray", "qwen3_5", "v2", True, True, tp=2, executor="ray"),
     # issue 27 (vLLM 0.34, its bundle staged): Qwen3-Next for the Qwen GDN seam (0.34 builds Qwen3.5 on CUDA with
-    # FlashInfer's norm, which is not carried); the default stands aside for upstream's warmed gather/scatter
+    # FlashInfer's norm, which is not carried); the default (KDA_PATCHES_GDN_OPS=measured) routes Qwen's seam, as
+    # the H200 layer check of 0.34 measured; KDA_PATCHES_GDN_OPS=upstream stands aside for upstream's own ops
     *(Case(f"qwen3_next-v2-prefix-{mode}-034{suffix}", "qwen3_next", "v2", True, mode == "eager", release="0.34.0",
-           extensible=extensible, gdn_ops=gdn_ops, stands_aside=gdn_ops is None, mutant=mutant,
+           extensible=extensible, gdn_ops=gdn_ops, stands_aside=gdn_ops == "upstream", mutant=mutant,
            jit_watch=mode == "compiled")
       for mode, suffix, extensible, gdn_ops, mutant in (
           ("eager", "", True, None, None),
+          ("eager", "-upstream", True, "upstream", None),
           ("eager", "-overlay", True, "overlay", None),
           ("eager", "-overlay-NEGATIVE", True, "overlay", "scatter-halved"),
           ("eager", "-overlay-not-extensible", False, "overlay", None),
           ("compiled", "-jit-watch", True, None, None),
+          ("compiled", "-upstream-jit-watch", True, "upstream", None),
           ("compiled", "-overlay-jit-watch", True, "overlay", None))),
     Case("kimi_k3-v2-prefix-eager-034", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True),
     Case("kimi_k3-v2-prefix-eager-034-NEGATIVE", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True,

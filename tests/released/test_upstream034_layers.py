@@ -1,14 +1,16 @@
 """vLLM 0.34.0's Qwen, Kimi Linear, Kimi K3 and Olmo seams on the CPU, overlay off vs on in both GDN-ops choices.
 
-:mod:`upstream034_child` three times, all cases in each process (:func:`released_ab.run_batch`; the 0.34 coverage costs
-three fresh processes, not a pair per case: issue 28), each case with its own fresh seed, the same on every side:
+:mod:`upstream034_child` four times, all cases in each process (:func:`released_ab.run_batch`; the 0.34 coverage costs
+four fresh processes, not a pair per case: issue 28), each case with its own fresh seed, the same on every side:
 
 - ``baseline``: ``KDA_PATCHES=0`` (STRICT): upstream's own ``gather_initial_states`` / ``scatter_states`` copy the
   states of Qwen and Kimi Linear, ``gather_initial_states`` and an index assignment those of Kimi K3, indexing
   those of Olmo;
-- ``upstream``: ``KDA_PATCHES=1`` STRICT, ``KDA_PATCHES_GDN_OPS`` at its default: the overlay stands aside on Qwen
-  and Kimi Linear (their seams unwrapped, ``not-applicable`` with the reason in ``kda-patches status``, upstream's
-  ops launched as in the baseline) and routes Kimi K3 and Olmo;
+- ``measured``: ``KDA_PATCHES=1`` STRICT, ``KDA_PATCHES_GDN_OPS`` at its default: the H200 measurement of 0.34's
+  own layers decides each seam: Qwen routed, the overlay stands aside on Kimi Linear (its seam unwrapped,
+  ``not-applicable`` with the reason in ``kda-patches status``, upstream's ops launched as in the baseline);
+- ``upstream``: ``KDA_PATCHES_GDN_OPS=upstream``: the overlay stands aside on Qwen and Kimi Linear and routes
+  Kimi K3 and Olmo;
 - ``overlay``: ``KDA_PATCHES_GDN_OPS=overlay``: all four routed (routed == seen), upstream's two kernels never
   launched.
 
@@ -31,7 +33,8 @@ CASES = ("qwen:float32:SD", "qwen:bfloat16:DS", "linear:float32:DS", "linear:bfl
          "k3:float32:SD", "k3:bfloat16:DS", "olmo:bfloat16:SD", "olmo:float32:DS")
 GATHER, SCATTER = "_gather_initial_states_kernel", "_scatter_states_kernel"
 # which layers each side routes through the overlay's plans
-ROUTED = {"baseline": (), "upstream": ("k3", "olmo"), "overlay": ("qwen", "linear", "k3", "olmo")}
+ROUTED = {"baseline": (), "measured": ("qwen", "k3", "olmo"), "upstream": ("k3", "olmo"),
+          "overlay": ("qwen", "linear", "k3", "olmo")}
 # upstream's kernels a layer launches per run of the batch plan when its seam is not routed (Olmo indexes)
 UPSTREAM_LAUNCHES = {"qwen": {GATHER: PREFILL_CALLS, SCATTER: PREFILL_CALLS},
                      "linear": {GATHER: PREFILL_CALLS, SCATTER: PREFILL_CALLS},
@@ -43,10 +46,12 @@ CHOSEN_SEAMS = {"qwen": f"{_GDN}.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention
                 "linear": f"{_GDN}.kimi_gdn_linear_attn:KimiGatedDeltaNetAttention._forward"}
 ROUTED_SEAMS = {"olmo": f"{_GDN}.olmo_gdn_linear_attn:OlmoHybridGatedDeltaNetAttention._forward_core",
                 "k3": "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention._forward"}
-STANDS_ASIDE = "KDA_PATCHES_GDN_OPS=overlay routes those two calls"
+STANDS_ASIDE = "so the overlay stands aside"
+PATCHED_SIDES = ("measured", "upstream", "overlay")
 
 
-SIDES = (("baseline", released_ab.Side(False)), ("upstream", released_ab.Side(True)),
+SIDES = (("baseline", released_ab.Side(False)), ("measured", released_ab.Side(True)),
+         ("upstream", released_ab.Side(True, (("KDA_PATCHES_GDN_OPS", "upstream"),))),
          ("overlay", released_ab.Side(True, (("KDA_PATCHES_GDN_OPS", "overlay"),))))
 
 
@@ -86,7 +91,7 @@ def test_baseline_runs_the_releases_own_code(runs: tuple, case: str) -> None:
     assert helper["triton_kernel_dispatcher_with_warmup"] == "release", context + f"\n{helper}"
 
 
-@pytest.mark.parametrize("side", ("upstream", "overlay"))
+@pytest.mark.parametrize("side", PATCHED_SIDES)
 @pytest.mark.parametrize("case", CASES)
 def test_patched_equals_baseline(runs: tuple, case: str, side: str) -> None:
     _, batch = runs
@@ -128,19 +133,24 @@ def test_the_choice_is_in_the_ledger_and_status(runs: tuple) -> None:
     targets = {side: {**sides[side]["ledger"]["patches"]["gdn_state_copy"]["targets"],
                       **{f"kimi_prefill {key}": value for key, value in
                          sides[side]["ledger"]["patches"]["kimi_prefill"]["targets"].items()}}
-               for side in ("upstream", "overlay")}
-    status = sides["upstream"]["status"]
-    for kind, key in CHOSEN_SEAMS.items():  # default: stands aside, visibly
-        target = targets["upstream"][key]
-        assert target["state"] == "not-applicable" and STANDS_ASIDE in target["reason"], context + f"\n{key}: {target}"
-        line = next((line for line in status.splitlines() if key in line), "")
-        assert line.split()[:1] == ["not-applicable"] and "stands aside" in line, context + f"\n{kind}: {line!r}"
-        assert targets["overlay"][key]["state"] == "applied", context + f"\n{key}: {targets['overlay'][key]}"
-        routing = sides["overlay"]["ledger"]["facts"]["gdn_state_copy"][f"routing {key}"]
-        assert routing["mechanism"] == "rewrite", context + f"\n{routing}"
-        replaced = " ".join(routing["replaced"])
-        assert "gather_initial_states call" in replaced and "scatter_states call" in replaced, context + f"\n{routing}"
-    for kind, key in ROUTED_SEAMS.items():  # routed in either choice
+               for side in PATCHED_SIDES}
+    for kind, key in CHOSEN_SEAMS.items():  # each side's choice, visibly: applied, or standing aside with the reason
+        for side in PATCHED_SIDES:
+            target = targets[side][key]
+            line = next((line for line in sides[side]["status"].splitlines() if key in line), "")
+            if kind in ROUTED[side]:
+                assert target["state"] == "applied", context + f"\n{side} {key}: {target}"
+                routing = sides[side]["ledger"]["facts"]["gdn_state_copy"][f"routing {key}"]
+                assert routing["mechanism"] == "rewrite", context + f"\n{routing}"
+                replaced = " ".join(routing["replaced"])
+                assert "gather_initial_states call" in replaced and "scatter_states call" in replaced, (
+                    context + f"\n{routing}")
+            else:
+                assert target["state"] == "not-applicable" and STANDS_ASIDE in target["reason"], (
+                    context + f"\n{side} {key}: {target}")
+                assert line.split()[:1] == ["not-applicable"] and "stands aside" in line, (
+                    context + f"\n{side} {kind}: {line!r}")
+    for kind, key in ROUTED_SEAMS.items():  # routed in every choice
         key = key if kind == "olmo" else f"kimi_prefill {key}"
-        for side in ("upstream", "overlay"):
+        for side in PATCHED_SIDES:
             assert targets[side][key]["state"] == "applied", context + f"\n{side} {key}: {targets[side][key]}"
