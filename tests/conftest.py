@@ -28,6 +28,7 @@ if "--run-gpu" in sys.argv:
 if os.environ.get("KDA_TESTS_RUN_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import durations_by_directory
 import pytest
 import vllm_stack
 import xdist_scheduling
@@ -104,11 +105,18 @@ def skip_reason(report: pytest.TestReport) -> str:
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config):
-    """After every other summary: one line naming each skip reason with its count, just above the totals."""
+    """After every other summary: the test time per directory (with ``--durations``), then one line naming each
+    skip reason with its count, just above the totals."""
     yield
     reports = [report for report in terminalreporter.stats.get("skipped", []) if report.skipped]
     counts = Counter(skip_reason(report) for report in reports)
     rendered = "; ".join(f"{count} x {reason}" for reason, count in sorted(counts.items())) or "none"
+    if config.getoption("durations", None) is not None:  # make test asks for --durations: per directory too
+        timed = [report for key in ("passed", "failed", "error", "skipped")
+                 for report in terminalreporter.stats.get(key, []) if hasattr(report, "duration")]
+        terminalreporter.write_line("test time per directory:")
+        for line in durations_by_directory.format_totals(durations_by_directory.directory_totals(timed)):
+            terminalreporter.write_line(line)
     terminalreporter.write_line(f"skips ({len(reports)}): {rendered}")
 
 
