@@ -155,7 +155,7 @@ RELEASED_GDN030 = ("tests/released/test_ascend_gdn030_overlay.py::"
 RELEASED_WHY = "the same mutant against the released-code A/B, one case of a batch sharing its processes"
 CHOSEN_TARGET_ALWAYS_LIVE = Mutant(
     "chosen-target-always-live", "kda_patches/verdicts.py",
-    "        if getattr(current_flags(), attribute) == value:\n            return None",
+    "        if getattr(current_flags(), attribute) in values:\n            return None",
     "        return None",
     ("tests/test_registry.py::test_a_target_chosen_by_a_switch_is_wrapped_only_when_chosen",), "G (gdn_plan)",
     "a target chosen by a switch (vllm-ascend 0.30 GDN) is wrapped although the fork does the job")
@@ -328,6 +328,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "D (state_copy)", "a kernel that needs global or profile scratch is launched without it"),
     CHOSEN_TARGET_ALWAYS_LIVE,
     against(CHOSEN_TARGET_ALWAYS_LIVE, "released", (f"{RELEASED_GDN030}[0.30.0rc1-bfloat16]",), RELEASED_WHY),
+    Mutant("chosen-value-read-as-characters", "kda_patches/registry.py",
+           "(chosen_by[1],) if isinstance(chosen_by[1], str) else tuple(chosen_by[1])", "tuple(chosen_by[1])",
+           ("tests/test_registry.py::test_a_target_chosen_by_a_switch_is_wrapped_only_when_chosen",), "G (gdn_plan)",
+           "a switch value given as one string is split into its characters, so the chosen target is never live"),
+    Mutant("qwen034-default-stands-aside", "kda_patches/patches/gdn_state_copy.py",
+           'QWEN_034_ROUTED_BY = ("measured", "overlay")', 'QWEN_034_ROUTED_BY = ("overlay",)',
+           ("tests/released/test_upstream034_layers.py::test_the_choice_is_in_the_ledger_and_status",), "I (vLLM 0.34)",
+           "vLLM 0.34's Qwen seam stands aside by default although the H200 layer measurement says route"),
+    Mutant("kimi-linear034-default-routed", "kda_patches/patches/gdn_state_copy.py",
+           'KIMI_GDN_034_ROUTED_BY = ("overlay",)', 'KIMI_GDN_034_ROUTED_BY = ("measured", "overlay")',
+           ("tests/released/test_upstream034_layers.py::test_the_choice_is_in_the_ledger_and_status",), "I (vLLM 0.34)",
+           "vLLM 0.34's Kimi Linear seam is routed by default although the H200 layer measurement says stand aside"),
     Mutant("kernel-gather-any-dtype", "kda_patches/routing/direct.py",
            "if state is not self.state or (wanted is not None and wanted is not state.dtype):",
            "if state is not self.state:",
