@@ -112,8 +112,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     counts = Counter(skip_reason(report) for report in reports)
     rendered = "; ".join(f"{count} x {reason}" for reason, count in sorted(counts.items())) or "none"
     if config.getoption("durations", None) is not None:  # make test asks for --durations: per directory too
-        timed = [report for key in ("passed", "failed", "error", "skipped")
-                 for report in terminalreporter.stats.get(key, []) if hasattr(report, "duration")]
+        # every phase's report, wherever the reporter filed it (passed setups and teardowns are under "")
+        timed = [report for reports in terminalreporter.stats.values() for report in reports
+                 if hasattr(report, "duration") and hasattr(report, "when")]
         terminalreporter.write_line("test time per directory:")
         for line in durations_by_directory.format_totals(durations_by_directory.directory_totals(timed)):
             terminalreporter.write_line(line)
