@@ -30,7 +30,7 @@ def test_a_version_that_cannot_be_read_leaves_nothing_out():
 def test_asking_for_kimi_k3_on_034_by_name_is_refused_with_the_layer_and_the_others():
     with pytest.raises(SystemExit, match=r"--layers kimi_k3: cannot run on vLLM 0\.34\.0.*qwen_gdn"):
         layers_check.layers_for("0.34.0", ["qwen_gdn", "kimi_k3"])
-    chosen, left_out = layers_check.layers_for("0.34.1", ["qwen_gdn"])
+    chosen, left_out = layers_check.layers_for("0.34.1+cu130", ["qwen_gdn"])
     assert chosen == ["qwen_gdn"] and list(left_out) == ["kimi_k3"]
 
 

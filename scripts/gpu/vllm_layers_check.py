@@ -142,10 +142,12 @@ QUICK_CASES = (
 
 # ---------------------------------------------------------------- parent: bundle, children, verdicts
 
-def version_tuple(version: str | None) -> tuple[int, ...]:
-    """``"0.34.0"`` -> ``(0, 34, 0)``; None or an unparsable string -> ``()``."""
+def release_of(version: str | None) -> tuple[int, ...]:
+    """``"0.34.0+cu130"`` -> ``(0, 34, 0)``; None -> ``()``. The parent runs without the project on its path (only
+    the children get it), so it cannot use ``kda_patches.verdicts.parse_version``, and importing the package here
+    would activate the overlay in the parent."""
     parts = []
-    for piece in (version or "").split("."):
+    for piece in (version or "").split("+", 1)[0].split("."):
         if not piece.isdigit():
             break
         parts.append(int(piece))
@@ -162,7 +164,7 @@ def layers_for(version: str | None, asked: list[str] | None) -> tuple[list[str],
         SystemExit: a layer asked for by name cannot run on that version (named, with the reason).
     """
     left_out = {name: V1_GONE for name, kind in KINDS.items()
-                if kind.v1_runner and version_tuple(version)[:2] >= V2_ONLY}
+                if kind.v1_runner and release_of(version)[:2] >= V2_ONLY}
     refused = [name for name in asked or [] if name in left_out]
     if refused:
         raise SystemExit(f"--layers {' '.join(refused)}: cannot run on vLLM {version}: {left_out[refused[0]]}; "
@@ -226,8 +228,7 @@ def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Name
     argv += ["--host-profile", *map(str, args.host_profile)] if args.host_profile and enabled else []
     started = time.perf_counter()
     process = subprocess.Popen(argv, env=child_env(site, layer, enabled, args.dry_run, args.gdn_ops),
-                               stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     deadline = started + args.child_timeout_s
     for line in process.stdout:
@@ -329,8 +330,8 @@ def run_parent(args: argparse.Namespace) -> int:
         args.layers, report["left_out"] = layers_for(report["vllm_version"], args.layers)
         report["gdn_ops"] = args.gdn_ops
         for name, why in report["left_out"].items():
-            print(f"LEFT OUT {name} on vLLM {report['vllm_version']}: {why}", file=log, flush=True)
-            print(f"LEFT OUT {name} on vLLM {report['vllm_version']}: {why}")
+            for stream in (log, sys.stdout):
+                print(f"LEFT OUT {name} on vLLM {report['vllm_version']}: {why}", file=stream, flush=True)
         print(f"bundle {prepared['bundle_file']} unpacked in {report['bundle']['unpack_s']} s; vLLM's compiled library "
               f"{'staged' if prepared['compiled_library'] else 'absent (its import stood in)'}", file=log, flush=True)
         results: dict[str, dict[str, Any]] = {}
