@@ -56,12 +56,19 @@ class TargetFacts:
             limit below the plan defaults. Families: ``bytes`` (the byte copy, items are bytes),
             ``fused/SRC->DST`` and ``cast_items/SRC->DST`` (typed kernels; ``SRC == DST`` for the
             fused copies without a cast).
+        tile_by_widest_item: a fused variant's tile holds the block's bytes of the widest dtype it reads or
+            writes, not of the cache dtype: a scatter of FP32 final states into a 16-bit cache then moves half
+            the cache items per program (H200, ``scripts/gpu/launch_shape_probe.py``: a 2 KiB BF16 tile beside
+            the 4 KiB one closes most of the cast scatter's gap to vLLM 0.34's kernels at 1-4 rows and is
+            0-1.6 % faster at 64-256 rows). Set where it was measured (SM90+); elsewhere every variant of a
+            plan shares the cache dtype's tile.
     """
 
     name: str
     honoured_hints: tuple[str, ...] = ()
     ub_bytes: int | None = None
     block_limits: Mapping[str, int] = field(default_factory=dict)
+    tile_by_widest_item: bool = False
 
     def honours(self, hint: str) -> bool:
         """Return whether the compiler keeps ``hint`` (e.g. :data:`EVICT_FIRST`)."""
@@ -73,7 +80,8 @@ class TargetFacts:
 
 
 CUDA_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST,))
-CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL))  # SM90+ (Hopper, Blackwell)
+CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL),
+                              tile_by_widest_item=True)  # SM90+ (Hopper, Blackwell)
 INTERPRETER_TARGET = TargetFacts("cpu-interpreter")  # the interpreter has no caches: hints are no-ops
 # Measured with triton-ascend 3.2.0 + bishengir 1.2.0 (`make ascend-check`, probe in patches/ASCEND_COMPILE.md):
 # the largest power-of-two block, in items, up to 65536, that reaches the final HIVM IR with the backend's

@@ -34,6 +34,11 @@ Shared contract (checked on the host by :mod:`kda_patches.state_copy.layout` bef
   the compiled variants. Every other layout number (row stride, payload, block, tiles) is a constexpr of
   the cache layout; the selected count is the grid, never an argument.
 
+Scatter loads: a scatter reads its packed row whole, whatever the row's index says (the packed tensor is
+``[S, PAYLOAD]``, so every packed item is in bounds), and masks only the cache store by validity. Masking the load
+by the index too would make it wait for the index load: two dependent memory round trips instead of two
+overlapping ones, which is most of a one-row scatter's device time (H200, ``scripts/gpu/launch_shape_probe.py``).
+
 Masks are built from vectors only (a ``vector & scalar`` mask fails under ``TRITON_INTERPRET=1``).
 What compiles for Ascend is measured, not assumed: every variant the plans prepare is compiled for
 A2/A3 and A5 with triton-ascend and bishengir in the test suite (``make ascend-check``), and the result
@@ -146,10 +151,10 @@ def copy_rows_kernel(
         PDL: compiled with ``launch_pdl`` (programmatic dependent launch, :func:`pdl_prologue`): only where the
             target honours it (:data:`~kda_patches.state_copy.device.PDL`) and the plan asked for it.
     """
-    pdl_prologue(PDL)
     tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
     offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    pdl_prologue(PDL)  # after the address arithmetic (no memory), before the first load
     valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, num_rows, BLOCK, SCATTER)
     cache_items = cache_ptr + safe_row * ROW_STRIDE + offsets
     packed_items = packed_ptr + row * PAYLOAD + offsets
@@ -159,7 +164,11 @@ def copy_rows_kernel(
         in_payload = offsets < PAYLOAD
         copy_mask = valid & in_payload
     if SCATTER:
-        values = tl.load(packed_items, mask=copy_mask)
+        # the packed row is always in bounds: its load must not wait for the index (see "Scatter loads")
+        if EVEN:
+            values = tl.load(packed_items)
+        else:
+            values = tl.load(packed_items, mask=in_payload)
         if SRC != DST:
             values = cast_bits(values, SRC, DST, NAN_RULE, NAN_BITS).to(cache_ptr.dtype.element_ty, bitcast=True)
         if STREAM:
@@ -217,7 +226,7 @@ def copy_row_bytes_kernel(
     cache_bytes = cache_ptr + safe_row * ROW_STRIDE + offsets
     packed_bytes = packed_ptr + row * PAYLOAD + offsets
     if SCATTER:
-        values = tl.load(packed_bytes, mask=copy_mask)
+        values = tl.load(packed_bytes, mask=in_payload)  # independent of the index (see "Scatter loads")
         tl.store(cache_bytes, values, mask=copy_mask)
     else:
         values = tl.load(cache_bytes, mask=copy_mask, other=0)
@@ -261,6 +270,6 @@ def scatter_cast_items_kernel(
     in_payload = offsets < PAYLOAD
     valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, num_rows, BLOCK, True)
     copy_mask = valid & in_payload
-    values = tl.load(packed_ptr + row * PAYLOAD + offsets, mask=copy_mask)
+    values = tl.load(packed_ptr + row * PAYLOAD + offsets, mask=in_payload)  # independent of the index
     values = cast_bits(values, SRC, DST, NAN_RULE, NAN_BITS).to(cache_ptr.dtype.element_ty, bitcast=True)
     tl.store(cache_ptr + safe_row * ROW_STRIDE + offsets, values, mask=copy_mask)

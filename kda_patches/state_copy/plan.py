@@ -258,7 +258,9 @@ class StateCopyPlan:
         """Return the kernel constexprs of the variant ``key``, in parameter order (after ``num_rows``)."""
         raise NotImplementedError
 
-    def _grid(self, count: int) -> tuple[int, int]:
+    def _grid(self, count: int, source: torch.dtype | None = None) -> tuple[int, int]:
+        """Return the launch grid of ``count`` selected rows for variants reading ``source`` items (the final
+        dtype of a scatter; None: the cache dtype, a gather's)."""
         raise NotImplementedError
 
     def _variant_keys(self) -> list[tuple[Any, ...]]:
@@ -297,7 +299,7 @@ class StateCopyPlan:
                 variant = compile_variant(name, self._variant_kernel(key), (cache, source, indices, self._true_flags),
                                           self._variant_constexprs(key), self._num_warps, self._interpreted,
                                           self._variant_kernel(key) is kernels.copy_row_bytes_kernel, self._pdl)
-                variant.launch(self._grid(1), cache, source, indices, self._true_flags, cache.shape[0])
+                variant.launch(self._grid(1, source.dtype), cache, source, indices, self._true_flags, cache.shape[0])
                 synchronize(self._device)
             except Exception as exc:
                 refuse("prepare", f"variant {name} failed to compile or run on scratch: {exc!r}", layer)
@@ -423,7 +425,7 @@ class StateCopyPlan:
                 flags = flags.clone(memory_format=torch.contiguous_format)
         packed = state.new_empty((count, *self._inner))  # the prepared dtype and device: _check_call checked both
         if count:
-            self._gathers[indices.dtype].launch(self._grid(count), state, packed, indices, flags, state.shape[0])
+            self._gathers[indices.dtype].launch(self._grid(count, None), state, packed, indices, flags, state.shape[0])
         return packed
 
     def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
@@ -461,7 +463,9 @@ class StateCopyPlan:
             return
         if not packed.is_contiguous() or packed.data_ptr() % 16:
             packed = packed.clone(memory_format=torch.contiguous_format)
-        scatters[indices.dtype].launch(self._grid(count), state, packed, indices, self._true_flags, state.shape[0])
+        scatters[indices.dtype].launch(
+            self._grid(count, packed.dtype), state, packed, indices, self._true_flags, state.shape[0]
+        )
 
     def describe(self) -> dict[str, Any]:
         """Return the plan as a JSON-serialisable dict (for the ledger and the benchmark)."""
@@ -520,24 +524,36 @@ class FusedStatePlan(StateCopyPlan):
         block = self._limit_block(block, size, [(self._variant_family(key), size) for key in self._variant_keys()],
                                   block_bytes is not None, layer)
         self._block = block
-        self._tiles = triton.cdiv(self.layout.payload, block)
-        self._base = (self.layout.row_stride, self.layout.payload, block, self.layout.payload % block == 0)
+        # per source dtype (the cache's for gathers and same-dtype scatters, each final dtype's for its scatters):
+        # the block in cache items, its tile count and the layout constexprs. Only a target that sizes tiles by
+        # the widest item gives a wider final dtype a smaller block (never above the limited one).
+        self._blocks = {source: max(block * size // max(size, source.itemsize), 16)
+                        if self.target.tile_by_widest_item else block
+                        for source in dict.fromkeys((self._dtype, *self.final_dtypes))}
+        self._tiles = {source: triton.cdiv(self.layout.payload, items) for source, items in self._blocks.items()}
+        self._tiles[None] = self._tiles[self._dtype]
+        self._bases = {source: (self.layout.row_stride, self.layout.payload, items, self.layout.payload % items == 0)
+                       for source, items in self._blocks.items()}
         return num_warps or (self.DEFAULT_NUM_WARPS if block >= 1024 else 2)
 
     def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
         return kernels.copy_rows_kernel
 
-    def _block_facts(self) -> dict[str, int]:
-        return {"items": self._block, "bytes": self._block * self.layout.element_size}
+    def _block_facts(self) -> dict[str, Any]:
+        facts: dict[str, Any] = {"items": self._block, "bytes": self._block * self.layout.element_size}
+        narrower = {casts.dtype_name(source): items for source, items in self._blocks.items() if items != self._block}
+        if narrower:  # the scatters of these final dtypes move fewer cache items per program
+            facts["scatter_items"] = narrower
+        return facts
 
     def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
         if key[0] == "gather":
             code = casts.KIND_CODES.get(self._dtype, 0)
-            return (*self._base, False, self._stream, code, code, 0, 0, self._pdl)
-        return (*self._base, True, self._scatter_evict_first, *self._casts[key[2]].constexprs(), self._pdl)
+            return (*self._bases[self._dtype], False, self._stream, code, code, 0, 0, self._pdl)
+        return (*self._bases[key[2]], True, self._scatter_evict_first, *self._casts[key[2]].constexprs(), self._pdl)
 
-    def _grid(self, count: int) -> tuple[int, int]:
-        return (self._tiles, count)
+    def _grid(self, count: int, source: torch.dtype | None = None) -> tuple[int, int]:
+        return (self._tiles[source], count)
 
 
 class FallbackStatePlan(StateCopyPlan):
@@ -591,8 +607,8 @@ class FallbackStatePlan(StateCopyPlan):
             return (*self._bytes_base, True)
         return (*self._items_base, *policy.constexprs())
 
-    def _grid(self, count: int) -> tuple[int, int]:
-        return (count * self._tiles, 1)
+    def _grid(self, count: int, source: torch.dtype | None = None) -> tuple[int, int]:
+        return (count * self._tiles, 1)  # one grid for every variant (the cast scatter's items cover its bytes)
 
 
 PLAN_CLASSES: dict[str, type[StateCopyPlan]] = {PLAN_FUSED: FusedStatePlan, PLAN_FALLBACK: FallbackStatePlan}

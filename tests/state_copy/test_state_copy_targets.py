@@ -67,6 +67,37 @@ def test_fused_block_is_capped_in_items():
                                                    policies(F32, (F32, BF16)))).values()) == {1024}
 
 
+def test_a_target_tiling_by_the_widest_item_gives_wider_finals_a_smaller_block():
+    wide = TargetFacts("wide", tile_by_widest_item=True)
+    by_name = blocks(FusedStatePlan.variant_specs(meta(BF16), 8, wide, policies(BF16, (BF16, F32))))
+    assert by_name["fused/scatter/int32/float32"] == by_name["fused/scatter/int64/float32"] == 1024  # 4 KiB of FP32
+    assert by_name["fused/gather/int32"] == by_name["fused/scatter/int32/bfloat16"] == 2048  # 4 KiB of BF16
+    # narrower finals never grow the block: an FP32 cache keeps 1024 items for its BF16 scatters
+    assert set(blocks(FusedStatePlan.variant_specs(meta(F32), 8, wide, policies(F32, (F32, BF16)))).values()) == {1024}
+    # a target without the rule (Ascend, the interpreter, pre-SM90 CUDA) shares the cache dtype's block
+    assert set(blocks(FusedStatePlan.variant_specs(meta(BF16), 8, TargetFacts("none"),
+                                                   policies(BF16, (BF16, F32)))).values()) == {2048}
+    assert [facts.name for facts in (CUDA_TARGET, CUDA_PDL_TARGET, ASCEND_A2A3_TARGET, ASCEND_A5_TARGET)
+            if facts.tile_by_widest_item] == ["cuda"] and CUDA_PDL_TARGET.tile_by_widest_item
+
+
+def test_a_plan_with_per_final_blocks_copies_exactly(device):
+    cache = build_cache(device, dtype=BF16, num_rows=6, inner=(2, 16, 48), seed=11)  # 1536 items: no even tile
+    plan = FusedStatePlan.prepare(cache.state, 4, block_bytes=1024, final_dtypes=(BF16, F32),
+                                  target=TargetFacts("wide", tile_by_widest_item=True)).seal()
+    assert plan.describe()["block"] == {"items": 512, "bytes": 1024, "scatter_items": {"float32": 256}}
+    indices = torch.tensor([4, 0, 9, 2], dtype=torch.int64, device=device)
+    for final_dtype in (F32, BF16):
+        final = torch.randn((4, 2, 16, 48), generator=torch.Generator().manual_seed(5)).to(device, final_dtype)
+        expected = cache.clone()
+        naive.scatter_states(expected.state, final, indices)
+        plan.scatter(cache.state, final, indices)
+        assert torch.equal(bits(cache.backing), bits(expected.backing)) and cache.gaps_untouched()
+    flags = torch.tensor([True, False, True, True], device=device)
+    assert torch.equal(bits(plan.gather(cache.state, indices, flags)),
+                       bits(naive.gather_states(cache.state, indices, flags)))
+
+
 def test_the_a2a3_table_caps_fp16_caches_with_fp32_finals():
     specs = FallbackStatePlan.variant_specs(meta(F16), 8, ASCEND_A2A3_TARGET, policies(F16, (F16, F32)))
     assert blocks(specs)["fallback/scatter/int64/float32"] == ASCEND_A2A3_TARGET.block_limit(

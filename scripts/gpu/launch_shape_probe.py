@@ -1,0 +1,247 @@
+"""Which launch shape closes the plan's graph-replay gap to upstream vLLM 0.34's own state-copy ops (issue 27).
+
+An experiment, not the product. Upstream's ``_gather_initial_states_kernel`` / ``_scatter_states_kernel`` launch
+1024 items per program with 8 warps and PDL; the fused plan launches 4 KiB per program with 4 warps (FP32: 1024
+items, BF16: 2048, so a BF16 row gets half the programs). This probe measures, in graph replay (device time only),
+the real :class:`~kda_patches.state_copy.plan.FusedStatePlan` with PDL at several ``(tile bytes, warps)`` beside
+upstream's kernels, on the GDN benchmark's caches (page gaps, random INT32 rows, 75 % flags), Qwen3.6-27B TP4 and
+Kimi-Linear-48B TP1 state shapes, FP32 / BF16 caches with same-dtype and BF16 <- FP32 scatters. Every
+implementation is checked bit-equal to the naive twin before it is timed.
+
+Upstream's two files are read from ``--upstream-dir`` (``gather_initial_states.py`` and ``scatter_states.py`` of the
+vLLM 0.34.0 wheel, copied out of the release cache; gitignored, carried) and run unchanged with their vLLM imports
+answered here: Triton for ``vllm.triton_utils``, a platform that reports PDL on SM90+, and a warm-up dispatcher that
+launches ``kernel[grid]`` with the arguments upstream's own function returns. Device time does not depend on the
+dispatcher (``bench peer --release vllm==0.34.0`` measures its host cost with the real one).
+
+Usage: ``python3 scripts/gpu/launch_shape_probe.py --out DIR --upstream-dir DIR`` (CUDA only; writes
+``DIR/launch_shape_probe.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import sys
+import time
+import types
+from typing import Any
+
+import triton
+import triton.language as tl
+
+UPSTREAM = "upstream-0.34"
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_STRIDE: tl.constexpr,
+                              PAYLOAD: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
+    """Same-dtype scatter of one tile of one row, ``PAYLOAD % BLOCK == 0``; ``CHECK`` picks how an invalid index
+    is handled: 0 not at all (upstream), 1 masked store at the clamped row (the plan), 2 masked store at the raw
+    row, 3 a scalar branch around an unmasked store."""
+    tile = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    values = tl.load(packed_ptr + row * PAYLOAD + offsets)
+    if CHECK == 0:
+        cache_row = tl.load(index_ptr + row).to(tl.int64)
+        tl.store(cache_ptr + cache_row * ROW_STRIDE + offsets, values)
+    elif CHECK == 1:
+        cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
+        valid = (cache_row >= 0) & (cache_row < num_rows.to(tl.int64))
+        tl.store(cache_ptr + tl.where(valid, cache_row, 0) * ROW_STRIDE + offsets, values, mask=valid)
+    elif CHECK == 2:
+        cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
+        valid = (cache_row >= 0) & (cache_row < num_rows.to(tl.int64))
+        tl.store(cache_ptr + cache_row * ROW_STRIDE + offsets, values, mask=valid)
+    else:
+        cache_row = tl.load(index_ptr + row).to(tl.int64)
+        if (cache_row >= 0) & (cache_row < num_rows.to(tl.int64)):
+            tl.store(cache_ptr + cache_row * ROW_STRIDE + offsets, values)
+
+
+# label: (block items, warps, CHECK)
+BODY_PROBES = {"body-none": (1024, 4, 0), "body-clamped": (1024, 4, 1), "body-raw": (1024, 4, 2),
+               "body-branch": (1024, 4, 3), "body-none-w8": (1024, 8, 0), "body-branch-w8": (1024, 8, 3)}
+
+
+def body_probe_impls(state: Any) -> dict[str, tuple[Any, Any]]:
+    """``{label: (None, scatter)}`` of the body probes (FP32 caches only: the blocks are FP32 items)."""
+    impls = {}
+    for label, (block, warps, check) in BODY_PROBES.items():
+        def scatter(cache: Any, last: Any, indices: Any, block: int = block, warps: int = warps,
+                    check: int = check) -> None:
+            grid = (cache[0].numel() // block, indices.shape[0])
+            body_probe_scatter_kernel[grid](cache, last, indices, cache.shape[0], ROW_STRIDE=cache.stride(0),
+                                            PAYLOAD=cache[0].numel(), BLOCK=block, CHECK=check, num_warps=warps,
+                                            launch_pdl=True)
+        impls[label] = (None, scatter)
+    return impls
+# (tile bytes, warps, evict_first on the scatter's cache writes)
+CONFIGS = ((4096, 4, True), (4096, 4, False), (4096, 8, True), (2048, 4, True), (2048, 8, True), (8192, 8, True),
+           (1024, 4, True))
+
+
+def load_upstream_ops(folder: pathlib.Path) -> tuple[Any, Any]:
+    """Return upstream 0.34's ``(gather_initial_states, scatter_states)`` loaded from ``folder`` with stand-ins."""
+    import torch
+    import triton
+
+    from kda_patches.releases.load import run_serving, triton_utils_shim
+
+    def dispatcher_with_warmup(kernel: Any, warmup_inputs: Any) -> Any:
+        def decorate(function: Any) -> Any:
+            def launch(*args: Any) -> None:
+                grid, options = function(*args)
+                kernel[grid](*args, **options)
+            return launch
+        return decorate
+
+    platform = types.SimpleNamespace(is_arch_support_pdl=lambda: torch.cuda.get_device_capability() >= (9, 0))
+    modules = triton_utils_shim()
+    modules["vllm.platforms"] = types.SimpleNamespace(current_platform=platform)
+    modules["vllm.model_executor.warmup.jit_warmup"] = types.SimpleNamespace(WarmupIntRange=lambda *a: a)
+    modules["vllm.model_executor.warmup.jit_warmup_triton_helper"] = types.SimpleNamespace(
+        DispatchSpec=tuple, TritonWarmupTensor=lambda *a, **k: None,
+        triton_kernel_dispatcher_with_warmup=dispatcher_with_warmup)
+    loaded = []
+    for stem in ("gather_initial_states", "scatter_states"):
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(f"kda_probe_upstream_{stem}", folder / f"{stem}.py")
+        module = importlib.util.module_from_spec(spec)
+        run_serving(spec.name, module, modules, lambda spec=spec, module=module: spec.loader.exec_module(module))
+        loaded.append(getattr(module, stem))
+    del triton
+    return loaded[0], loaded[1]
+
+
+def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
+    """Return ``{label: (gather, scatter)}`` of one sealed PDL plan per configuration."""
+    from kda_patches.state_copy.device import EVICT_FIRST, PDL, TargetFacts
+    from kda_patches.state_copy.plan import FusedStatePlan
+
+    impls = {}
+    for block_bytes, warps, evict in CONFIGS:
+        hints = (EVICT_FIRST, PDL) if evict else (PDL,)
+        plan = FusedStatePlan.prepare(state, 256, block_bytes=block_bytes, num_warps=warps, pdl=True,
+                                      final_dtypes=(final,), target=TargetFacts("cuda", honoured_hints=hints)).seal()
+        if not plan.describe()["pdl"]:
+            raise RuntimeError(f"plan {block_bytes}/{warps} did not compile with PDL: {plan.describe()}")
+        label = f"plan {block_bytes}/{warps}" + ("" if evict else "/no-evict")
+        impls[label] = (plan.gather, plan.scatter)
+    return impls
+
+
+def check_body_probes(impls: dict[str, tuple[Any, Any]], state: Any, indices: Any, last: Any) -> None:
+    """Refuse a body probe whose scatter is not bit-equal to torch's index_put."""
+    import torch
+
+    for name, (gather, scatter) in impls.items():
+        if gather is None:
+            before = state.clone()
+            scatter(state, last, indices)
+            expected = before.clone()
+            expected[indices.long()] = last
+            if not torch.equal(state.view(torch.int32), expected.view(torch.int32)):
+                raise RuntimeError(f"{name} wrote wrong bytes")
+            state.copy_(before)
+
+
+def bind_calls(impls: dict[str, tuple[Any, Any]], state: Any, index_sets: list[Any], flag_sets: list[Any],
+               last: Any) -> dict[tuple[str, str], Any]:
+    """Return ``{(impl, op): call(step)}``: each gather and scatter on index set ``step % n``."""
+    calls = {}
+    count = len(index_sets)
+    for name, (gather, scatter) in impls.items():
+        if gather is None:
+            calls[(name, "scatter")] = lambda step, scatter=scatter: scatter(state, last, index_sets[step % count])
+            continue
+        calls[(name, "gather")] = lambda step, gather=gather: gather(state, index_sets[step % count],
+                                                                     flag_sets[step % count])
+        calls[(name, "scatter")] = lambda step, scatter=scatter: scatter(state, last, index_sets[step % count])
+    return calls
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from kda_patches.bench import timing
+    from kda_patches.bench.gdn_state_copy import check_correctness
+    from kda_patches.bench.state_copy import build_cache
+
+    device = torch.device("cuda")
+    gather_up, scatter_up = load_upstream_ops(pathlib.Path(args.upstream_dir))
+    shuffler = random.Random(args.seed)
+    records = []
+    shapes = {"qwen3.6-27b-tp4": [12, 128, 128], "kimi-linear-48b-tp1": [32, 128, 128]}
+    cases = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32))
+    for shape, inner in shapes.items():
+        for cache_dtype, final in cases:
+            state = build_cache(device, cache_dtype, 1024, inner, 8192)
+            impls = prepare_plans(state, final)
+            impls[UPSTREAM] = (gather_up, scatter_up)
+            if args.body and cache_dtype == final == torch.float32:
+                impls.update(body_probe_impls(state))
+            for selected in args.selected:
+                generator = torch.Generator().manual_seed(selected + 7)
+                index_sets = [torch.randperm(1024, generator=generator)[:selected].to(device=device, dtype=torch.int32)
+                              for _ in range(args.captured)]
+                flag_sets = [(torch.rand(selected, generator=generator) < 0.75).to(device)
+                             for _ in range(args.captured)]
+                last = torch.randn((selected, *inner), generator=generator).to(device=device, dtype=final)
+                check_correctness({k: v for k, v in impls.items() if v[0] is not None}, state, index_sets[0],
+                                  flag_sets[0], last)
+                check_body_probes(impls, state, index_sets[0], last)
+                calls = bind_calls(impls, state, index_sets, flag_sets, last)
+                samples = timing.replay_graphs(calls, args.captured, args.trials, device, shuffler)
+                for (name, op), values in samples.items():
+                    records.append({"shape": shape, "cache": str(cache_dtype).removeprefix("torch."),
+                                    "final": str(final).removeprefix("torch."), "selected": selected, "impl": name,
+                                    "op": op, "graph_us": values, "median_us": timing.median(values)})
+                line = []
+                for op in ("gather", "scatter"):
+                    upstream = timing.median(samples[(UPSTREAM, op)])
+                    best = min((timing.median(v), k[0]) for k, v in samples.items() if k[1] == op and k[0] != UPSTREAM)
+                    current = timing.median(samples[("plan 4096/4", op)])
+                    line.append(f"{op} up {upstream:.2f} cur {current:.2f} best {best[1]} {best[0]:.2f}")
+                print(f"{shape} {cache_dtype}:{final} S={selected}: " + " | ".join(line), flush=True)
+            del state, impls
+            torch.cuda.empty_cache()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--upstream-dir", required=True, help="folder with 0.34's two op files")
+    parser.add_argument("--selected", default="1,2,4,8,64,256")
+    parser.add_argument("--captured", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=27)
+    parser.add_argument("--body", action="store_true", help="also the FP32 scatter body probes (BODY_PROBES)")
+    args = parser.parse_args(argv)
+    args.selected = [int(x) for x in args.selected.split(",")]
+    import torch
+
+    if not torch.cuda.is_available():
+        print("launch_shape_probe: no CUDA device; nothing measured")
+        return 2
+    started = time.time()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"argv": sys.argv[1:], "torch": torch.__version__, "triton": triton.__version__,
+              "device": torch.cuda.get_device_name(), "configs": CONFIGS, "records": measure(args)}
+    result["seconds"] = round(time.time() - started, 1)
+    (out / "launch_shape_probe.json").write_text(json.dumps(result, indent=1))
+    print(f"launch_shape_probe: {len(result['records'])} records in {result['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
