@@ -340,6 +340,18 @@ MUTANTS: tuple[Mutant, ...] = (
            'KIMI_GDN_034_ROUTED_BY = ("overlay",)', 'KIMI_GDN_034_ROUTED_BY = ("measured", "overlay")',
            ("tests/released/test_upstream034_layers.py::test_the_choice_is_in_the_ledger_and_status",), "I (vLLM 0.34)",
            "vLLM 0.34's Kimi Linear seam is routed by default although the H200 layer measurement says stand aside"),
+    Mutant("tile-by-widest-item-ignored", "kda_patches/state_copy/plan.py",
+           "if self.target.tile_by_widest_item else block", "if False else block",
+           ("tests/state_copy/test_state_copy_targets.py::"
+            "test_a_target_tiling_by_the_widest_item_gives_wider_finals_a_smaller_block",
+            "tests/state_copy/test_state_copy_targets.py::test_a_plan_with_per_final_blocks_copies_exactly"),
+           "D (state_copy)", "a CUDA PDL plan's cast scatter keeps the cache dtype's block: 8 KiB of FP32 finals "
+           "per program, the launch shape the H200 probe measured 14-28 % slower at 1-2 rows"),
+    Mutant("engine-stop-sends-no-wake", "kda_patches/regress/engine_stop.py",
+           "            send_abort([WAKE_REQUEST_ID])\n", "            pass\n",
+           ("tests/regress/test_engine_stop.py::"
+            "test_a_stalled_engine_core_is_woken_by_an_abort_of_no_request_then_the_client_shuts_down",),
+           "H (bench)", "an engine core that missed vLLM's SIGTERM is left to the 30 s force-kill"),
     Mutant("kernel-gather-any-dtype", "kda_patches/routing/direct.py",
            "if state is not self.state or (wanted is not None and wanted is not state.dtype):",
            "if state is not self.state:",

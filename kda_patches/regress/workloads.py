@@ -182,10 +182,13 @@ def shutdown_engine(llm: Any, timeout_s: float = 30.0) -> None:
     """Write every worker's ledger, stop vLLM's engine-core process and wait for it.
 
     A failure to write the ledgers is printed (the A/B then judges whatever ledgers were written), and the
-    engine is stopped regardless.
+    engine is stopped regardless, through :func:`~kda_patches.regress.engine_stop.stop_engine_core` (which wakes
+    an engine core that missed vLLM's SIGTERM instead of waiting ``timeout_s`` for the force-kill).
     """
     import gc
     import sys
+
+    from kda_patches.regress.engine_stop import WAKE_EVERY_S, stop_engine_core
 
     try:
         flush_engine_ledgers(llm)
@@ -193,10 +196,11 @@ def shutdown_engine(llm: Any, timeout_s: float = 30.0) -> None:
         print(f"kda-patches regress: could not have the workers write their ledgers before shutdown: "
               f"{type(error).__name__}: {error}", file=sys.stderr)
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    shutdown = getattr(engine_core, "shutdown", None)
-    if shutdown is not None:
-        shutdown(timeout=timeout_s)
-    del llm, engine_core, shutdown
+    wakes = stop_engine_core(engine_core, timeout_s)
+    if wakes:
+        print(f"kda-patches regress: vLLM's engine core was still running after its SIGTERM; sent it {wakes} "
+              f"wake(s), one every {WAKE_EVERY_S:g} s (kda_patches.regress.engine_stop)", file=sys.stderr)
+    del llm, engine_core
     gc.collect()
 
 

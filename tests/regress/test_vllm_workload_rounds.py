@@ -120,3 +120,14 @@ def test_the_ab_names_its_worker_extension_and_refuses_another():
     assert worker_ledger.with_ledger_writer(args) == args
     with pytest.raises(ValueError, match=r"worker_extension_cls='my\.Ext'"):
         worker_ledger.with_ledger_writer({"worker_extension_cls": "my.Ext"})
+
+
+def test_wakes_sent_to_an_engine_core_that_outlived_its_sigterm_are_printed(monkeypatch, capsys):
+    from kda_patches.regress import engine_stop
+
+    monkeypatch.setattr(engine_stop, "stop_engine_core", lambda engine_core, timeout_s: 2)
+    workloads.shutdown_engine(FakeLLM())
+    assert "still running after its SIGTERM; sent it 2 wake(s)" in capsys.readouterr().err
+    monkeypatch.setattr(engine_stop, "stop_engine_core", lambda engine_core, timeout_s: 0)
+    workloads.shutdown_engine(FakeLLM())
+    assert "wake" not in capsys.readouterr().err
