@@ -399,8 +399,8 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/regress/test_step_times.py::test_a_batch_is_prefill_when_any_request_gets_more_than_one_token",),
            "H (bench)", "decode steps counted as prefill: the step times no longer split where the overlay runs"),
     Mutant("pdl-prologue-dropped", "kda_patches/state_copy/kernels.py",
-           "    pdl_prologue(PDL)\n    tile = tl.program_id(0).to(tl.int64)",
-           "    tile = tl.program_id(0).to(tl.int64)",
+           "    pdl_prologue(PDL)  # after the address arithmetic (no memory), before the first load\n",
+           "",
            ("tests/state_copy/test_state_copy_targets.py::"
             "test_the_fused_variants_compile_for_sm90_with_grid_dependency_control_only_when_asked",), "D (state_copy)",
            "a kernel launched early by PDL reads before the previous kernel's writes are visible"),
