@@ -122,15 +122,20 @@ def load_upstream_ops(folder: pathlib.Path) -> tuple[Any, Any]:
 
 
 def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
-    """Return ``{label: (gather, scatter)}`` of one sealed PDL plan per configuration."""
-    from kda_patches.state_copy.device import EVICT_FIRST, PDL, TargetFacts
+    """Return ``{label: (gather, scatter)}`` of one sealed PDL plan per configuration, on the SM90 target's
+    facts (:data:`~kda_patches.state_copy.device.CUDA_PDL_TARGET`: a cast scatter from wider finals gets the
+    smaller block) with the eviction hint on or off. The H100 run of 2026-12-05 predates this: its plans shared
+    the cache dtype's block, so there its ``2048/4`` column is what the default plan runs for cast scatters."""
+    import dataclasses
+
+    from kda_patches.state_copy.device import CUDA_PDL_TARGET, PDL
     from kda_patches.state_copy.plan import FusedStatePlan
 
     impls = {}
     for block_bytes, warps, evict in CONFIGS:
-        hints = (EVICT_FIRST, PDL) if evict else (PDL,)
+        target = CUDA_PDL_TARGET if evict else dataclasses.replace(CUDA_PDL_TARGET, honoured_hints=(PDL,))
         plan = FusedStatePlan.prepare(state, 256, block_bytes=block_bytes, num_warps=warps, pdl=True,
-                                      final_dtypes=(final,), target=TargetFacts("cuda", honoured_hints=hints)).seal()
+                                      final_dtypes=(final,), target=target).seal()
         if not plan.describe()["pdl"]:
             raise RuntimeError(f"plan {block_bytes}/{warps} did not compile with PDL: {plan.describe()}")
         label = f"plan {block_bytes}/{warps}" + ("" if evict else "/no-evict")
