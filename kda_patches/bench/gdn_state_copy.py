@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kda_patches.bench import timing
-from kda_patches.bench.state_copy import DTYPES, BenchRun, ContiguousCopyReference, build_cache
+from kda_patches.bench.state_copy import DTYPES, BenchRun, ContiguousCopyReference, build_cache, random_selections
 
 NATIVE, PLAN, PLAN_TORCH_CAST, PLAN_PDL = "native", "plan", "plan+torch-cast", "plan+pdl"
 COPY = "copy"  # scatter only: the same bytes moved by torch into a contiguous buffer (no index): a size-matched floor
@@ -135,10 +135,7 @@ def measure_case(impls: dict[str, Any], state: torch.Tensor, final: torch.dtype,
     """Measure every implementation and op for one (shape, cache dtype, final dtype, selected) case."""
     device = state.device
     sets = max(args.graph_calls, 1)
-    index_sets = [torch.randperm(state.shape[0], generator=generator)[:selected].to(device=device, dtype=torch.int32)
-                  for _ in range(sets)]
-    flag_sets = [(torch.rand(selected, generator=generator) < 0.75).to(device) for _ in range(sets)]
-    last = torch.randn((selected, *state.shape[1:]), generator=generator).to(device=device, dtype=final)
+    index_sets, flag_sets, last = random_selections(state, selected, sets, generator, final)
     check_correctness(impls, state, index_sets[0], flag_sets[0], last)
     calls = make_calls(impls, state, index_sets, flag_sets, last)
     # what moving these bytes costs at this size without any indexing: the state-copy benchmark's contiguous

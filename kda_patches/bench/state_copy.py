@@ -47,6 +47,19 @@ def build_cache(device: torch.device, dtype: torch.dtype, rows: int, inner: list
     return backing.as_strided((rows, *inner), (payload + gap, inner[1] * inner[2], inner[2], 1))
 
 
+def random_selections(state: torch.Tensor, selected: int, sets: int, generator: torch.Generator,
+                      final: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Return ``sets`` random INT32 row selections of ``selected`` distinct rows of ``state``, as many flag vectors
+    (75 % true) and one ``[selected, ...]`` tensor of random final states in ``final``, all on ``state``'s
+    device, drawn from ``generator`` in that order (so a seed reproduces a run)."""
+    device = state.device
+    index_sets = [torch.randperm(state.shape[0], generator=generator)[:selected].to(device=device, dtype=torch.int32)
+                  for _ in range(sets)]
+    flag_sets = [(torch.rand(selected, generator=generator) < 0.75).to(device) for _ in range(sets)]
+    last = torch.randn((selected, *state.shape[1:]), generator=generator).to(device=device, dtype=final)
+    return index_sets, flag_sets, last
+
+
 def native_gather(state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
     """What the forks do today: index, then clear the rows without an initial state (no sync)."""
     packed = state[indices]
@@ -152,12 +165,8 @@ def measure_case(impls: dict[str, dict[str, Any]], state: torch.Tensor, selected
                  generator: torch.Generator, shuffler: random.Random) -> list[dict[str, Any]]:
     """Measure every implementation and op for one (dtype, selected) case; return raw sample records."""
     device = state.device
-    rows = state.shape[0]
-    sets = max(args.graph_calls, 1)
-    index_sets = [torch.randperm(rows, generator=generator)[:selected].to(device=device, dtype=torch.int32)
-                  for _ in range(sets)]
-    flag_sets = [(torch.rand(selected, generator=generator) < 0.75).to(device) for _ in range(sets)]
-    packed = (torch.randn((selected, *state.shape[1:]), generator=generator)).to(device=device, dtype=state.dtype)
+    index_sets, flag_sets, packed = random_selections(state, selected, max(args.graph_calls, 1), generator,
+                                                      state.dtype)
     check_correctness(impls, state, index_sets[0], flag_sets[0], packed)
     calls = {(name, op): call for name, impl in impls.items()
              for op, call in make_calls(impl, state, index_sets, flag_sets, packed).items()}

@@ -178,7 +178,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from kda_patches.bench import timing
     from kda_patches.bench.gdn_state_copy import check_correctness
-    from kda_patches.bench.state_copy import build_cache
+    from kda_patches.bench.state_copy import build_cache, random_selections
 
     device = torch.device("cuda")
     gather_up, scatter_up = load_upstream_ops(pathlib.Path(args.upstream_dir))
@@ -194,12 +194,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             if args.body and cache_dtype == final == torch.float32:
                 impls.update(body_probe_impls(state))
             for selected in args.selected:
-                generator = torch.Generator().manual_seed(selected + 7)
-                index_sets = [torch.randperm(1024, generator=generator)[:selected].to(device=device, dtype=torch.int32)
-                              for _ in range(args.captured)]
-                flag_sets = [(torch.rand(selected, generator=generator) < 0.75).to(device)
-                             for _ in range(args.captured)]
-                last = torch.randn((selected, *inner), generator=generator).to(device=device, dtype=final)
+                index_sets, flag_sets, last = random_selections(
+                    state, selected, args.captured, torch.Generator().manual_seed(selected + 7), final)
                 check_correctness({k: v for k, v in impls.items() if v[0] is not None}, state, index_sets[0],
                                   flag_sets[0], last)
                 check_body_probes(impls, state, index_sets[0], last)

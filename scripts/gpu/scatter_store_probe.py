@@ -203,7 +203,7 @@ def time_plans(timing: Any, plans: dict[str, Any], state: Any, index_sets: list[
 def probe_tiles(torch: Any, args: argparse.Namespace, shuffler: random.Random) -> list[dict[str, Any]]:
     """The real fused plan at each (tile bytes, warps) of TILE_CONFIGS: gather and scatter, graph replay."""
     from kda_patches.bench import timing
-    from kda_patches.bench.state_copy import build_cache
+    from kda_patches.bench.state_copy import build_cache, random_selections
     from kda_patches.state_copy.plan import FusedStatePlan
 
     device = torch.device("cuda")
@@ -217,12 +217,8 @@ def probe_tiles(torch: Any, args: argparse.Namespace, shuffler: random.Random) -
                 state, 256, block_bytes=config[0], num_warps=config[1], stream=len(config) > 2,
                 final_dtypes=(final,)).seal() for config in args.configs}
             for selected in args.tile_rows:
-                generator = torch.Generator().manual_seed(selected + 1)
-                index_sets = [torch.randperm(1024, generator=generator)[:selected].to(device=device, dtype=torch.int32)
-                              for _ in range(args.captured)]
-                flag_sets = [(torch.rand(selected, generator=generator) < 0.75).to(device)
-                             for _ in range(args.captured)]
-                last = torch.randn((selected, *inner), generator=generator).to(device=device, dtype=final)
+                index_sets, flag_sets, last = random_selections(
+                    state, selected, args.captured, torch.Generator().manual_seed(selected + 1), final)
                 medians = time_plans(timing, plans, state, index_sets, flag_sets, last, args, shuffler)
                 payload = state[0].numel() * selected
                 floors = {"gather": payload * 2 * state.element_size() / ceiling * 1e6,

@@ -94,3 +94,19 @@ def test_gdn_bench_measures_the_pdl_plan_only_where_the_target_has_pdl(tmp_path,
         assert "plan+pdl" not in impls
         assert "plan+pdl is not measured: ['pdl: cpu-interpreter has no programmatic dependent launch']" in \
             capsys.readouterr().out
+
+
+def test_random_selections_draw_rows_flags_and_finals_in_the_documented_order():
+    from kda_patches.bench.state_copy import build_cache, random_selections
+
+    state = build_cache(torch.device("cpu"), torch.bfloat16, 16, [2, 4, 8], 5)
+    index_sets, flag_sets, last = random_selections(state, 6, 3, torch.Generator().manual_seed(9), torch.float32)
+    twin = torch.Generator().manual_seed(9)  # rows of every set, then every flag vector, then the finals
+    rows = [torch.randperm(16, generator=twin)[:6] for _ in range(3)]
+    flags = [torch.rand(6, generator=twin) < 0.75 for _ in range(3)]
+    assert all(a.dtype == torch.int32 and torch.equal(a, b.to(torch.int32))
+               for a, b in zip(index_sets, rows, strict=True))
+    assert all(len(set(a.tolist())) == 6 for a in index_sets)  # distinct rows
+    assert all(torch.equal(a, b) for a, b in zip(flag_sets, flags, strict=True))
+    assert last.shape == (6, 2, 4, 8) and last.dtype == torch.float32
+    assert torch.equal(last, torch.randn((6, 2, 4, 8), generator=twin))
