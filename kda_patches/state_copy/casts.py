@@ -14,6 +14,12 @@ half up, and can turn a NaN into an infinity) nor every backend converts exactly
   (a vector and single elements, to cover vector and scalar code paths) and picks the one rule of
   :data:`NAN_RULES` that reproduces every result; when none does (torch itself disagrees between its
   code paths, e.g. FP16->FP32 on the CPU), that final dtype is refused at prepare.
+
+Where a target declares the compiler's own conversion of a pair exact
+(:attr:`~kda_patches.state_copy.device.TargetFacts.hardware_casts`; CUDA SM90+, FP32 -> BF16: one ``cvt.rn``), the
+scatter converts with it instead (:data:`CAST_HARDWARE`: a few instructions per item fewer, which is what a one-row
+scatter's latency is made of). The plan proves it at prepare on every pattern of :func:`hardware_probe_bits` against
+torch on the device and, where they differ, keeps the bit-pattern cast and says why (:class:`CastPolicy`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ FINAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KIND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' SRC/DST constexprs
 NAN_CANONICAL, NAN_QUIET, NAN_PRESERVE = 0, 1, 2
 NAN_RULES = {NAN_CANONICAL: "canonical", NAN_QUIET: "quiet", NAN_PRESERVE: "preserve"}
+# the kernels' NAN_RULE value for the compiler's own round-to-nearest-even conversion (not a NaN rule of the
+# bit-pattern cast: never in NAN_RULES, so the Ascend check, which compiles every rule, never compiles it)
+CAST_HARDWARE = 3
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 # (width, mantissa bits) of each format
 _FORMAT = {torch.float32: (32, 23), torch.bfloat16: (16, 7), torch.float16: (16, 10)}
@@ -116,10 +125,27 @@ def encode_f32_bits(bits, nan, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BI
 
 
 @triton.jit
+def hardware_cast_bits(x, DST: tl.constexpr):
+    """Return ``x`` converted by the compiler to ``DST`` (0/1/2), round to nearest even, as bit patterns."""
+    if DST == 0:
+        out = x.to(tl.float32).to(tl.int32, bitcast=True)
+    elif DST == 1:
+        out = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+    else:
+        out = x.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+    return out
+
+
+@triton.jit
 def cast_bits(x, SRC: tl.constexpr, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BITS: tl.constexpr):
-    """Return ``x.to(DST)`` as ``DST`` bit patterns (int32 or int16), exactly as torch casts."""
-    bits, nan = decode_f32_bits(x, SRC)
-    return encode_f32_bits(bits, nan, DST, NAN_RULE, NAN_BITS)
+    """Return ``x.to(DST)`` as ``DST`` bit patterns (int32 or int16), exactly as torch casts: by the bit patterns,
+    or with ``NAN_RULE == CAST_HARDWARE`` by the compiler's conversion (only where the plan proved it equal)."""
+    if NAN_RULE == 3:  # CAST_HARDWARE
+        out = hardware_cast_bits(x, DST)
+    else:
+        bits, nan = decode_f32_bits(x, SRC)
+        out = encode_f32_bits(bits, nan, DST, NAN_RULE, NAN_BITS)
+    return out
 
 
 def normalize_final_dtypes(final_dtypes: Any, cache_dtype: torch.dtype, layer: str | None = None
@@ -146,20 +172,41 @@ class CastPolicy:
 
     Attributes:
         source, target: the final and the cache dtype.
-        nan_rule: ``NAN_CANONICAL``, ``NAN_QUIET`` or ``NAN_PRESERVE`` (ignored when ``identity``).
+        nan_rule: ``NAN_CANONICAL``, ``NAN_QUIET`` or ``NAN_PRESERVE`` (ignored when ``identity``), or
+            ``CAST_HARDWARE`` (the compiler's conversion; ``software`` then holds the probed bit-pattern rule).
         nan_bits: the canonical NaN pattern (``NAN_CANONICAL`` only; 0 otherwise).
         identity: same dtype: the kernel copies the bits (any dtype).
+        software: with ``CAST_HARDWARE``: the bit-pattern policy the plan keeps if the compiler's conversion
+            differs from torch on the device; None otherwise.
+        hardware_refused: why a declared hardware cast was not used (the pattern where it differed), or None.
     """
 
-    __slots__ = ("identity", "nan_bits", "nan_rule", "source", "target")
+    __slots__ = ("hardware_refused", "identity", "nan_bits", "nan_rule", "software", "source", "target")
 
     def __init__(self, source: torch.dtype, target: torch.dtype, nan_rule: int = NAN_PRESERVE,
-                 nan_bits: int = 0) -> None:
+                 nan_bits: int = 0, software: CastPolicy | None = None) -> None:
         self.source = source
         self.target = target
         self.identity = source == target
         self.nan_rule = nan_rule
         self.nan_bits = nan_bits
+        self.software = software
+        self.hardware_refused: str | None = None
+
+    @property
+    def hardware(self) -> bool:
+        """Whether the scatter converts with the compiler's own conversion (:data:`CAST_HARDWARE`)."""
+        return self.nan_rule == CAST_HARDWARE
+
+    def with_hardware(self) -> CastPolicy:
+        """Return a :data:`CAST_HARDWARE` policy for this pair that falls back to this one (a cast, not identity)."""
+        return CastPolicy(self.source, self.target, CAST_HARDWARE, 0, software=self)
+
+    def refuse_hardware(self, reason: str) -> CastPolicy:
+        """Return the bit-pattern policy of a hardware one, recording ``reason`` on it (shown in :meth:`as_dict`)."""
+        fallback = self.software or self
+        fallback.hardware_refused = reason
+        return fallback
 
     def constexprs(self) -> tuple[int, int, int, int]:
         """Return the kernel constexprs ``(SRC, DST, NAN_RULE, NAN_BITS)``; ``NAN_BITS`` signed (the kernels
@@ -169,9 +216,15 @@ class CastPolicy:
 
     def as_dict(self) -> dict[str, Any]:
         """Return the policy as a JSON-serialisable dict (for the ledger)."""
-        rule = "bit copy" if self.identity else NAN_RULES[self.nan_rule]
-        return {"final": dtype_name(self.source), "cache": dtype_name(self.target), "nan": rule,
-                "nan_bits": hex(self.nan_bits) if self.nan_rule == NAN_CANONICAL and not self.identity else None}
+        rule = "bit copy" if self.identity else (
+            "hardware" if self.hardware else NAN_RULES[self.nan_rule])
+        facts = {"final": dtype_name(self.source), "cache": dtype_name(self.target), "nan": rule,
+                 "nan_bits": hex(self.nan_bits) if self.nan_rule == NAN_CANONICAL and not self.identity else None}
+        if self.hardware:
+            facts["conversion"] = "the compiler's round-to-nearest-even, equal to torch on every probed pattern"
+        if self.hardware_refused:
+            facts["hardware_refused"] = self.hardware_refused
+        return facts
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -193,6 +246,11 @@ def expected_nan(pattern: int, source: torch.dtype, target: torch.dtype, rule: i
         payload |= 1 << (target_mantissa - 1)
     exponent = ((1 << (target_width - 1 - target_mantissa)) - 1) << target_mantissa
     return (sign << (target_width - 1)) | exponent | payload
+
+
+def bit_view(tensor: torch.Tensor) -> torch.Tensor:
+    """Return ``tensor`` (FP32/BF16/FP16) viewed as its integer bit patterns (NaNs compare as bits)."""
+    return tensor.view(_BITS[tensor.dtype])
 
 
 def _signed(value: int, width: int) -> int:
@@ -241,3 +299,23 @@ def probe_nan_policy(source: torch.dtype, target: torch.dtype, device: torch.dev
            f"results {seen} that no single rule reproduces (its code paths disagree), so the folded cast could not "
            f"be bit-exact; leave {source} out of final_dtypes on this device", layer, LayoutError)
 
+
+
+# FP32 patterns beyond the NaNs whose conversion is easiest to get wrong: signed zeros and infinities, the largest
+# finite values (one rounds to infinity), ties to even downwards and upwards and just past them, subnormals
+# (a converter that flushes them to zero fails here) and the smallest normal
+FP32_EDGE_BITS = (0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F7FFF, 0x7F7F8000,
+                  0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF, 0xBF808000, 0xBF818000, 0x00000001, 0x80000001,
+                  0x00008000, 0x00018000, 0x00007FFF, 0x007FFFFF, 0x807FFFFF, 0x00800000, 0x33800000, 0x3F800000)
+
+
+def hardware_probe_bits(source: torch.dtype, random_count: int = 4096, seed: int = 0) -> torch.Tensor:
+    """Return the bit patterns of ``source`` (int32 or int16, CPU) a hardware cast is proven on: every NaN of
+    :data:`PROBE_NANS`, every FP32 edge of :data:`FP32_EDGE_BITS` (FP32 sources), then ``random_count`` seeded
+    random patterns (any sign, exponent and mantissa)."""
+    width = _FORMAT[source][0]
+    fixed = [_signed(p, width) for p in (*PROBE_NANS[source], *(FP32_EDGE_BITS if source == torch.float32 else ()))]
+    generator = torch.Generator().manual_seed(seed)
+    random = torch.randint(-(1 << (width - 1)), 1 << (width - 1), (random_count,), generator=generator,
+                           dtype=torch.int64)
+    return torch.cat([torch.tensor(fixed, dtype=torch.int64), random]).to(_BITS[source])

@@ -62,6 +62,10 @@ class TargetFacts:
             the 4 KiB one closes most of the cast scatter's gap to vLLM 0.34's kernels at 1-4 rows and is
             0-1.6 % faster at 64-256 rows). Set where it was measured (SM90+); elsewhere every variant of a
             plan shares the cache dtype's tile.
+        hardware_casts: ``"SRC->DST"`` pairs (e.g. ``"float32->bfloat16"``) whose folded cast a scatter may do with
+            the compiler's own round-to-nearest-even conversion (:data:`~kda_patches.state_copy.casts.CAST_HARDWARE`)
+            instead of the bit-pattern cast; the plan still proves it equal to torch at prepare and keeps the
+            bit-pattern cast where it is not. Declared where a single conversion instruction does it (SM90+).
     """
 
     name: str
@@ -69,6 +73,7 @@ class TargetFacts:
     ub_bytes: int | None = None
     block_limits: Mapping[str, int] = field(default_factory=dict)
     tile_by_widest_item: bool = False
+    hardware_casts: tuple[str, ...] = ()
 
     def honours(self, hint: str) -> bool:
         """Return whether the compiler keeps ``hint`` (e.g. :data:`EVICT_FIRST`)."""
@@ -80,8 +85,8 @@ class TargetFacts:
 
 
 CUDA_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST,))
-CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL),
-                              tile_by_widest_item=True)  # SM90+ (Hopper, Blackwell)
+CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL), tile_by_widest_item=True,
+                              hardware_casts=("float32->bfloat16",))  # SM90+ (Hopper, Blackwell): cvt.rn.bf16x2.f32
 INTERPRETER_TARGET = TargetFacts("cpu-interpreter")  # the interpreter has no caches: hints are no-ops
 # Measured with triton-ascend 3.2.0 + bishengir 1.2.0 (`make ascend-check`, probe in patches/ASCEND_COMPILE.md):
 # the largest power-of-two block, in items, up to 65536, that reaches the final HIVM IR with the backend's

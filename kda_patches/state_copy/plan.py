@@ -44,7 +44,7 @@ from kda_patches.state_copy.device import (
     synchronize,
     target_facts,
 )
-from kda_patches.state_copy.errors import refuse
+from kda_patches.state_copy.errors import StateCopyRefused, refuse
 from kda_patches.state_copy.kernels import ROWS_ARGUMENT, ROWS_INDEX, ROWS_TYPE
 from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
 
@@ -81,9 +81,11 @@ class StateCopyPlan:
                  final_dtypes: tuple[torch.dtype, ...] | None = None, target: TargetFacts | None = None,
                  pdl: bool = False) -> None:
         wanted = casts.normalize_final_dtypes(final_dtypes, state.dtype, layer)
+        target = target or target_facts(state.device)
         policies = {dtype: casts.probe_nan_policy(dtype, state.dtype, state.device, layer) for dtype in wanted}
-        self._set_up(state, max_selected, block_bytes, num_warps, layer, stream, policies,
-                     target or target_facts(state.device), pdl)
+        policies = {dtype: policy.with_hardware() if self._hardware_declared(policy, target) else policy
+                    for dtype, policy in policies.items()}
+        self._set_up(state, max_selected, block_bytes, num_warps, layer, stream, policies, target, pdl)
         self.signature = layout.cache_signature(state)
         self._alignment = self.signature[-1]
         self._check_device = state.device.type == "cuda"
@@ -202,6 +204,12 @@ class StateCopyPlan:
         return cls(state, max_selected, block_bytes, num_warps, layer, stream, final_dtypes, target, pdl)
 
     # -- preparation ------------------------------------------------------------------------
+    @staticmethod
+    def _hardware_declared(policy: casts.CastPolicy, target: TargetFacts) -> bool:
+        """Return whether ``target`` declares the compiler's conversion for ``policy``'s pair (a cast, not a copy)."""
+        pair = f"{casts.dtype_name(policy.source)}->{casts.dtype_name(policy.target)}"
+        return not policy.identity and pair in target.hardware_casts
+
     def _scatter_hint(self, target: TargetFacts) -> bool:
         """Return whether the scatter's cache writes carry ``evict_first`` (only the fused kernel has the option)."""
         return False
@@ -287,28 +295,75 @@ class StateCopyPlan:
         # scatter sources with fractions, so the scratch run also checks the rounding of the folded cast
         finals = {dtype: (pattern * 0.3183099).to(dtype).view(1, *self._inner) for dtype in self.final_dtypes}
         for key in self._variant_keys():
-            op, index_dtype = key[0], key[1]
-            name = self._variant_name(key)
-            indices = torch.zeros(1, dtype=index_dtype, device=self._device)
-            source = packed if op == "gather" else finals[key[2]]
-            cache.view(-1).copy_(stored)
-            packed.fill_(0)
-            if op == "scatter":
-                cache.view(-1).fill_(0)
-            try:
-                variant = compile_variant(name, self._variant_kernel(key), (cache, source, indices, self._true_flags),
-                                          self._variant_constexprs(key), self._num_warps, self._interpreted,
-                                          self._variant_kernel(key) is kernels.copy_row_bytes_kernel, self._pdl)
-                variant.launch(self._grid(1, source.dtype), cache, source, indices, self._true_flags, cache.shape[0])
-                synchronize(self._device)
-            except Exception as exc:
-                refuse("prepare", f"variant {name} failed to compile or run on scratch: {exc!r}", layer)
-            expected = stored if op == "gather" else source.view(-1).to(self._dtype)
-            written = packed if op == "gather" else cache
-            untouched = cache if op == "gather" else stored  # a gather must not write the cache
-            if not (_same_bytes(written, expected) and _same_bytes(untouched, stored)):
-                refuse("prepare", f"variant {name} produced wrong bytes on scratch", layer)
+            policy = self._casts[key[2]] if key[0] == "scatter" else None
+            if policy is None or not policy.hardware:
+                variant = self._compile_key(key, cache, packed, stored, finals, layer)
+            else:
+                try:
+                    variant = self._compile_key(key, cache, packed, stored, finals, layer)
+                    differs = self._hardware_cast_differs(variant, key, cache)
+                except StateCopyRefused as exc:
+                    differs = (f"the compiler's conversion failed its scratch check ({exc}): the bit-pattern cast "
+                               "is kept")
+                if differs:  # keep the bit-pattern cast for this final dtype, in every variant, and say why
+                    self._casts[key[2]] = policy.refuse_hardware(differs)
+                    for done in [k for k in self._variants if k[0] == "scatter" and k[2] == key[2]]:
+                        self._variants[done] = self._compile_key(done, cache, packed, stored, finals, layer)
+                    variant = self._compile_key(key, cache, packed, stored, finals, layer)
             self._variants[key] = variant
+
+    def _compile_key(self, key: tuple[Any, ...], cache: torch.Tensor, packed: torch.Tensor, stored: torch.Tensor,
+                     finals: dict[torch.dtype, torch.Tensor], layer: str | None) -> Any:
+        """Compile the variant ``key`` and check it on scratch (a one-row copy against torch); return it."""
+        op, index_dtype = key[0], key[1]
+        name = self._variant_name(key)
+        indices = torch.zeros(1, dtype=index_dtype, device=self._device)
+        source = packed if op == "gather" else finals[key[2]]
+        cache.view(-1).copy_(stored)
+        packed.fill_(0)
+        if op == "scatter":
+            cache.view(-1).fill_(0)
+        try:
+            variant = compile_variant(name, self._variant_kernel(key), (cache, source, indices, self._true_flags),
+                                      self._variant_constexprs(key), self._num_warps, self._interpreted,
+                                      self._variant_kernel(key) is kernels.copy_row_bytes_kernel, self._pdl)
+            variant.launch(self._grid(1, source.dtype), cache, source, indices, self._true_flags, cache.shape[0])
+            synchronize(self._device)
+        except Exception as exc:
+            refuse("prepare", f"variant {name} failed to compile or run on scratch: {exc!r}", layer)
+        expected = stored if op == "gather" else source.view(-1).to(self._dtype)
+        written = packed if op == "gather" else cache
+        untouched = cache if op == "gather" else stored  # a gather must not write the cache
+        if not (_same_bytes(written, expected) and _same_bytes(untouched, stored)):
+            refuse("prepare", f"variant {name} produced wrong bytes on scratch", layer)
+        return variant
+
+    def _hardware_cast_differs(self, variant: Any, key: tuple[Any, ...], cache: torch.Tensor) -> str | None:
+        """Scatter every pattern of :func:`~kda_patches.state_copy.casts.hardware_probe_bits` through ``variant``
+        (a :data:`~kda_patches.state_copy.casts.CAST_HARDWARE` scatter) into the scratch row, a payload at a time;
+        return the first pattern whose cache bits differ from torch's own cast on the device, or None."""
+        source = key[2]
+        values = casts.hardware_probe_bits(source).to(self._device).view(source)
+        expected = values.to(self._dtype)
+        indices = torch.zeros(1, dtype=key[1], device=self._device)
+        payload = self.layout.payload
+        bits = casts.bit_view
+        for start in range(0, values.shape[0], payload):
+            chunk = values[start:start + payload]
+            row = torch.zeros(payload, dtype=source, device=self._device)
+            row[:chunk.shape[0]] = chunk
+            cache.view(-1).fill_(0)
+            variant.launch(self._grid(1, source), cache, row.view(1, *self._inner), indices, self._true_flags, 1)
+            synchronize(self._device)
+            written, wanted = bits(cache.view(-1)[:chunk.shape[0]]), bits(expected[start:start + chunk.shape[0]])
+            wrong = (written != wanted).nonzero()
+            if wrong.numel():
+                at = int(wrong[0, 0])
+                width = 8 * source.itemsize
+                return (f"the compiler's {casts.dtype_name(source)} -> {casts.dtype_name(self._dtype)} conversion "
+                        f"gives {int(written[at]) & 0xFFFFFFFF:#x} for {int(bits(chunk)[at]) & ((1 << width) - 1):#x} "
+                        f"where torch gives {int(wanted[at]) & 0xFFFFFFFF:#x}: the bit-pattern cast is kept")
+        return None
 
     def seal(self) -> StateCopyPlan:
         """Freeze the plan: refuse if the compiler configuration drifted or a JIT pre-run hook appeared.

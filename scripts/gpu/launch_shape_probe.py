@@ -65,15 +65,25 @@ def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_ST
             tl.store(cache_ptr + cache_row * ROW_STRIDE + offsets, values)
 
 
-# label: (block items, warps, CHECK)
-BODY_PROBES = {"body-none": (1024, 4, 0), "body-clamped": (1024, 4, 1), "body-raw": (1024, 4, 2),
-               "body-branch": (1024, 4, 3), "body-none-w8": (1024, 8, 0), "body-branch-w8": (1024, 8, 3)}
+# label: (block items, or None for a 4 KiB tile of the widest item as the plan sizes it; warps; CHECK). A cast
+# scatter's body converts in ``tl.store`` (the hardware's round-to-nearest-even ``cvt``, as upstream does), not by
+# the plan's bit-pattern cast: the pair of columns prices that cast.
+BODY_PROBES = {"body-none": (None, 4, 0), "body-clamped": (None, 4, 1), "body-raw": (None, 4, 2),
+               "body-branch": (None, 4, 3), "body-none-w8": (None, 8, 0), "body-clamped-w8": (None, 8, 1),
+               "body-upstream-shape": (1024, 8, 0), "body-upstream-shape-clamped": (1024, 8, 1)}
 
 
-def body_probe_impls(state: Any) -> dict[str, tuple[Any, Any]]:
-    """``{label: (None, scatter)}`` of the body probes (FP32 caches only: the blocks are FP32 items)."""
-    impls = {}
-    for label, (block, warps, check) in BODY_PROBES.items():
+def body_probe_impls(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
+    """``{label: (None, scatter)}`` of the body probes for a cache like ``state`` and finals of dtype ``final``;
+    a label whose resolved ``(block, warps, CHECK)`` repeats an earlier one is left out."""
+    impls, seen = {}, set()
+    widest = max(state.element_size(), final.itemsize)
+    for label, (items, warps, check) in BODY_PROBES.items():
+        block = items or 4096 // widest
+        if (block, warps, check) in seen:
+            continue
+        seen.add((block, warps, check))
+
         def scatter(cache: Any, last: Any, indices: Any, block: int = block, warps: int = warps,
                     check: int = check) -> None:
             grid = (cache[0].numel() // block, indices.shape[0])
@@ -82,9 +92,11 @@ def body_probe_impls(state: Any) -> dict[str, tuple[Any, Any]]:
                                             launch_pdl=True)
         impls[label] = (None, scatter)
     return impls
+
+
 # (tile bytes, warps, evict_first on the scatter's cache writes)
-CONFIGS = ((4096, 4, True), (4096, 4, False), (4096, 8, True), (2048, 4, True), (2048, 8, True), (8192, 8, True),
-           (1024, 4, True))
+CONFIGS = ((4096, 4, True), (4096, 4, False), (4096, 8, True), (4096, 8, False), (2048, 4, True), (2048, 8, True),
+           (8192, 8, True), (1024, 4, True))
 
 
 def load_upstream_ops(folder: pathlib.Path) -> tuple[Any, Any]:
@@ -153,7 +165,7 @@ def check_body_probes(impls: dict[str, tuple[Any, Any]], state: Any, indices: An
             scatter(state, last, indices)
             expected = before.clone()
             expected[indices.long()] = last
-            if not torch.equal(state.view(torch.int32), expected.view(torch.int32)):
+            if not torch.equal(state.view(torch.uint8), expected.view(torch.uint8)):
                 raise RuntimeError(f"{name} wrote wrong bytes")
             state.copy_(before)
 
@@ -191,8 +203,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             state = build_cache(device, cache_dtype, 1024, inner, 8192)
             impls = prepare_plans(state, final)
             impls[UPSTREAM] = (gather_up, scatter_up)
-            if args.body and cache_dtype == final == torch.float32:
-                impls.update(body_probe_impls(state))
+            if args.body:
+                impls.update(body_probe_impls(state, final))
             for selected in args.selected:
                 index_sets, flag_sets, last = random_selections(
                     state, selected, args.captured, torch.Generator().manual_seed(selected + 7), final)
@@ -225,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--captured", type=int, default=20)
     parser.add_argument("--trials", type=int, default=15)
     parser.add_argument("--seed", type=int, default=27)
-    parser.add_argument("--body", action="store_true", help="also the FP32 scatter body probes (BODY_PROBES)")
+    parser.add_argument("--body", action="store_true", help="also the scatter body probes (BODY_PROBES)")
     args = parser.parse_args(argv)
     args.selected = [int(x) for x in args.selected.split(",")]
     import torch

@@ -182,3 +182,95 @@ def test_nan_rule_generalises_beyond_the_probed_patterns(device):
             observed = [value & mask for value in source.to(cache).view(BITS[cache]).cpu().tolist()]
             assert observed == [casts.expected_nan(p, final, cache, policy.nan_rule, policy.nan_bits)
                                 for p in patterns], (final, cache)
+
+
+def hardware_target(device: torch.device, pair: str):
+    """Return the cache device's own target with the compiler's conversion of ``pair`` declared exact."""
+    import dataclasses
+
+    from kda_patches.state_copy.device import target_facts
+
+    return dataclasses.replace(target_facts(device), hardware_casts=(pair,))
+
+
+def test_a_declared_hardware_cast_that_differs_from_torch_keeps_the_bit_pattern_cast(device):
+    # the interpreter widens some BF16 subnormals wrongly: only the proof's random patterns meet one (the scratch
+    # row's fractions convert right), so the proof alone decides that the bit-pattern cast stays
+    cache = build_cache(device, dtype=F32, num_rows=3, inner=ROW, gap=9, offset=3)
+    plan = PLAN_CLASSES["fused"].prepare(cache.state, 2, final_dtypes=(BF16,),
+                                         target=hardware_target(device, "bfloat16->float32")).seal()
+    (policy,) = plan.describe()["casts"]
+    if device.type == "cuda":  # a compiler whose widening is exact keeps it
+        assert policy["nan"] == "hardware" and "hardware_refused" not in policy
+    else:
+        assert policy["nan"] == "preserve"
+        assert "bfloat16 -> float32 conversion gives" in policy["hardware_refused"]
+        assert "the bit-pattern cast is kept" in policy["hardware_refused"]
+    patterns = every_pattern(BF16).view(ROW)
+    packed = torch.stack([patterns, patterns.flip(-1)]).to(device)
+    plan.scatter(cache.state, packed, torch.tensor([2, 0], dtype=torch.int64, device=device))
+    assert torch.equal(bits(cache.state[2]), bits(packed[0].to(F32)))
+    assert torch.equal(bits(cache.state[0]), bits(packed[1].to(F32)))
+    assert cache.gaps_untouched()
+
+
+def test_a_hardware_cast_that_fails_the_scratch_row_keeps_the_bit_pattern_cast_in_every_variant(device):
+    if device.type == "cuda":
+        pytest.skip("the compiled FP32 -> BF16 conversion is exact (test_the_sm90_plan_casts_with_the_hardware)")
+    cache = build_cache(device, dtype=BF16, num_rows=3, inner=ROW, gap=9, offset=3)
+    plan = PLAN_CLASSES["fused"].prepare(cache.state, 2, final_dtypes=(F32,),
+                                         target=hardware_target(device, "float32->bfloat16")).seal()
+    (policy,) = plan.describe()["casts"]
+    assert policy["nan"] == "canonical" and "failed its scratch check" in policy["hardware_refused"]
+    rules = {name: values[-3] for name, values in plan.describe()["constexprs"].items() if "/scatter/" in name}
+    assert len(rules) == 2 and set(rules.values()) == {str(casts.NAN_CANONICAL)}  # int32 and int64 alike
+    patterns = every_pattern(F32).view(ROW)
+    packed = torch.stack([patterns, patterns.flip(-1)]).to(device)
+    for index_dtype in (torch.int32, torch.int64):
+        plan.scatter(cache.state, packed, torch.tensor([2, 0], dtype=index_dtype, device=device))
+        assert torch.equal(bits(cache.state[2]), bits(packed[0].to(BF16)))
+    assert cache.gaps_untouched()
+
+
+def test_an_undeclared_pair_never_takes_the_hardware_cast(device):
+    cache = build_cache(device, dtype=BF16, num_rows=3, inner=(1, 4, 16), gap=9, offset=3)
+    plan = PLAN_CLASSES["fused"].prepare(cache.state, 2, final_dtypes=(F32, F16),
+                                         target=hardware_target(device, "float16->bfloat16")).seal()
+    described = {policy["final"]: policy for policy in plan.describe()["casts"]}
+    assert described["float32"]["nan"] in casts.NAN_RULES.values()
+    assert "hardware_refused" not in described["float32"]
+    assert described["float16"]["nan"] == "hardware" or "hardware_refused" in described["float16"]
+
+
+def test_hardware_probe_bits_hold_every_nan_and_edge_then_seeded_noise():
+    fp32 = casts.hardware_probe_bits(F32, 100, seed=5)
+    fixed = len(casts.PROBE_NANS[F32]) + len(casts.FP32_EDGE_BITS)
+    assert fp32.dtype == torch.int32 and fp32.shape == (fixed + 100,)
+    unsigned = {value & 0xFFFFFFFF for value in fp32.tolist()}
+    assert set(casts.PROBE_NANS[F32]) | set(casts.FP32_EDGE_BITS) <= unsigned
+    assert torch.equal(fp32, casts.hardware_probe_bits(F32, 100, seed=5))
+    assert not torch.equal(fp32[fixed:], casts.hardware_probe_bits(F32, 100, seed=6)[fixed:])
+    bf16 = casts.hardware_probe_bits(BF16, 10)
+    assert bf16.dtype == torch.int16 and bf16.shape == (len(casts.PROBE_NANS[BF16]) + 10,)
+
+
+@pytest.mark.gpu
+def test_the_sm90_plan_casts_with_the_hardware_exactly_on_every_fp32_pattern(device):
+    from kda_patches.state_copy.device import PDL_MIN_CAPABILITY
+
+    if torch.cuda.get_device_capability() < PDL_MIN_CAPABILITY:
+        pytest.skip("the hardware cast is declared on SM90+ only")
+    rows, inner = 256, (1, 1024, 1024)  # 2**28 patterns a launch, 16 launches: every FP32 bit pattern
+    cache = build_cache(device, dtype=BF16, num_rows=rows, inner=inner, gap=9, offset=3)
+    plan = PLAN_CLASSES["fused"].prepare(cache.state, rows, final_dtypes=(F32,)).seal()
+    (policy,) = plan.describe()["casts"]
+    assert policy["nan"] == "hardware", policy
+    assert {values[-3] for name, values in plan.describe()["constexprs"].items() if "/scatter/" in name} == \
+        {str(casts.CAST_HARDWARE)}
+    indices = torch.randperm(rows, device=device).to(torch.int32)
+    span = rows * 2**20
+    for start in range(-2**31, 2**31, span):
+        packed = torch.arange(start, start + span, dtype=torch.int64, device=device).to(torch.int32).view(F32)
+        plan.scatter(cache.state, packed.view(rows, *inner), indices)
+        assert torch.equal(bits(cache.state[indices.long()]), bits(packed.view(rows, *inner).to(BF16))), start
+    assert cache.gaps_untouched()
