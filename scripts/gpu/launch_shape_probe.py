@@ -152,6 +152,10 @@ def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
             raise RuntimeError(f"plan {block_bytes}/{warps} did not compile with PDL: {plan.describe()}")
         label = f"plan {block_bytes}/{warps}" + ("" if evict else "/no-evict")
         impls[label] = (plan.gather, plan.scatter)
+    if final != state.dtype and CUDA_PDL_TARGET.hardware_casts:  # the default plan without the compiler's cast
+        plan = FusedStatePlan.prepare(state, 256, pdl=True, final_dtypes=(final,),
+                                      target=dataclasses.replace(CUDA_PDL_TARGET, hardware_casts=())).seal()
+        impls["plan default/bit-pattern-cast"] = (plan.gather, plan.scatter)
     return impls
 
 
