@@ -340,6 +340,12 @@ MUTANTS: tuple[Mutant, ...] = (
            'KIMI_GDN_034_ROUTED_BY = ("overlay",)', 'KIMI_GDN_034_ROUTED_BY = ("measured", "overlay")',
            ("tests/released/test_upstream034_layers.py::test_the_choice_is_in_the_ledger_and_status",), "I (vLLM 0.34)",
            "vLLM 0.34's Kimi Linear seam is routed by default although the H200 layer measurement says stand aside"),
+    Mutant("hardware-cast-unproven", "kda_patches/state_copy/plan.py",
+           "differs = self._hardware_cast_differs(variant, key, cache)", "differs = None",
+           ("tests/state_copy/test_state_copy_cast.py::"
+            "test_a_declared_hardware_cast_that_differs_from_torch_keeps_the_bit_pattern_cast",),
+           "D (state_copy)", "a declared hardware cast is kept without proving it against torch: a compiler that "
+           "converts a BF16 subnormal wrongly writes wrong cache bits"),
     Mutant("tile-by-widest-item-ignored", "kda_patches/state_copy/plan.py",
            "if self.target.tile_by_widest_item else block", "if False else block",
            ("tests/state_copy/test_state_copy_targets.py::"

@@ -305,10 +305,9 @@ class StateCopyPlan:
                 except StateCopyRefused as exc:
                     differs = (f"the compiler's conversion failed its scratch check ({exc}): the bit-pattern cast "
                                "is kept")
-                if differs:  # keep the bit-pattern cast for this final dtype, in every variant, and say why
+                if differs:  # keep the bit-pattern cast for this final dtype and say why; the variants of the
+                    # final dtype after this one (the other index dtype) compile with it too
                     self._casts[key[2]] = policy.refuse_hardware(differs)
-                    for done in [k for k in self._variants if k[0] == "scatter" and k[2] == key[2]]:
-                        self._variants[done] = self._compile_key(done, cache, packed, stored, finals, layer)
                     variant = self._compile_key(key, cache, packed, stored, finals, layer)
             self._variants[key] = variant
 
