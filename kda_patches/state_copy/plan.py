@@ -27,7 +27,7 @@ bindings live in :mod:`kda_patches.state_copy.worker` and are re-exported here.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import triton
@@ -461,8 +461,7 @@ class StateCopyPlan:
             ``[S, H, V, K]`` contiguous, cache dtype.
         """
         if torch.compiler.is_compiling():
-            refuse("compile", "an unbound plan cannot be traced; use the LayerStatePlan binding from "
-                   "initialize(), which calls the kda_patches::state_gather custom op", layer)
+            refuse_traced("gather", layer)
         return self.gather_eager(state, indices, flags, layer)
 
     def gather_eager(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None = None,
@@ -496,8 +495,7 @@ class StateCopyPlan:
             StateCopyRefused: ``final_dtype`` when ``packed.dtype`` was not prepared (nothing is launched).
         """
         if torch.compiler.is_compiling():
-            refuse("compile", "an unbound plan cannot be traced; use the LayerStatePlan binding from "
-                   "initialize(), which calls the kda_patches::state_scatter custom op", layer)
+            refuse_traced("scatter", layer)
         self.scatter_eager(state, packed, indices, layer)
 
     def scatter_eager(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor,
@@ -663,6 +661,18 @@ class FallbackStatePlan(StateCopyPlan):
 
     def _grid(self, count: int, source: torch.dtype | None = None) -> tuple[int, int]:
         return (count * self._tiles, 1)  # one grid for every variant (the cast scatter's items cover its bytes)
+
+
+@torch.compiler.disable(reason="an unbound plan cannot be traced; use the LayerStatePlan binding from initialize()")
+def refuse_traced(op: str, layer: str | None) -> NoReturn:
+    """Refuse an unbound plan's ``op`` met while torch.compile traces it.
+
+    Never traced itself: Dynamo cannot follow the refusal into the ledger's lock or the error's constructor and
+    would report those instead. With ``fullgraph=True`` the trace stops here with this decorator's reason; otherwise
+    the graph breaks and this runs eagerly, recorded in the ledger like every refusal.
+    """
+    refuse("compile", "an unbound plan cannot be traced; use the LayerStatePlan binding from initialize(), which "
+           f"calls the kda_patches::state_{op} custom op", layer)
 
 
 PLAN_CLASSES: dict[str, type[StateCopyPlan]] = {PLAN_FUSED: FusedStatePlan, PLAN_FALLBACK: FallbackStatePlan}

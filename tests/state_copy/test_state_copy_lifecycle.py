@@ -209,6 +209,23 @@ def test_unbound_plan_refuses_tracing(cache, device):
         compiled(cache.state, torch.tensor([0], device=device))
 
 
+def test_unbound_plan_refuses_tracing_at_a_graph_break_with_its_own_error(cache, device):
+    plan = FusedStatePlan.prepare(cache.state, 4).seal()
+    torch._dynamo.reset()
+
+    def scatter(state, packed, indices):
+        plan.scatter(state, packed, indices)
+
+    compiled = torch.compile(scatter, backend="eager")  # no fullgraph: the refusal runs eagerly at the break
+    before, refusals = cache.clone(), refused_count("compile")
+    with pytest.raises(StateCopyRefused, match="unbound plan cannot be traced") as refused:
+        compiled(cache.state, torch.randn((1, *cache.state.shape[1:]), device=device),
+                 torch.tensor([0], device=device))
+    assert refused.value.reason == "compile" and "state_scatter" in str(refused.value)
+    assert refused_count("compile") == refusals + 1  # recorded like every refusal
+    assert torch.equal(bits(cache.backing), bits(before.backing))  # nothing was copied
+
+
 def test_scatter_packed_alignment_and_layout_normalised(cache, device, plan_class):
     plan = plan_class.prepare(cache.state, 4).seal()
     ref = cache.clone()
