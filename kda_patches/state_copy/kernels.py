@@ -147,7 +147,9 @@ def copy_rows_kernel(
             direction at prepare (:class:`~kda_patches.state_copy.plan.FusedStatePlan`), and only where
             the target's compiler keeps the hint (triton-ascend drops it).
         SRC, DST: scatter only: kind codes (0 FP32, 1 BF16, 2 FP16) of F and T; equal codes copy bits.
-        NAN_RULE, NAN_BITS: scatter only: the NaN rule probed at prepare (:mod:`~kda_patches.state_copy.casts`).
+        NAN_RULE, NAN_BITS: scatter only: the NaN rule probed at prepare (:mod:`~kda_patches.state_copy.casts`),
+            or ``NAN_RULE == CAST_HARDWARE`` (3): the compiler's own conversion, where the target declares it and the
+            plan proved it equal to torch.
         PDL: compiled with ``launch_pdl`` (programmatic dependent launch, :func:`pdl_prologue`): only where the
             target honours it (:data:`~kda_patches.state_copy.device.PDL`) and the plan asked for it.
     """
