@@ -16,7 +16,8 @@ half up, and can turn a NaN into an infinity) nor every backend converts exactly
   code paths, e.g. FP16->FP32 on the CPU), that final dtype is refused at prepare.
 
 Where a target declares the compiler's own conversion of a pair exact
-(:attr:`~kda_patches.state_copy.device.TargetFacts.hardware_casts`; CUDA SM90+, FP32 -> BF16: one ``cvt.rn``), the
+(:attr:`~kda_patches.state_copy.device.TargetFacts.hardware_casts`; the candidate is FP32 -> BF16 on SM90+, one
+``cvt.rn``, declared once measured), the
 scatter converts with it instead (:data:`CAST_HARDWARE`: a few instructions per item fewer, which is what a one-row
 scatter's latency is made of). The plan proves it at prepare on every pattern of :func:`hardware_probe_bits` against
 torch on the device and, where they differ, keeps the bit-pattern cast and says why (:class:`CastPolicy`).

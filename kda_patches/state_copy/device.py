@@ -65,7 +65,8 @@ class TargetFacts:
         hardware_casts: ``"SRC->DST"`` pairs (e.g. ``"float32->bfloat16"``) whose folded cast a scatter may do with
             the compiler's own round-to-nearest-even conversion (:data:`~kda_patches.state_copy.casts.CAST_HARDWARE`)
             instead of the bit-pattern cast; the plan still proves it equal to torch at prepare and keeps the
-            bit-pattern cast where it is not. Declared where a single conversion instruction does it (SM90+).
+            bit-pattern cast where it is not. Declared nowhere yet: :data:`CANDIDATE_HARDWARE_CASTS` waits for the
+            H200's measurement.
     """
 
     name: str
@@ -85,8 +86,11 @@ class TargetFacts:
 
 
 CUDA_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST,))
-CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL), tile_by_widest_item=True,
-                              hardware_casts=("float32->bfloat16",))  # SM90+ (Hopper, Blackwell): cvt.rn.bf16x2.f32
+CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL),
+                              tile_by_widest_item=True)  # SM90+ (Hopper, Blackwell)
+# the FP32 -> BF16 conversion SM90+ would take as one cvt.rn.bf16x2.f32; not declared on any target until the
+# H200 measures it beside the bit-pattern cast (scripts/gpu/launch_shape_probe.py, "hardware-cast" column)
+CANDIDATE_HARDWARE_CASTS = ("float32->bfloat16",)
 INTERPRETER_TARGET = TargetFacts("cpu-interpreter")  # the interpreter has no caches: hints are no-ops
 # Measured with triton-ascend 3.2.0 + bishengir 1.2.0 (`make ascend-check`, probe in patches/ASCEND_COMPILE.md):
 # the largest power-of-two block, in items, up to 65536, that reaches the final HIVM IR with the backend's

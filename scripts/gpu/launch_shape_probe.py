@@ -140,7 +140,7 @@ def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
     the cache dtype's block, so there its ``2048/4`` column is what the default plan runs for cast scatters."""
     import dataclasses
 
-    from kda_patches.state_copy.device import CUDA_PDL_TARGET, PDL
+    from kda_patches.state_copy.device import CANDIDATE_HARDWARE_CASTS, CUDA_PDL_TARGET, PDL
     from kda_patches.state_copy.plan import FusedStatePlan
 
     impls = {}
@@ -152,10 +152,12 @@ def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
             raise RuntimeError(f"plan {block_bytes}/{warps} did not compile with PDL: {plan.describe()}")
         label = f"plan {block_bytes}/{warps}" + ("" if evict else "/no-evict")
         impls[label] = (plan.gather, plan.scatter)
-    if final != state.dtype and CUDA_PDL_TARGET.hardware_casts:  # the default plan without the compiler's cast
-        plan = FusedStatePlan.prepare(state, 256, pdl=True, final_dtypes=(final,),
-                                      target=dataclasses.replace(CUDA_PDL_TARGET, hardware_casts=())).seal()
-        impls["plan default/bit-pattern-cast"] = (plan.gather, plan.scatter)
+    if final != state.dtype:  # the default plan with the compiler's own conversion (the candidate declaration)
+        target = dataclasses.replace(CUDA_PDL_TARGET, hardware_casts=CANDIDATE_HARDWARE_CASTS)
+        plan = FusedStatePlan.prepare(state, 256, pdl=True, final_dtypes=(final,), target=target).seal()
+        if plan.describe()["casts"][0]["nan"] != "hardware":
+            raise RuntimeError(f"the hardware cast was refused: {plan.describe()['casts']}")
+        impls["plan 4096/4/hardware-cast"] = (plan.gather, plan.scatter)
     return impls
 
 
