@@ -39,6 +39,12 @@ Scatter loads: a scatter reads its packed row whole, whatever the row's index sa
 by the index too would make it wait for the index load: two dependent memory round trips instead of two
 overlapping ones, which is most of a one-row scatter's device time (H200, ``scripts/gpu/launch_shape_probe.py``).
 
+Scalar row checks (the fused kernel): a program's row index, its validity and its safe row are scalars, and the
+store or load mask is one comparison of the int32 tile offsets with a scalar limit (the payload for a valid row,
+0 for an invalid one), so the per-item work is what upstream's unchecked kernels do plus one 32-bit comparison;
+the index is never broadcast to an int64 vector with a select and a multiply per item. The fallback kernels keep the vector form of
+:func:`selected_row_mask` (their flat grid derives the row per program from a vector of byte offsets).
+
 Masks are built from vectors only (a ``vector & scalar`` mask fails under ``TRITON_INTERPRET=1``).
 What compiles for Ascend is measured, not assumed: every variant the plans prepare is compiled for
 A2/A3 and A5 with triton-ascend and bishengir in the test suite (``make ascend-check``), and the result
@@ -153,18 +159,17 @@ def copy_rows_kernel(
         PDL: compiled with ``launch_pdl`` (programmatic dependent launch, :func:`pdl_prologue`): only where the
             target honours it (:data:`~kda_patches.state_copy.device.PDL`) and the plan asked for it.
     """
-    tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
-    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32 within a row (see "Scalar row checks")
     pdl_prologue(PDL)  # after the address arithmetic (no memory), before the first load
-    valid, safe_row = selected_row_mask(index_ptr, flag_ptr, row, num_rows, BLOCK, SCATTER)
-    cache_items = cache_ptr + safe_row * ROW_STRIDE + offsets
+    index = tl.load(index_ptr + row).to(tl.int64)
+    valid = (index >= 0) & (index < num_rows.to(tl.int64))
+    if not SCATTER:
+        valid = valid & (tl.load(flag_ptr + row).to(tl.int32) != 0)
+    copy_mask = offsets < tl.where(valid, PAYLOAD, 0)  # all of a valid row's payload, nothing of an invalid one
+    cache_items = cache_ptr + tl.where(valid, index, 0) * ROW_STRIDE + offsets
     packed_items = packed_ptr + row * PAYLOAD + offsets
-    if EVEN:
-        copy_mask = valid
-    else:
-        in_payload = offsets < PAYLOAD
-        copy_mask = valid & in_payload
+    in_payload = offsets < PAYLOAD
     if SCATTER:
         # the packed row is always in bounds: its load must not wait for the index (see "Scatter loads")
         if EVEN:

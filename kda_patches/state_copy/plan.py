@@ -168,7 +168,7 @@ class StateCopyPlan:
             specs.append({"name": plan._variant_name(key), "kernel": kernel,
                           "pointers": (*pointers, key[1], torch.bool), "scalars": {ROWS_ARGUMENT: ROWS_TYPE},
                           "constexprs": dict(zip(names, plan._variant_constexprs(key), strict=True)),
-                          "num_warps": plan._num_warps, "family": plan._variant_family(key),
+                          "num_warps": plan._variant_warps(key), "family": plan._variant_family(key),
                           "launch_pdl": plan._pdl})
         return specs
 
@@ -266,6 +266,10 @@ class StateCopyPlan:
         """Return the kernel constexprs of the variant ``key``, in parameter order (after ``num_rows``)."""
         raise NotImplementedError
 
+    def _variant_warps(self, key: tuple[Any, ...]) -> int:
+        """Return the warps the variant ``key`` compiles with: the plan's, unless a kind decides per variant."""
+        return self._num_warps
+
     def _grid(self, count: int, source: torch.dtype | None = None) -> tuple[int, int]:
         """Return the launch grid of ``count`` selected rows for variants reading ``source`` items (the final
         dtype of a scatter; None: the cache dtype, a gather's)."""
@@ -324,7 +328,7 @@ class StateCopyPlan:
             cache.view(-1).fill_(0)
         try:
             variant = compile_variant(name, self._variant_kernel(key), (cache, source, indices, self._true_flags),
-                                      self._variant_constexprs(key), self._num_warps, self._interpreted,
+                                      self._variant_constexprs(key), self._variant_warps(key), self._interpreted,
                                       self._variant_kernel(key) is kernels.copy_row_bytes_kernel, self._pdl)
             variant.launch(self._grid(1, source.dtype), cache, source, indices, self._true_flags, cache.shape[0])
             synchronize(self._device)
@@ -586,16 +590,26 @@ class FusedStatePlan(StateCopyPlan):
         self._tiles[None] = self._tiles[self._dtype]
         self._bases = {source: (self.layout.row_stride, self.layout.payload, items, self.layout.payload % items == 0)
                        for source, items in self._blocks.items()}
+        self._widened_warps = None if num_warps else self.target.widened_scatter_warps
         return num_warps or (self.DEFAULT_NUM_WARPS if block >= 1024 else 2)
 
     def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
         return kernels.copy_rows_kernel
+
+    def _variant_warps(self, key: tuple[Any, ...]) -> int:
+        # a scatter whose tile the target narrowed for wider finals takes the target's warps for it
+        # (TargetFacts.widened_scatter_warps), unless the caller chose the warps
+        if key[0] == "scatter" and self._widened_warps and self._blocks[key[2]] != self._block:
+            return self._widened_warps
+        return self._num_warps
 
     def _block_facts(self) -> dict[str, Any]:
         facts: dict[str, Any] = {"items": self._block, "bytes": self._block * self.layout.element_size}
         narrower = {casts.dtype_name(source): items for source, items in self._blocks.items() if items != self._block}
         if narrower:  # the scatters of these final dtypes move fewer cache items per program
             facts["scatter_items"] = narrower
+            if self._widened_warps:
+                facts["scatter_warps"] = {name: self._widened_warps for name in narrower}
         return facts
 
     def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -134,13 +134,15 @@ def load_upstream_ops(folder: pathlib.Path) -> tuple[Any, Any]:
 
 
 def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
-    """Return ``{label: (gather, scatter)}`` of one sealed PDL plan per configuration, on the SM90 target's
-    facts (:data:`~kda_patches.state_copy.device.CUDA_PDL_TARGET`: a cast scatter from wider finals gets the
-    smaller block) with the eviction hint on or off. The H100 run of 2026-12-05 predates this: its plans shared
-    the cache dtype's block, so there its ``2048/4`` column is what the default plan runs for cast scatters."""
+    """Return ``{label: (gather, scatter)}`` of one sealed PDL plan per configuration on the SM90 target's facts
+    (:data:`~kda_patches.state_copy.device.CUDA_PDL_TARGET`: a cast scatter from wider finals gets the smaller
+    block and the compiler's own conversion), with the eviction hint on or off; ``plan default`` is the plan a
+    layer gets (no block or warps given: the target's widened-scatter warps apply), and for cast scatters
+    ``plan default/software-cast`` is it with the bit-pattern cast. Runs before 2026-12-05 17:00 UTC had no
+    default column, and their plans took the bit-pattern cast (a ``plan 4096/4/hardware-cast`` column instead)."""
     import dataclasses
 
-    from kda_patches.state_copy.device import CANDIDATE_HARDWARE_CASTS, CUDA_PDL_TARGET, PDL
+    from kda_patches.state_copy.device import CUDA_PDL_TARGET, PDL
     from kda_patches.state_copy.plan import FusedStatePlan
 
     impls = {}
@@ -152,17 +154,20 @@ def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
             raise RuntimeError(f"plan {block_bytes}/{warps} did not compile with PDL: {plan.describe()}")
         label = f"plan {block_bytes}/{warps}" + ("" if evict else "/no-evict")
         impls[label] = (plan.gather, plan.scatter)
-    if final != state.dtype:  # the default plan with the compiler's own conversion (the candidate declaration)
-        target = dataclasses.replace(CUDA_PDL_TARGET, hardware_casts=CANDIDATE_HARDWARE_CASTS)
+    variants = {"plan default": CUDA_PDL_TARGET}
+    if final != state.dtype:
+        variants["plan default/software-cast"] = dataclasses.replace(CUDA_PDL_TARGET, hardware_casts=())
+    for label, target in variants.items():
         plan = FusedStatePlan.prepare(state, 256, pdl=True, final_dtypes=(final,), target=target).seal()
-        if plan.describe()["casts"][0]["nan"] != "hardware":
-            raise RuntimeError(f"the hardware cast was refused: {plan.describe()['casts']}")
-        impls["plan 4096/4/hardware-cast"] = (plan.gather, plan.scatter)
+        policy = plan.describe()["casts"][0]
+        if final != state.dtype and (policy["nan"] == "hardware") != (label == "plan default"):
+            raise RuntimeError(f"{label}: unexpected cast policy {policy}")
+        impls[label] = (plan.gather, plan.scatter)
     return impls
 
 
 def check_body_probes(impls: dict[str, tuple[Any, Any]], state: Any, indices: Any, last: Any) -> None:
-    """Refuse a body probe whose scatter is not bit-equal to torch's index_put."""
+    """Refuse a body probe whose scatter is not bit-equal to torch's index_put of the finals cast to the cache."""
     import torch
 
     for name, (gather, scatter) in impls.items():
@@ -170,7 +175,7 @@ def check_body_probes(impls: dict[str, tuple[Any, Any]], state: Any, indices: An
             before = state.clone()
             scatter(state, last, indices)
             expected = before.clone()
-            expected[indices.long()] = last
+            expected[indices.long()] = last.to(state.dtype)
             if not torch.equal(state.view(torch.uint8), expected.view(torch.uint8)):
                 raise RuntimeError(f"{name} wrote wrong bytes")
             state.copy_(before)
@@ -227,8 +232,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for op in ("gather", "scatter"):
                     upstream = timing.median(samples[(UPSTREAM, op)])
                     best = min((timing.median(v), k[0]) for k, v in samples.items() if k[1] == op and k[0] != UPSTREAM)
-                    current = timing.median(samples[("plan 4096/4", op)])
-                    line.append(f"{op} up {upstream:.2f} cur {current:.2f} best {best[1]} {best[0]:.2f}")
+                    current = timing.median(samples[("plan default", op)])
+                    line.append(f"{op} up {upstream:.2f} default {current:.2f} best {best[1]} {best[0]:.2f}")
                 print(f"{shape} {cache_dtype}:{final} S={selected}: " + " | ".join(line), flush=True)
             del state, impls
             torch.cuda.empty_cache()
