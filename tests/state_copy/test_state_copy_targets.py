@@ -81,6 +81,39 @@ def test_a_target_tiling_by_the_widest_item_gives_wider_finals_a_smaller_block()
             if facts.tile_by_widest_item] == ["cuda"] and CUDA_PDL_TARGET.tile_by_widest_item
 
 
+def warps(specs: list[dict]) -> dict[str, int]:
+    return {spec["name"]: spec["num_warps"] for spec in specs}
+
+
+def test_only_a_scatter_whose_tile_was_narrowed_takes_the_widened_scatter_warps():
+    wide = TargetFacts("wide", tile_by_widest_item=True, widened_scatter_warps=8)
+    by_name = warps(FusedStatePlan.variant_specs(meta(BF16), 8, wide, policies(BF16, (BF16, F32))))
+    assert by_name["fused/scatter/int32/float32"] == by_name["fused/scatter/int64/float32"] == 8
+    assert {by_name[name] for name in by_name if not name.endswith("/float32")} == {4}  # gathers, BF16 scatters
+    # no narrowed tile, no widened warps: an FP32 cache's BF16 scatters and a target without the tile rule
+    assert set(warps(FusedStatePlan.variant_specs(meta(F32), 8, wide, policies(F32, (F32, BF16)))).values()) == {4}
+    unnarrowed = TargetFacts("flat", widened_scatter_warps=8)
+    assert set(warps(FusedStatePlan.variant_specs(meta(BF16), 8, unnarrowed,
+                                                  policies(BF16, (BF16, F32)))).values()) == {4}
+    # warps the caller chose apply to every variant
+    assert set(warps(FusedStatePlan.variant_specs(meta(BF16), 8, wide, policies(BF16, (BF16, F32)),
+                                                  num_warps=2)).values()) == {2}
+    assert CUDA_PDL_TARGET.widened_scatter_warps == 8 and CUDA_TARGET.widened_scatter_warps is None
+
+
+def test_a_plan_with_widened_scatter_warps_says_so_and_copies_exactly(device):
+    cache = build_cache(device, dtype=BF16, num_rows=6, inner=(2, 16, 48), seed=13)
+    target = TargetFacts("wide", tile_by_widest_item=True, widened_scatter_warps=8)
+    plan = FusedStatePlan.prepare(cache.state, 4, final_dtypes=(BF16, F32), target=target).seal()
+    assert plan.describe()["block"]["scatter_warps"] == {"float32": 8} and plan.describe()["num_warps"] == 4
+    indices = torch.tensor([5, -1, 1, 3], dtype=torch.int32, device=device)
+    final = torch.randn((4, 2, 16, 48), generator=torch.Generator().manual_seed(9)).to(device, F32)
+    expected = cache.clone()
+    naive.scatter_states(expected.state, final, indices)
+    plan.scatter(cache.state, final, indices)
+    assert torch.equal(bits(cache.backing), bits(expected.backing)) and cache.gaps_untouched()
+
+
 def test_a_plan_with_per_final_blocks_copies_exactly(device):
     cache = build_cache(device, dtype=BF16, num_rows=6, inner=(2, 16, 48), seed=11)  # 1536 items: no even tile
     plan = FusedStatePlan.prepare(cache.state, 4, block_bytes=1024, final_dtypes=(BF16, F32),
