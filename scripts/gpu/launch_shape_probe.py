@@ -39,8 +39,9 @@ UPSTREAM = "upstream-0.34"
 def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_STRIDE: tl.constexpr,
                               PAYLOAD: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
     """Same-dtype scatter of one tile of one row, ``PAYLOAD % BLOCK == 0``; ``CHECK`` picks how an invalid index
-    is handled: 0 not at all (upstream), 1 masked store at the clamped row (the plan), 2 masked store at the raw
-    row, 3 a scalar branch around an unmasked store."""
+    is handled: 0 not at all (upstream), 1 masked store at the clamped row (the plan before its scalar checks),
+    2 masked store at the raw row, 3 a scalar branch around an unmasked store, 4 the plan's scalar check, 5 it with
+    the plan's ``evict_first`` store, 6 it with the plan's explicit BF16 conversion and bitcasts (cast scatters)."""
     tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
     offsets = tile * BLOCK + tl.arange(0, BLOCK)
@@ -59,10 +60,22 @@ def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_ST
         cache_row = tl.full([BLOCK], 0, tl.int64) + tl.load(index_ptr + row).to(tl.int64)
         valid = (cache_row >= 0) & (cache_row < num_rows.to(tl.int64))
         tl.store(cache_ptr + cache_row * ROW_STRIDE + offsets, values, mask=valid)
-    else:
+    elif CHECK == 3:
         cache_row = tl.load(index_ptr + row).to(tl.int64)
         if (cache_row >= 0) & (cache_row < num_rows.to(tl.int64)):
             tl.store(cache_ptr + cache_row * ROW_STRIDE + offsets, values)
+    else:  # the plan's scalar check (kernels.copy_rows_kernel); 5 adds its evict_first, 6 its explicit cast
+        index = tl.load(index_ptr + row).to(tl.int64)
+        valid = (index >= 0) & (index < num_rows.to(tl.int64))
+        mask = offsets < tl.where(valid, PAYLOAD, 0)
+        items = cache_ptr + tl.where(valid, index, 0) * ROW_STRIDE + offsets
+        if CHECK == 6 and packed_ptr.dtype.element_ty != cache_ptr.dtype.element_ty:
+            values = values.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+            values = values.to(cache_ptr.dtype.element_ty, bitcast=True)
+        if CHECK == 5:
+            tl.store(items, values, mask=mask, eviction_policy="evict_first")
+        else:
+            tl.store(items, values, mask=mask)
 
 
 # label: (block items, or None for a 4 KiB tile of the widest item as the plan sizes it; warps; CHECK). A cast
@@ -70,7 +83,9 @@ def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_ST
 # the plan's bit-pattern cast: the pair of columns prices that cast.
 BODY_PROBES = {"body-none": (None, 4, 0), "body-clamped": (None, 4, 1), "body-raw": (None, 4, 2),
                "body-branch": (None, 4, 3), "body-none-w8": (None, 8, 0), "body-clamped-w8": (None, 8, 1),
-               "body-upstream-shape": (1024, 8, 0), "body-upstream-shape-clamped": (1024, 8, 1)}
+               "body-upstream-shape": (1024, 8, 0), "body-upstream-shape-clamped": (1024, 8, 1),
+               "body-scalar-w8": (None, 8, 4), "body-scalar-evict-w8": (None, 8, 5),
+               "body-scalar-bitcast-w8": (None, 8, 6)}
 
 
 def body_probe_impls(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
