@@ -42,9 +42,10 @@ overlapping ones, which is most of a one-row scatter's device time (H200, ``scri
 Scalar row checks (the fused kernel): a program's row index, its validity and its safe row are scalars, and the
 store or load mask is one comparison of the int32 tile offsets with a scalar limit (the payload for a valid row,
 0 for an invalid one), so the per-item work is what upstream's unchecked kernels do plus one 32-bit comparison;
-the index is never broadcast to an int64 vector with a select and a multiply per item (H100, graph replay: a
-one-row FP32 scatter went from 0.965 to 1.005-1.012 in upstream 0.34 / plan, ``docs/results/launch-shape/``). The fallback
-kernels, which have no upstream counterpart to match, keep the vector form of :func:`selected_row_mask`.
+the index is never broadcast to an int64 vector with a select and a multiply per item (H100, graph replay,
+upstream 0.34 / plan for a one-row FP32 scatter: 0.965 before, 1.005-1.012 after; ``docs/results/launch-shape/``).
+The fallback kernels, which have no upstream counterpart to match, keep the vector form of
+:func:`selected_row_mask`.
 
 Masks are built from vectors only (a ``vector & scalar`` mask fails under ``TRITON_INTERPRET=1``).
 What compiles for Ascend is measured, not assumed: every variant the plans prepare is compiled for
