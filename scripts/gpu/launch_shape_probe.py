@@ -41,14 +41,20 @@ def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_ST
     """Same-dtype scatter of one tile of one row, ``PAYLOAD % BLOCK == 0``; ``CHECK`` picks how an invalid index
     is handled: 0 not at all (upstream), 1 masked store at the clamped row (the plan before its scalar checks),
     2 masked store at the raw row, 3 a scalar branch around an unmasked store, 4 the plan's scalar check, 5 it with
-    the plan's ``evict_first`` store, 6 it with the plan's explicit BF16 conversion and bitcasts (cast scatters)."""
+    the plan's ``evict_first`` store, 6 it with the plan's explicit BF16 conversion and bitcasts (cast scatters),
+    7 it with a CTA barrier after the loads, 8 it with a volatile packed load."""
     tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
     offsets = tile * BLOCK + tl.arange(0, BLOCK)
     tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
                               is_pure=False, pack=1)
-    values = tl.load(packed_ptr + row * PAYLOAD + offsets)
+    if CHECK == 8:
+        values = tl.load(packed_ptr + row * PAYLOAD + offsets, volatile=True)
+    else:
+        values = tl.load(packed_ptr + row * PAYLOAD + offsets)
+    if CHECK == 7:
+        tl.debug_barrier()
     if CHECK == 0:
         cache_row = tl.load(index_ptr + row).to(tl.int64)
         tl.store(cache_ptr + cache_row * ROW_STRIDE + offsets, values)
@@ -64,7 +70,9 @@ def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_ST
         cache_row = tl.load(index_ptr + row).to(tl.int64)
         if (cache_row >= 0) & (cache_row < num_rows.to(tl.int64)):
             tl.store(cache_ptr + cache_row * ROW_STRIDE + offsets, values)
-    else:  # the plan's scalar check (kernels.copy_rows_kernel); 5 adds its evict_first, 6 its explicit cast
+    else:  # the plan's scalar check (kernels.copy_rows_kernel); 5 adds its evict_first, 6 its explicit cast,
+        # 7 a CTA barrier between the loads and the store, 8 a volatile packed load (both keep ptxas from sinking
+        # the packed load below the early exit it makes of the masked store when a thread has one vector load)
         index = tl.load(index_ptr + row).to(tl.int64)
         valid = (index >= 0) & (index < num_rows.to(tl.int64))
         mask = offsets < tl.where(valid, PAYLOAD, 0)
@@ -85,7 +93,9 @@ BODY_PROBES = {"body-none": (None, 4, 0), "body-clamped": (None, 4, 1), "body-ra
                "body-branch": (None, 4, 3), "body-none-w8": (None, 8, 0), "body-clamped-w8": (None, 8, 1),
                "body-upstream-shape": (1024, 8, 0), "body-upstream-shape-clamped": (1024, 8, 1),
                "body-scalar-w8": (None, 8, 4), "body-scalar-evict-w8": (None, 8, 5),
-               "body-scalar-bitcast-w8": (None, 8, 6)}
+               "body-scalar-bitcast-w8": (None, 8, 6), "body-scalar-barrier-w8": (None, 8, 7),
+               "body-scalar-volatile-w8": (None, 8, 8), "body-scalar-barrier": (None, 4, 7),
+               "body-scalar-volatile": (None, 4, 8)}
 
 
 def body_probe_impls(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
