@@ -70,6 +70,9 @@ class TargetFacts:
             ``tile_by_widest_item`` (finals wider than the cache), unless the plan was given ``num_warps``; None
             keeps the plan's warps. Measured on SM90 (H100, ``scripts/gpu/launch_shape_probe.py``): BF16 <- FP32
             scatters with 8 warps at 64-256 rows match vLLM 0.34's kernels where 4 warps trail by 1-1.5 %.
+        pinned_scatter_load: fused scatters read the packed row with a volatile load, so the compiler cannot sink
+            it below the early exit it makes of the index-guarded store (``PIN_LOAD`` of
+            :func:`~kda_patches.state_copy.kernels.copy_rows_kernel`). Declared on SM90+ CUDA, whose ptxas does that.
     """
 
     name: str
@@ -79,6 +82,7 @@ class TargetFacts:
     tile_by_widest_item: bool = False
     hardware_casts: tuple[str, ...] = ()
     widened_scatter_warps: int | None = None
+    pinned_scatter_load: bool = False
 
     def honours(self, hint: str) -> bool:
         """Return whether the compiler keeps ``hint`` (e.g. :data:`EVICT_FIRST`)."""
@@ -95,7 +99,8 @@ CUDA_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST,))
 # (scripts/gpu/launch_shape_probe.py); each plan proves it again at prepare
 SM90_HARDWARE_CASTS = ("float32->bfloat16",)
 CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL), tile_by_widest_item=True,
-                              hardware_casts=SM90_HARDWARE_CASTS, widened_scatter_warps=8)  # SM90+
+                              hardware_casts=SM90_HARDWARE_CASTS, widened_scatter_warps=8,
+                              pinned_scatter_load=True)  # SM90+
 INTERPRETER_TARGET = TargetFacts("cpu-interpreter")  # the interpreter has no caches: hints are no-ops
 # Measured with triton-ascend 3.2.0 + bishengir 1.2.0 (`make ascend-check`, probe in patches/ASCEND_COMPILE.md):
 # the largest power-of-two block, in items, up to 65536, that reaches the final HIVM IR with the backend's

@@ -39,6 +39,12 @@ Scatter loads: a scatter reads its packed row whole, whatever the row's index sa
 by the index too would make it wait for the index load: two dependent memory round trips instead of two
 overlapping ones, which is most of a one-row scatter's device time (H200, ``scripts/gpu/launch_shape_probe.py``).
 
+Pinned scatter loads: the kernel issues that unmasked load, but the compiler may still sink it. When a thread
+holds one vector of the row (a same-dtype scatter at 8 warps), SM90's ptxas turns the index-guarded store into an
+early exit and moves the packed load below it, so the load waits for the index again
+(``scripts/gpu/sass_order.py``; ``tests/state_copy/test_state_copy_sass.py`` cross-compiles every SM90 variant and
+reads the order). A volatile load must be issued on every path, so ``PIN_LOAD`` keeps it ahead of the exit.
+
 Scalar row checks (the fused kernel): a program's row index, its validity and its safe row are scalars, and the
 store or load mask is one comparison of the int32 tile offsets with a scalar limit (the payload for a valid row,
 0 for an invalid one), so the per-item work is what upstream's unchecked kernels do plus one 32-bit comparison;
@@ -128,6 +134,7 @@ def copy_rows_kernel(
     NAN_RULE: tl.constexpr,
     NAN_BITS: tl.constexpr,
     PDL: tl.constexpr,
+    PIN_LOAD: tl.constexpr,
 ):
     """Copy one ``BLOCK``-element tile of one selected row (fused plan).
 
@@ -160,6 +167,9 @@ def copy_rows_kernel(
             plan proved it equal to torch.
         PDL: compiled with ``launch_pdl`` (programmatic dependent launch, :func:`pdl_prologue`): only where the
             target honours it (:data:`~kda_patches.state_copy.device.PDL`) and the plan asked for it.
+        PIN_LOAD: scatter only: read the packed row with a volatile load, which the compiler must issue on every
+            path, where the target declares it (:attr:`~kda_patches.state_copy.device.TargetFacts.pinned_scatter_load`;
+            see "Pinned scatter loads").
     """
     row = tl.program_id(1).to(tl.int64)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32 within a row (see "Scalar row checks")
@@ -175,9 +185,9 @@ def copy_rows_kernel(
     if SCATTER:
         # the packed row is always in bounds: its load must not wait for the index (see "Scatter loads")
         if EVEN:
-            values = tl.load(packed_items)
+            values = tl.load(packed_items, volatile=PIN_LOAD)
         else:
-            values = tl.load(packed_items, mask=in_payload)
+            values = tl.load(packed_items, mask=in_payload, volatile=PIN_LOAD)
         if SRC != DST:
             values = cast_bits(values, SRC, DST, NAN_RULE, NAN_BITS).to(cache_ptr.dtype.element_ty, bitcast=True)
         if STREAM:

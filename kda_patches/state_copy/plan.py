@@ -615,8 +615,9 @@ class FusedStatePlan(StateCopyPlan):
     def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
         if key[0] == "gather":
             code = casts.KIND_CODES.get(self._dtype, 0)
-            return (*self._bases[self._dtype], False, self._stream, code, code, 0, 0, self._pdl)
-        return (*self._bases[key[2]], True, self._scatter_evict_first, *self._casts[key[2]].constexprs(), self._pdl)
+            return (*self._bases[self._dtype], False, self._stream, code, code, 0, 0, self._pdl, False)
+        return (*self._bases[key[2]], True, self._scatter_evict_first, *self._casts[key[2]].constexprs(), self._pdl,
+                self.target.pinned_scatter_load)
 
     def _grid(self, count: int, source: torch.dtype | None = None) -> tuple[int, int]:
         return (self._tiles[source], count)

@@ -163,7 +163,8 @@ def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
     (:data:`~kda_patches.state_copy.device.CUDA_PDL_TARGET`: a cast scatter from wider finals gets the smaller
     block and the compiler's own conversion), with the eviction hint on or off; ``plan default`` is the plan a
     layer gets (no block or warps given: the target's widened-scatter warps apply), and for cast scatters
-    ``plan default/software-cast`` is it with the bit-pattern cast. Runs before 2026-12-05 17:00 UTC had no
+    ``plan default/software-cast`` is it with the bit-pattern cast; ``.../unpinned`` columns read the packed row with
+    a plain load (``TargetFacts.pinned_scatter_load`` off). Runs before 2026-12-05 17:00 UTC had no
     default column, and their plans took the bit-pattern cast (a ``plan 4096/4/hardware-cast`` column instead)."""
     import dataclasses
 
@@ -179,13 +180,16 @@ def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
             raise RuntimeError(f"plan {block_bytes}/{warps} did not compile with PDL: {plan.describe()}")
         label = f"plan {block_bytes}/{warps}" + ("" if evict else "/no-evict")
         impls[label] = (plan.gather, plan.scatter)
-    variants = {"plan default": CUDA_PDL_TARGET}
+    unpinned = dataclasses.replace(CUDA_PDL_TARGET, pinned_scatter_load=False)
+    variants = {"plan default": (CUDA_PDL_TARGET, None), "plan default/unpinned": (unpinned, None),
+                "plan 4096/8/unpinned": (unpinned, 8)}
     if final != state.dtype:
-        variants["plan default/software-cast"] = dataclasses.replace(CUDA_PDL_TARGET, hardware_casts=())
-    for label, target in variants.items():
-        plan = FusedStatePlan.prepare(state, 256, pdl=True, final_dtypes=(final,), target=target).seal()
+        variants["plan default/software-cast"] = (dataclasses.replace(CUDA_PDL_TARGET, hardware_casts=()), None)
+    for label, (target, warps) in variants.items():
+        plan = FusedStatePlan.prepare(state, 256, num_warps=warps, pdl=True, final_dtypes=(final,),
+                                      target=target).seal()
         policy = plan.describe()["casts"][0]
-        if final != state.dtype and (policy["nan"] == "hardware") != (label == "plan default"):
+        if final != state.dtype and (policy["nan"] == "hardware") == label.endswith("software-cast"):
             raise RuntimeError(f"{label}: unexpected cast policy {policy}")
         impls[label] = (plan.gather, plan.scatter)
     return impls

@@ -7,7 +7,7 @@ import torch
 from state_copy_helpers import BITS, bits, build_cache
 
 from kda_patches.ledger import get_ledger
-from kda_patches.state_copy import casts, naive
+from kda_patches.state_copy import casts, kernels, naive
 from kda_patches.state_copy.errors import LayoutError, StateCopyRefused
 from kda_patches.state_copy.plan import PLAN_CLASSES, initialize
 
@@ -222,7 +222,8 @@ def test_a_hardware_cast_that_fails_the_scratch_row_keeps_the_bit_pattern_cast_i
                                          target=hardware_target(device, "float32->bfloat16")).seal()
     (policy,) = plan.describe()["casts"]
     assert policy["nan"] == "canonical" and "failed its scratch check" in policy["hardware_refused"]
-    rules = {name: values[-3] for name, values in plan.describe()["constexprs"].items() if "/scatter/" in name}
+    rule_at = kernels.copy_rows_kernel.arg_names.index("NAN_RULE") - kernels.ROWS_INDEX - 1  # after num_rows
+    rules = {name: values[rule_at] for name, values in plan.describe()["constexprs"].items() if "/scatter/" in name}
     assert len(rules) == 2 and set(rules.values()) == {str(casts.NAN_CANONICAL)}  # int32 and int64 alike
     patterns = every_pattern(F32).view(ROW)
     packed = torch.stack([patterns, patterns.flip(-1)]).to(device)
