@@ -1,0 +1,41 @@
+"""Cross-compile fused scatter variants for an SM90 GPU on this machine and report the loads each issues after its
+first early exit (run without ``TRITON_INTERPRET``: the JIT functions must be compilable).
+
+argv[1]: ``pinned`` or ``unpinned`` (``TargetFacts.pinned_scatter_load`` of the SM90 target); argv[2]: the warps
+(``default`` for the plan's own). Prints one JSON line: ``"CACHE <- FINAL warps W"`` -> the loads after the exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+
+from kda_patches.state_copy import casts, sass
+from kda_patches.state_copy.device import CUDA_PDL_TARGET
+from kda_patches.state_copy.plan import FusedStatePlan
+
+QWEN_TP4_STATE = (12, 128, 128)
+
+
+def main() -> None:
+    target = dataclasses.replace(CUDA_PDL_TARGET, pinned_scatter_load=sys.argv[1] == "pinned")
+    warps = None if sys.argv[2] == "default" else int(sys.argv[2])
+    found = {}
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        state = torch.empty((8, *QWEN_TP4_STATE), dtype=cache_dtype, device="meta")
+        policies = {final: casts.CastPolicy(final, cache_dtype, casts.NAN_QUIET)
+                    for final in (torch.float32, torch.bfloat16)}
+        for spec in FusedStatePlan.variant_specs(state, 256, target, policies, num_warps=warps, pdl=True):
+            if "/scatter/int32/" not in spec["name"]:
+                continue
+            order = sass.memory_order(sass.cross_compile(spec))
+            key = f"{casts.dtype_name(cache_dtype)} <- {spec['name'].rsplit('/', 1)[-1]} warps {spec['num_warps']}"
+            found[key] = sass.loads_after_early_exit(order)
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""What SM90's assembler makes of the fused scatters (cross-compiled here: Triton ships ptxas and cuobjdump).
+
+The scatter issues its packed-row load before it knows whether the row's index is valid (kernels.py, "Scatter
+loads"); with one vector per thread ptxas would sink that load below the early exit it makes of the guarded store,
+unless the load is pinned (``TargetFacts.pinned_scatter_load``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from kda_patches.state_copy import sass
+
+pytestmark = pytest.mark.slow  # one child process compiles 8 variants with ptxas
+
+
+def compile_in_child(pinned: str, warps: str) -> dict[str, list[str]]:
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("sass_order_child.py")), pinned,
+                           warps], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("warps", ["default", "8"])
+def test_every_pinned_sm90_scatter_loads_its_packed_row_before_any_early_exit(warps):
+    found = compile_in_child("pinned", warps)
+    assert len(found) == 4  # FP32 and BF16 caches, each with FP32 and BF16 finals
+    assert found == {key: [] for key in found}, found
+
+
+def test_unpinned_same_dtype_scatters_at_8_warps_are_what_the_pin_is_for():
+    # ptxas's own choice, recorded so that a ptxas which stops sinking the load shows up here (the pin then has
+    # nothing to fix): with one vector per thread the packed load moves below the exit
+    found = compile_in_child("unpinned", "8")
+    assert found["float32 <- float32 warps 8"] and found["bfloat16 <- bfloat16 warps 8"], found
+    assert all(op.split()[-1].startswith("LDG.E.128") for op in found["float32 <- float32 warps 8"])
+
+
+def test_loads_after_the_first_predicated_exit_are_the_ones_reported():
+    order = ["LDG.E", "@P1 EXIT", "LDG.E.128", "STG.E.128", "EXIT"]
+    assert sass.loads_after_early_exit(order) == ["LDG.E.128"]
+    assert sass.loads_after_early_exit(["LDG.E", "LDG.E.128", "@P0 EXIT", "STG.E.128", "EXIT"]) == []
+    assert sass.loads_after_early_exit(["LDG.E", "EXIT", "LDG.E.128"]) == []  # an unpredicated exit ends the code
