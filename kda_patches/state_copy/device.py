@@ -43,6 +43,23 @@ PDL_MIN_CAPABILITY = (9, 0)
 
 
 @dataclass(frozen=True)
+class BulkScatter:
+    """A second compiled launch shape for fused same-dtype scatters of many rows, chosen per call by the row count.
+
+    Attributes:
+        min_rows: the scatter of at least this many selected rows launches the bulk variant.
+        num_warps: its warps per program (the tile is the plan's).
+        evict_first: whether its cache writes carry ``evict_first``.
+        cache_dtypes: the cache dtypes (``"float32"`` ...) whose same-dtype scatters get it.
+    """
+
+    min_rows: int
+    num_warps: int
+    evict_first: bool
+    cache_dtypes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class TargetFacts:
     """What the compiler of one target does with the state-copy kernels.
 
@@ -73,6 +90,11 @@ class TargetFacts:
         pinned_scatter_load: fused scatters read the packed row with a volatile load, so the compiler cannot sink
             it below the early exit it makes of the index-guarded store (``PIN_LOAD`` of
             :func:`~kda_patches.state_copy.kernels.copy_rows_kernel`). Declared on SM90+ CUDA, whose ptxas does that.
+        bulk_scatter: the launch shape of many-row same-dtype scatters (:class:`BulkScatter`), unless the plan was
+            given ``num_warps``; None: one shape for every row count. Measured on SM90 (H200,
+            ``scripts/gpu/launch_shape_probe.py``): an FP32 scatter of 64-256 rows with 8 warps and plain stores
+            matches vLLM 0.34's kernels, where 4 warps with ``evict_first`` (the better shape up to 8 rows) trail by
+            0.5-0.6 %.
     """
 
     name: str
@@ -83,6 +105,7 @@ class TargetFacts:
     hardware_casts: tuple[str, ...] = ()
     widened_scatter_warps: int | None = None
     pinned_scatter_load: bool = False
+    bulk_scatter: BulkScatter | None = None
 
     def honours(self, hint: str) -> bool:
         """Return whether the compiler keeps ``hint`` (e.g. :data:`EVICT_FIRST`)."""
@@ -98,9 +121,10 @@ CUDA_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST,))
 # (`pytest --run-gpu tests/state_copy`, H100) and at 1-2 rows up to 8 % faster than the bit-pattern cast
 # (scripts/gpu/launch_shape_probe.py); each plan proves it again at prepare
 SM90_HARDWARE_CASTS = ("float32->bfloat16",)
+SM90_BULK_SCATTER = BulkScatter(min_rows=64, num_warps=8, evict_first=False, cache_dtypes=("float32",))
 CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL), tile_by_widest_item=True,
                               hardware_casts=SM90_HARDWARE_CASTS, widened_scatter_warps=8,
-                              pinned_scatter_load=True)  # SM90+
+                              pinned_scatter_load=True, bulk_scatter=SM90_BULK_SCATTER)  # SM90+
 INTERPRETER_TARGET = TargetFacts("cpu-interpreter")  # the interpreter has no caches: hints are no-ops
 # Measured with triton-ascend 3.2.0 + bishengir 1.2.0 (`make ascend-check`, probe in patches/ASCEND_COMPILE.md):
 # the largest power-of-two block, in items, up to 65536, that reaches the final HIVM IR with the backend's

@@ -38,6 +38,7 @@ from kda_patches.state_copy.device import (
     PDL,
     PLAN_FALLBACK,
     PLAN_FUSED,
+    BulkScatter,
     TargetFacts,
     device_kind,
     interpreter_active,
@@ -49,6 +50,8 @@ from kda_patches.state_copy.kernels import ROWS_ARGUMENT, ROWS_INDEX, ROWS_TYPE
 from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
 
 MAX_GRID_ROWS = 65535  # grid dimension 1 limit: the fused plan puts selected rows there
+BULK = "bulk"  # the last element of a bulk scatter's variant key (TargetFacts.bulk_scatter)
+NO_BULK_ROWS = MAX_GRID_ROWS + 1  # no call selects this many rows: a plan without bulk scatters never takes them
 
 
 
@@ -103,6 +106,10 @@ class StateCopyPlan:
         self._gathers = {dtype: self._variants[("gather", dtype)] for dtype in layout.INDEX_DTYPES}
         self._scatters = {final: {dtype: self._variants[("scatter", dtype, final)] for dtype in layout.INDEX_DTYPES}
                           for final in self.final_dtypes}
+        # many-row scatters of the cache dtype launch their own shape (TargetFacts.bulk_scatter), if prepared
+        bulk_keys = {dtype: ("scatter", dtype, self._dtype, BULK) for dtype in layout.INDEX_DTYPES}
+        self._bulk_scatters = {dtype: self._variants[key] for dtype, key in bulk_keys.items() if key in self._variants}
+        self._bulk_min_rows = self._bulk.min_rows if self._bulk_scatters else NO_BULK_ROWS
 
     def _set_up(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
                 layer: str | None, stream: bool, policies: dict[torch.dtype, casts.CastPolicy],
@@ -131,6 +138,7 @@ class StateCopyPlan:
                                        f"pdl: {target.name} has no programmatic dependent launch")
         self._pdl = bool(pdl) and target.honours(PDL) and self._launch_option_pdl()
         self._scatter_evict_first = self._scatter_hint(target)
+        self._bulk: BulkScatter | None = None  # a kind that has bulk scatters sets it in _configure
         self._num_warps = self._configure(block_bytes, num_warps, layer)
         self._kernels = tuple(dict.fromkeys(self._variant_kernel(key) for key in self._variant_keys()))
 
@@ -228,7 +236,7 @@ class StateCopyPlan:
 
     def _variant_name(self, key: tuple[Any, ...]) -> str:
         return f"{self.kind}/{key[0]}/{casts.dtype_name(key[1])}" + (
-            f"/{casts.dtype_name(key[2])}" if key[0] == "scatter" else "")
+            f"/{casts.dtype_name(key[2])}" if key[0] == "scatter" else "") + ("/bulk" if key[3:] == (BULK,) else "")
 
     def _limit_block(self, block: int, item_bytes: int, families: list[tuple[str, int]], explicit: bool,
                      layer: str | None) -> int:
@@ -276,11 +284,14 @@ class StateCopyPlan:
         raise NotImplementedError
 
     def _variant_keys(self) -> list[tuple[Any, ...]]:
-        """Return every variant key: gathers per index dtype, scatters per (index dtype, final dtype)."""
+        """Return every variant key: gathers per index dtype, scatters per (index dtype, final dtype), and the
+        bulk scatters of the cache dtype (``(..., BULK)``) where the plan has a bulk shape."""
         keys: list[tuple[Any, ...]] = []
         for index_dtype in layout.INDEX_DTYPES:
             keys.append(("gather", index_dtype))
             keys.extend(("scatter", index_dtype, final) for final in self.final_dtypes)
+            if self._bulk is not None and self._dtype in self.final_dtypes:
+                keys.append(("scatter", index_dtype, self._dtype, BULK))
         return keys
 
     def _build_scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,6 +530,8 @@ class StateCopyPlan:
             return
         if not packed.is_contiguous() or packed.data_ptr() % 16:
             packed = packed.clone(memory_format=torch.contiguous_format)
+        if count >= self._bulk_min_rows and packed.dtype == self._dtype:
+            scatters = self._bulk_scatters
         scatters[indices.dtype].launch(
             self._grid(count, packed.dtype), state, packed, indices, self._true_flags, state.shape[0]
         )
@@ -591,6 +604,10 @@ class FusedStatePlan(StateCopyPlan):
         self._bases = {source: (self.layout.row_stride, self.layout.payload, items, self.layout.payload % items == 0)
                        for source, items in self._blocks.items()}
         self._widened_warps = None if num_warps else self.target.widened_scatter_warps
+        bulk = self.target.bulk_scatter
+        if bulk and not num_warps and self.max_selected >= bulk.min_rows \
+                and casts.dtype_name(self._dtype) in bulk.cache_dtypes:
+            self._bulk = bulk
         return num_warps or (self.DEFAULT_NUM_WARPS if block >= 1024 else 2)
 
     def _variant_kernel(self, key: tuple[Any, ...]) -> Any:
@@ -601,6 +618,8 @@ class FusedStatePlan(StateCopyPlan):
         # (TargetFacts.widened_scatter_warps), unless the caller chose the warps
         if key[0] == "scatter" and self._widened_warps and self._blocks[key[2]] != self._block:
             return self._widened_warps
+        if key[3:] == (BULK,):
+            return self._bulk.num_warps
         return self._num_warps
 
     def _block_facts(self) -> dict[str, Any]:
@@ -610,13 +629,20 @@ class FusedStatePlan(StateCopyPlan):
             facts["scatter_items"] = narrower
             if self._widened_warps:
                 facts["scatter_warps"] = {name: self._widened_warps for name in narrower}
+        if self._bulk is not None:  # from this many rows, same-dtype scatters launch the bulk variants
+            facts["bulk_scatter"] = {"min_rows": self._bulk.min_rows, "num_warps": self._bulk.num_warps,
+                                     "evict_first": self._bulk_evict_first()}
         return facts
+
+    def _bulk_evict_first(self) -> bool:
+        return bool(self._bulk and self._bulk.evict_first and self.target.honours(EVICT_FIRST))
 
     def _variant_constexprs(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
         if key[0] == "gather":
             code = casts.KIND_CODES.get(self._dtype, 0)
             return (*self._bases[self._dtype], False, self._stream, code, code, 0, 0, self._pdl, False)
-        return (*self._bases[key[2]], True, self._scatter_evict_first, *self._casts[key[2]].constexprs(), self._pdl,
+        evict_first = self._bulk_evict_first() if key[3:] == (BULK,) else self._scatter_evict_first
+        return (*self._bases[key[2]], True, evict_first, *self._casts[key[2]].constexprs(), self._pdl,
                 self.target.pinned_scatter_load)
 
     def _grid(self, count: int, source: torch.dtype | None = None) -> tuple[int, int]:
