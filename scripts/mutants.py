@@ -360,6 +360,26 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_only_a_scatter_whose_tile_was_narrowed_takes_the_widened_scatter_warps",),
            "D (state_copy)", "every variant of an SM90 plan takes 8 warps: the gathers and same-dtype scatters the "
            "H100 probe measured 5-10 % slower at 1-8 rows with 8 warps"),
+    Mutant("bulk-scatter-threshold-off-by-one", "kda_patches/state_copy/plan.py",
+           "if count >= self._bulk_min_rows and packed.dtype == self._dtype:",
+           "if count > self._bulk_min_rows and packed.dtype == self._dtype:",
+           ("tests/state_copy/test_state_copy_bulk.py::"
+            "test_a_scatter_of_at_least_min_rows_launches_the_bulk_variant_and_copies_exactly",),
+           "D (state_copy)", "a scatter of exactly min_rows rows keeps the small-count shape the declaration says "
+           "it leaves"),
+    Mutant("bulk-scatter-any-final-dtype", "kda_patches/state_copy/plan.py",
+           "if count >= self._bulk_min_rows and packed.dtype == self._dtype:",
+           "if count >= self._bulk_min_rows:",
+           ("tests/state_copy/test_state_copy_bulk.py::test_finals_of_another_dtype_never_take_the_bulk_variant",),
+           "D (state_copy)", "BF16 finals of many rows launch the FP32 same-dtype bulk variant: it reads them as "
+           "FP32 and writes garbage into the cache"),
+    Mutant("scatter-load-unpinned", "kda_patches/state_copy/device.py",
+           "pinned_scatter_load=True, bulk_scatter=SM90_BULK_SCATTER)",
+           "pinned_scatter_load=False, bulk_scatter=SM90_BULK_SCATTER)",
+           ("tests/state_copy/test_state_copy_sass.py::"
+            "test_every_pinned_sm90_scatter_loads_its_packed_row_before_any_early_exit",),
+           "D (state_copy)", "SM90's ptxas sinks the 8-warp same-dtype scatter's packed load below the early exit "
+           "(the bulk variant's load then waits for the index)"),
     Mutant("engine-stop-sends-no-wake", "kda_patches/regress/engine_stop.py",
            "            send_abort([WAKE_REQUEST_ID])\n", "            pass\n",
            ("tests/regress/test_engine_stop.py::"
