@@ -377,7 +377,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "pinned_scatter_load=True, bulk_scatter=SM90_BULK_SCATTER)",
            "pinned_scatter_load=False, bulk_scatter=SM90_BULK_SCATTER)",
            ("tests/state_copy/test_state_copy_sass.py::"
-            "test_every_pinned_sm90_scatter_loads_its_packed_row_before_any_early_exit",),
+            "test_every_sm90_scatter_loads_its_packed_row_before_any_early_exit",),
            "D (state_copy)", "SM90's ptxas sinks the 8-warp same-dtype scatter's packed load below the early exit "
            "(the bulk variant's load then waits for the index)"),
     Mutant("engine-stop-sends-no-wake", "kda_patches/regress/engine_stop.py",

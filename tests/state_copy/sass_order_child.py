@@ -1,8 +1,9 @@
 """Cross-compile fused scatter variants for an SM90 GPU on this machine and report the loads each issues after its
 first early exit (run without ``TRITON_INTERPRET``: the JIT functions must be compilable).
 
-argv[1]: ``pinned`` or ``unpinned`` (``TargetFacts.pinned_scatter_load`` of the SM90 target); argv[2]: the warps
-(``default`` for the plan's own). Prints one JSON line: ``"CACHE <- FINAL warps W"`` -> the loads after the exit.
+argv[1]: ``declared`` (the SM90 target as declared) or ``unpinned`` (it with ``pinned_scatter_load`` off);
+argv[2]: the warps (``default`` for the plan's own). Prints one JSON line: ``"CACHE <- FINAL warps W"`` -> the
+loads after the exit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ QWEN_TP4_STATE = (12, 128, 128)
 
 
 def main() -> None:
-    target = dataclasses.replace(CUDA_PDL_TARGET, pinned_scatter_load=sys.argv[1] == "pinned")
+    target = CUDA_PDL_TARGET if sys.argv[1] == "declared" else dataclasses.replace(CUDA_PDL_TARGET,
+                                                                                   pinned_scatter_load=False)
     warps = None if sys.argv[2] == "default" else int(sys.argv[2])
     found = {}
     for cache_dtype in (torch.float32, torch.bfloat16):

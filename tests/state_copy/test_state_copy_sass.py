@@ -20,19 +20,19 @@ from kda_patches.state_copy import sass
 pytestmark = pytest.mark.slow  # one child process compiles 8 variants with ptxas
 
 
-def compile_in_child(pinned: str, warps: str) -> dict[str, list[str]]:
+def compile_in_child(target: str, warps: str) -> dict[str, list[str]]:
     root = pathlib.Path(__file__).resolve().parents[2]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("sass_order_child.py")), pinned,
+    done = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("sass_order_child.py")), target,
                            warps], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("warps", ["default", "8"])
-def test_every_pinned_sm90_scatter_loads_its_packed_row_before_any_early_exit(warps):
-    found = compile_in_child("pinned", warps)
+def test_every_sm90_scatter_loads_its_packed_row_before_any_early_exit(warps):
+    found = compile_in_child("declared", warps)
     # FP32 and BF16 caches, each with FP32 and BF16 finals; the FP32 bulk scatter unless the warps were given
     assert len(found) == (5 if warps == "default" else 4)
     assert found == {key: [] for key in found}, found
