@@ -11,6 +11,8 @@ from kda_patches.state_copy import casts, kernels, naive
 from kda_patches.state_copy.errors import LayoutError, StateCopyRefused
 from kda_patches.state_copy.plan import PLAN_CLASSES, initialize
 
+NAN_RULE_AT = kernels.copy_rows_kernel.arg_names.index("NAN_RULE") - kernels.ROWS_INDEX - 1  # among the constexprs
+
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # (plan, cache dtype, final dtype): every cast each plan kind can be asked for
 CASTS = [("fused", F32, BF16), ("fused", F32, F16), ("fused", BF16, F32), ("fused", BF16, F16),
@@ -222,8 +224,7 @@ def test_a_hardware_cast_that_fails_the_scratch_row_keeps_the_bit_pattern_cast_i
                                          target=hardware_target(device, "float32->bfloat16")).seal()
     (policy,) = plan.describe()["casts"]
     assert policy["nan"] == "canonical" and "failed its scratch check" in policy["hardware_refused"]
-    rule_at = kernels.copy_rows_kernel.arg_names.index("NAN_RULE") - kernels.ROWS_INDEX - 1  # after num_rows
-    rules = {name: values[rule_at] for name, values in plan.describe()["constexprs"].items() if "/scatter/" in name}
+    rules = {name: values[NAN_RULE_AT] for name, values in plan.describe()["constexprs"].items() if "/scatter/" in name}
     assert len(rules) == 2 and set(rules.values()) == {str(casts.NAN_CANONICAL)}  # int32 and int64 alike
     patterns = every_pattern(F32).view(ROW)
     packed = torch.stack([patterns, patterns.flip(-1)]).to(device)
@@ -267,7 +268,7 @@ def test_the_sm90_hardware_cast_is_exact_on_every_fp32_pattern(device):
     plan = PLAN_CLASSES["fused"].prepare(cache.state, rows, final_dtypes=(F32,), pdl=True).seal()
     (policy,) = plan.describe()["casts"]
     assert policy["nan"] == "hardware", policy
-    assert {values[-3] for name, values in plan.describe()["constexprs"].items() if "/scatter/" in name} == \
+    assert {values[NAN_RULE_AT] for name, values in plan.describe()["constexprs"].items() if "/scatter/" in name} == \
         {str(casts.CAST_HARDWARE)}
     indices = torch.randperm(rows, device=device).to(torch.int32)
     span = rows * 2**20
