@@ -91,10 +91,10 @@ class TargetFacts:
             it below the early exit it makes of the index-guarded store (``PIN_LOAD`` of
             :func:`~kda_patches.state_copy.kernels.copy_rows_kernel`). Declared on SM90+ CUDA, whose ptxas does that.
         bulk_scatter: the launch shape of many-row same-dtype scatters (:class:`BulkScatter`), unless the plan was
-            given ``num_warps``; None: one shape for every row count. Measured on SM90 (H200,
-            ``scripts/gpu/launch_shape_probe.py``): an FP32 scatter of 64-256 rows with 8 warps and plain stores
-            matches vLLM 0.34's kernels, where 4 warps with ``evict_first`` (the better shape up to 8 rows) trail by
-            0.5-0.6 %.
+            given ``num_warps``; None: one shape for every row count. Measured on SM90 (H200 and H100,
+            ``scripts/gpu/launch_shape_probe.py``, ``docs/results/launch-shape/``): an FP32 scatter of 64-256 rows
+            with 8 warps, plain stores and the pinned load matches vLLM 0.34's kernels (1.000), where 4 warps with
+            ``evict_first`` (the better shape up to 8 rows) trail by 0.4-0.6 %.
     """
 
     name: str
