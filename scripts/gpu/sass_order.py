@@ -1,36 +1,20 @@
 """Where the fused plan's compiled scatters issue their packed load relative to the first early exit (issue 27).
 
 An experiment, not the product. Prepares real :class:`~kda_patches.state_copy.plan.FusedStatePlan` s with PDL on
-this GPU (Qwen3.6-27B TP4 state, FP32 and BF16 caches, FP32 and BF16 finals), disassembles every compiled variant's
-cubin with the ``cuobjdump`` Triton ships, and prints the memory instructions and exits in order, so one can see
-whether ptxas sank the packed row's load below the exit it made of the index-guarded store.
+this GPU (Qwen3.6-27B TP4 state, FP32 and BF16 caches, FP32 and BF16 finals), disassembles every compiled INT32
+variant's cubin (:func:`kda_patches.state_copy.sass.memory_order`) and prints its loads, stores, exits and barriers
+in order: whether ptxas sank the packed row's load below the exit it made of the index-guarded store. The CPU
+test ``tests/state_copy/test_state_copy_sass.py`` reads the same from a cross-compile; this reads what the GPU ran.
 
 Usage: ``python3 scripts/gpu/sass_order.py`` (CUDA only).
 """
 
 from __future__ import annotations
 
-import pathlib
-import subprocess
-import tempfile
-
 import torch
-import triton
 
 from kda_patches.state_copy.plan import FusedStatePlan
-
-KEEP = ("LDG", "STG", "EXIT", "BAR", "griddep", "ACQBULK", "PREEXIT")
-
-
-def sass_of(cubin: bytes) -> list[str]:
-    """Return the instructions of ``cubin`` that load, store, exit or synchronize, in order."""
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(cubin)
-        handle.flush()
-        text = subprocess.run([str(tool), "-sass", handle.name], capture_output=True, text=True, check=True).stdout
-    ops = [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines() if "/*0" in line and "*/" in line]
-    return [op for op in ops if any(word in op for word in KEEP)]
+from kda_patches.state_copy.sass import loads_after_early_exit, memory_order
 
 
 def main() -> None:
@@ -40,8 +24,9 @@ def main() -> None:
         for variant in sorted(plan._variants.values(), key=lambda variant: variant.name):
             if "int32" not in variant.name:
                 continue
-            print(f"{cache_dtype} {variant.name} warps={variant._compiled.metadata.num_warps}: "
-                  + " | ".join(sass_of(variant._compiled.asm["cubin"])))
+            order = memory_order(variant._compiled.asm["cubin"])
+            print(f"{cache_dtype} {variant.name} warps={variant._compiled.metadata.num_warps}: {' | '.join(order)}"
+                  f"; loads after the early exit: {loads_after_early_exit(order) or 'none'}")
 
 
 if __name__ == "__main__":
