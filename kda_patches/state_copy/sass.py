@@ -2,7 +2,8 @@
 memory instructions in issue order.
 
 No GPU is needed: Triton's CUDA backend and the ``ptxas`` / ``cuobjdump`` it ships run on any machine. Used by
-``tests/state_copy/test_state_copy_sass.py`` (the scatter's packed load stays ahead of its early exit) and by
+``tests/state_copy/test_state_copy_sass.py`` (the scatter's packed load stays ahead of its early exit),
+``tests/state_copy/pdl_compile_child.py`` (the grid-dependency instructions in the PTX) and
 ``scripts/gpu/sass_order.py`` (the same listing from the kernels a GPU compiled).
 """
 
@@ -35,7 +36,7 @@ def cuobjdump() -> pathlib.Path:
     return tool
 
 
-def cross_compile(spec: dict[str, Any], capability: int = 90) -> bytes:
+def cross_compile(spec: dict[str, Any], capability: int = 90) -> Any:
     """Compile one variant spec of :meth:`~kda_patches.state_copy.plan.StateCopyPlan.variant_specs` for an
     ``sm_<capability>`` GPU, with the four pointers 16-byte aligned (what a live launch specializes on).
 
@@ -43,7 +44,7 @@ def cross_compile(spec: dict[str, Any], capability: int = 90) -> bytes:
         spec: the variant: ``kernel``, ``pointers``, ``scalars``, ``constexprs``, ``num_warps``, ``launch_pdl``.
         capability: the compute capability, e.g. 90.
     Returns:
-        The cubin.
+        Triton's compiled kernel: ``asm["ptx"]``, ``asm["cubin"]``.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
@@ -55,7 +56,7 @@ def cross_compile(spec: dict[str, Any], capability: int = 90) -> bytes:
     aligned = {(position,): [["tt.divisibility", 16]] for position in range(4)}
     source = ASTSource(fn=kernel, signature=signature, constexprs=spec["constexprs"], attrs=aligned)
     options = {"num_warps": spec["num_warps"], "launch_pdl": spec["launch_pdl"]}
-    return compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["cubin"]
+    return compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def memory_order(cubin: bytes) -> list[str]:

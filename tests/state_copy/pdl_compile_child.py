@@ -11,15 +11,10 @@ import json
 import sys
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 
-from kda_patches.state_copy import casts
+from kda_patches.state_copy import casts, sass
 from kda_patches.state_copy.device import CUDA_PDL_TARGET
 from kda_patches.state_copy.plan import FusedStatePlan
-
-POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64",
-                 torch.bool: "*i1"}
 
 
 def main() -> None:
@@ -28,14 +23,7 @@ def main() -> None:
                                                                                               torch.float32)}
     found = {}
     for spec in FusedStatePlan.variant_specs(state, 8, CUDA_PDL_TARGET, policies, pdl=sys.argv[1] == "pdl"):
-        kernel = spec["kernel"]
-        names = kernel.arg_names
-        signature = dict(zip(names[:4], (POINTER_TYPES[dtype] for dtype in spec["pointers"]), strict=True))
-        signature.update(spec["scalars"])
-        signature.update(dict.fromkeys(spec["constexprs"], "constexpr"))
-        source = ASTSource(fn=kernel, signature=signature, constexprs=spec["constexprs"])
-        options = {"num_warps": spec["num_warps"], "launch_pdl": spec["launch_pdl"]}
-        ptx = compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        ptx = sass.cross_compile(spec).asm["ptx"]
         found[spec["name"]] = {"wait": "griddepcontrol.wait" in ptx,
                                "launch_dependents": "griddepcontrol.launch_dependents" in ptx,
                                "launch_pdl": spec["launch_pdl"]}

@@ -33,7 +33,7 @@ def main() -> None:
         for spec in FusedStatePlan.variant_specs(state, 256, target, policies, num_warps=warps, pdl=True):
             if "/scatter/int32/" not in spec["name"]:
                 continue
-            order = sass.memory_order(sass.cross_compile(spec))
+            order = sass.memory_order(sass.cross_compile(spec).asm["cubin"])
             key = f"{casts.dtype_name(cache_dtype)} <- {spec['name'].rsplit('/', 1)[-1]} warps {spec['num_warps']}"
             found[key] = sass.loads_after_early_exit(order)
     print(json.dumps(found))
