@@ -629,6 +629,8 @@ class FusedStatePlan(StateCopyPlan):
             facts["scatter_items"] = narrower
             if self._widened_warps:
                 facts["scatter_warps"] = {name: self._widened_warps for name in narrower}
+        if self.target.pinned_scatter_load:  # the scatters' packed loads are volatile (kernels.py, "Pinned ...")
+            facts["scatter_load"] = "pinned"
         if self._bulk is not None:  # from this many rows, same-dtype scatters launch the bulk variants
             facts["bulk_scatter"] = {"min_rows": self._bulk.min_rows, "num_warps": self._bulk.num_warps,
                                      "evict_first": self._bulk_evict_first()}

@@ -1,7 +1,9 @@
 """Bulk scatters (``TargetFacts.bulk_scatter``): a same-dtype scatter of many rows launches its own compiled shape.
 
 Each rule is decided by a synthetic target: the row threshold, the same-dtype and cache-dtype conditions, the
-caller's warps and ``max_selected`` below the threshold turning it off, and the bulk shape's warps and hint.
+caller's warps and ``max_selected`` below the threshold turning it off, and the bulk shape's warps and hint. Last,
+the other SM90 scatter fact, pinned loads (``TargetFacts.pinned_scatter_load``): described and exact (where the
+assembler puts the load is ``test_state_copy_sass.py``'s).
 """
 
 from __future__ import annotations
@@ -104,3 +106,14 @@ def test_a_plan_with_bulk_scatters_says_so(device):
     assert "fused/scatter/int64/float32/bulk" in described["variants"]
     plain = FusedStatePlan.prepare(cache.state, 2, target=BULK_TARGET).seal().describe()
     assert "bulk_scatter" not in plain["block"] and not any(name.endswith("/bulk") for name in plain["variants"])
+
+
+def test_a_plan_with_pinned_scatter_loads_says_so_and_copies_exactly(device):
+    cache = build_cache(device, dtype=F32, num_rows=7, inner=INNER, seed=24)
+    pinned = FusedStatePlan.prepare(cache.state, 4, final_dtypes=(F32, BF16),
+                                    target=TargetFacts("pinned", pinned_scatter_load=True)).seal()
+    assert pinned.describe()["block"]["scatter_load"] == "pinned"
+    scatter_and_check(pinned, cache, [6, -1, 2, 4], F32, seed=5)
+    scatter_and_check(pinned, cache, [1, 3, 7, 0], BF16, seed=6)
+    plain = FusedStatePlan.prepare(cache.state, 4, target=TargetFacts("plain")).seal()
+    assert "scatter_load" not in plain.describe()["block"]
