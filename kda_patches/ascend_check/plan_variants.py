@@ -48,8 +48,6 @@ PAGE_GAP_ITEMS = 4096  # rows of a vLLM hybrid cache are pages: the conv state s
 MAX_SELECTED = 256
 CHIP_SOCS = {"a2a3": "Ascend910B3", "a5": "Ascend950PR_9599"}  # build-time SOC names (device.is_ascend_a5)
 CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
-TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
-                torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 
 
 @dataclass
@@ -143,15 +141,9 @@ def enumerate_variants(chips: tuple[str, ...] = ("a2a3", "a5"),
 
 
 def _case(chip: str, plan: str, cache: torch.dtype, rule: int, spec: dict[str, Any]) -> VariantCase:
-    pointers = spec["pointers"]
-    is_scatter = "/scatter/" in spec["name"]
-    final = spec["name"].rsplit("/", 1)[-1] if is_scatter else casts.dtype_name(cache)
-    folds_cast = is_scatter and final != casts.dtype_name(cache)
-    names = ("cache_ptr", "packed_ptr", "index_ptr", "flag_ptr")
-    signature = {name: "*" + TRITON_TYPES[dtype] for name, dtype in zip(names, pointers, strict=True)}
-    signature.update(spec["scalars"])  # the row count: a runtime argument, compiled as its type only
-    signature.update({name: "constexpr" for name in spec["constexprs"]})
-    assert tuple(signature) == tuple(spec["kernel"].arg_names), (spec["name"], tuple(signature))
+    final = casts.dtype_name(spec["final"] or cache)  # a gather's "final" dtype is the cache's
+    folds_cast = final != casts.dtype_name(cache)
+    signature = dict(spec["signature"])  # the row count among them: a runtime argument, compiled as its type only
     block = spec["constexprs"]["BLOCK"]
     return VariantCase(chip, plan, spec["name"], casts.dtype_name(cache), final,
                        casts.NAN_RULES[rule] if folds_cast else "bit copy", spec["family"], block, spec["kernel"],

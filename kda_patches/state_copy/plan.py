@@ -47,7 +47,13 @@ from kda_patches.state_copy.device import (
 )
 from kda_patches.state_copy.errors import StateCopyRefused, refuse
 from kda_patches.state_copy.kernels import ROWS_ARGUMENT, ROWS_INDEX, ROWS_TYPE
-from kda_patches.state_copy.variants import compile_variant, describe_drift, pre_run_hook_count, snapshot_configuration
+from kda_patches.state_copy.variants import (
+    POINTER_TYPES,
+    compile_variant,
+    describe_drift,
+    pre_run_hook_count,
+    snapshot_configuration,
+)
 
 MAX_GRID_ROWS = 65535  # grid dimension 1 limit: the fused plan puts selected rows there
 BULK = "bulk"  # the last element of a bulk scatter's variant key (TargetFacts.bulk_scatter)
@@ -159,10 +165,12 @@ class StateCopyPlan:
                 that cannot run torch here, every NaN rule is a separate policy to check).
             block_bytes, num_warps, stream, pdl: as for :meth:`prepare`.
         Returns:
-            One dict per variant: ``name``, ``kernel`` (the JIT function), ``pointers`` (the four pointer
-            dtypes: cache, packed, indices, flags), ``scalars`` (the runtime scalar after them -> its Triton
-            type: ``{"num_rows": "i32"}``), ``constexprs`` (parameter name -> value), ``num_warps`` and
-            ``family`` (the :attr:`TargetFacts.block_limits` key).
+            One dict per variant: ``name``, ``kernel`` (the JIT function), ``final`` (a scatter's final dtype,
+            None for a gather), ``pointers`` (the four pointer dtypes: cache, packed, indices, flags), ``scalars``
+            (the runtime scalar after them -> its Triton type: ``{"num_rows": "i32"}``), ``signature`` (every
+            parameter -> its type as ``triton.compile`` takes it, in parameter order), ``constexprs`` (parameter
+            name -> value), ``num_warps``, ``family`` (the :attr:`TargetFacts.block_limits` key) and
+            ``launch_pdl``.
         """
         plan = cls.__new__(cls)
         plan._set_up(state, max_selected, block_bytes, num_warps, None, stream, policies, target, pdl)
@@ -171,11 +179,15 @@ class StateCopyPlan:
             kernel = plan._variant_kernel(key)
             takes_bytes = kernel is kernels.copy_row_bytes_kernel
             source = plan._dtype if key[0] == "gather" else key[2]
-            pointers = (torch.uint8, torch.uint8) if takes_bytes else (plan._dtype, source)
+            pointers = (*((torch.uint8, torch.uint8) if takes_bytes else (plan._dtype, source)), key[1], torch.bool)
             names = kernel.arg_names[ROWS_INDEX + 1:]  # after the four pointers and num_rows
+            constexprs = dict(zip(names, plan._variant_constexprs(key), strict=True))
+            signature = {name: POINTER_TYPES[dtype]
+                         for name, dtype in zip(kernel.arg_names[:ROWS_INDEX], pointers, strict=True)}
+            signature.update({ROWS_ARGUMENT: ROWS_TYPE}, **dict.fromkeys(constexprs, "constexpr"))
             specs.append({"name": plan._variant_name(key), "kernel": kernel,
-                          "pointers": (*pointers, key[1], torch.bool), "scalars": {ROWS_ARGUMENT: ROWS_TYPE},
-                          "constexprs": dict(zip(names, plan._variant_constexprs(key), strict=True)),
+                          "final": key[2] if key[0] == "scatter" else None, "pointers": pointers,
+                          "scalars": {ROWS_ARGUMENT: ROWS_TYPE}, "signature": signature, "constexprs": constexprs,
                           "num_warps": plan._variant_warps(key), "family": plan._variant_family(key),
                           "launch_pdl": plan._pdl})
         return specs

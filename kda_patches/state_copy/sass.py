@@ -14,10 +14,8 @@ import subprocess
 import tempfile
 from typing import Any
 
-import torch
+from kda_patches.state_copy.kernels import ROWS_INDEX
 
-POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-                 torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8"}
 KEPT = ("LDG", "STG", "EXIT", "BAR")  # loads, stores, exits and barriers: what decides the memory order
 
 
@@ -41,7 +39,7 @@ def cross_compile(spec: dict[str, Any], capability: int = 90) -> Any:
     ``sm_<capability>`` GPU, with the four pointers 16-byte aligned (what a live launch specializes on).
 
     Args:
-        spec: the variant: ``kernel``, ``pointers``, ``scalars``, ``constexprs``, ``num_warps``, ``launch_pdl``.
+        spec: the variant: ``kernel``, ``signature``, ``constexprs``, ``num_warps``, ``launch_pdl``.
         capability: the compute capability, e.g. 90.
     Returns:
         Triton's compiled kernel: ``asm["ptx"]``, ``asm["cubin"]``.
@@ -49,12 +47,8 @@ def cross_compile(spec: dict[str, Any], capability: int = 90) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    kernel = spec["kernel"]
-    signature = dict(zip(kernel.arg_names[:4], (POINTER_TYPES[dtype] for dtype in spec["pointers"]), strict=True))
-    signature.update(spec["scalars"])
-    signature.update(dict.fromkeys(spec["constexprs"], "constexpr"))
-    aligned = {(position,): [["tt.divisibility", 16]] for position in range(4)}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=spec["constexprs"], attrs=aligned)
+    aligned = {(position,): [["tt.divisibility", 16]] for position in range(ROWS_INDEX)}  # the four pointers
+    source = ASTSource(fn=spec["kernel"], signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned)
     options = {"num_warps": spec["num_warps"], "launch_pdl": spec["launch_pdl"]}
     return compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 

@@ -31,6 +31,9 @@ from typing import Any
 import torch
 import triton
 
+# Triton's signature type of each pointer dtype the plans' kernels take (``triton.compile``'s ``signature``)
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8",
+                 torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
 CONFIG_PREFIXES = ("TRITON_", "ASCEND_", "CANN_", "TORCH_NPU_", "NPU_", "LLVM_")
 CONFIG_NAMES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH")
 

@@ -2,8 +2,8 @@
 first early exit (run without ``TRITON_INTERPRET``: the JIT functions must be compilable).
 
 argv[1]: ``declared`` (the SM90 target as declared) or ``unpinned`` (it with ``pinned_scatter_load`` off);
-argv[2]: the warps (``default`` for the plan's own). Prints one JSON line: ``"CACHE <- FINAL warps W"`` -> the
-loads after the exit.
+argv[2]: the warps (``default`` for the plan's own). Prints one JSON line: ``"CACHE <- FINAL[ bulk] warps W"`` ->
+the loads after the exit.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def main() -> None:
             if "/scatter/int32/" not in spec["name"]:
                 continue
             order = sass.memory_order(sass.cross_compile(spec).asm["cubin"])
-            key = f"{casts.dtype_name(cache_dtype)} <- {spec['name'].rsplit('/', 1)[-1]} warps {spec['num_warps']}"
+            final = casts.dtype_name(spec["final"]) + (" bulk" if spec["name"].endswith("/bulk") else "")
+            key = f"{casts.dtype_name(cache_dtype)} <- {final} warps {spec['num_warps']}"
             found[key] = sass.loads_after_early_exit(order)
     print(json.dumps(found))
 
