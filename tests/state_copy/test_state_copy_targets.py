@@ -287,3 +287,12 @@ def test_a_pdl_plan_copies_exactly_where_it_is_compiled(device, dtype, final):
 
 def device_target_has_pdl(where: torch.device) -> bool:
     return device.target_facts(where).honours(PDL)
+
+
+def test_a_pdl_target_widens_the_scatter_warps_only_of_plans_launched_with_pdl():
+    # the warps were measured with programmatic dependent launch; a plain launch on the same target keeps 4
+    by_pdl = {pdl: warps(FusedStatePlan.variant_specs(meta(BF16), 8, CUDA_PDL_TARGET, policies(BF16, (BF16, F32)),
+                                                      pdl=pdl))
+              for pdl in (True, False)}
+    assert by_pdl[True]["fused/scatter/int32/float32"] == 8
+    assert set(by_pdl[False].values()) == {4}
