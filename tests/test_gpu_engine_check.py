@@ -544,6 +544,31 @@ def test_the_extensible_cache_must_rebind_the_routed_plans_and_a_disabled_one_ne
     assert module.judge_case(case(module), rebound, passing_outputs(module))[0]  # 0.33: nothing to expect
 
 
+def pdl_report(*facts):
+    ledgers = [{"facts": {"state_copy": {f"layer.{n}": {"pdl": pdl, "signature": ["cuda:0"]} for n, pdl in group}}}
+               for group in facts]
+    return dict(PASSING_REPORT, runs={"patched": {"ledgers": ledgers}})
+
+
+def test_a_pdl_case_passes_only_when_every_routed_plan_of_every_process_launched_with_pdl(tmp_path, monkeypatch):
+    monkeypatch.delenv("KDA_PATCHES_PDL", raising=False)
+    module = load_script()
+    launched = case(module, pdl=True)
+    passed, why = module.judge_case(launched, pdl_report([(0, True), (1, True)], [(2, True)]), passing_outputs(module))
+    assert passed and "3 layer plan(s) with PDL" in why
+    passed, why = module.judge_case(launched, pdl_report([(0, True)], [(1, False)]), passing_outputs(module))
+    assert not passed and "layer.1" in why and "launch plainly" in why
+    assert not module.judge_case(launched, pdl_report(), passing_outputs(module))[0]  # no plan recorded
+    assert not module.judge_case(launched, PASSING_REPORT, passing_outputs(module))[0]  # no ledger at all
+    assert module.judge_case(case(module), pdl_report([(0, False)]), passing_outputs(module))[0]  # not a PDL case
+    assert module.case_env(launched, tmp_path, tmp_path)["KDA_PATCHES_PDL"] == "1"
+    assert "KDA_PATCHES_PDL" not in module.case_env(case(module), tmp_path, tmp_path)
+    names = {c.name: c for c in module.CASES}
+    assert all(names[n].pdl for n in ("qwen3_next-v2-prefix-compiled-034-overlay-pdl",
+                                      "qwen3_next-v2-prefix-eager-034-overlay-pdl-NEGATIVE",
+                                      "kimi_k3-v2-prefix-eager-034-pdl"))
+
+
 def test_034_cases_set_the_seam_choice_the_cache_and_the_jit_monitor(tmp_path):
     module = load_script()
     by_name = {c.name: c for c in module.CASES}

@@ -158,8 +158,9 @@ def load_upstream_ops(folder: pathlib.Path) -> tuple[Any, Any]:
     return loaded[0], loaded[1]
 
 
-def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
-    """Return ``{label: (gather, scatter)}`` of one sealed PDL plan per configuration on the SM90 target's facts
+def prepare_plans(state: Any, final: Any, pdl: bool = True) -> dict[str, tuple[Any, Any]]:
+    """Return ``{label: (gather, scatter)}`` of one sealed plan (PDL; with ``pdl`` false the plain launch) per
+    configuration on the SM90 target's facts
     (:data:`~kda_patches.state_copy.device.CUDA_PDL_TARGET`: a cast scatter from wider finals gets the smaller
     block and the compiler's own conversion), with the eviction hint on or off; ``plan default`` is the plan a
     layer gets (no block or warps given: the target's widened-scatter warps apply), and for cast scatters
@@ -174,9 +175,9 @@ def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
     impls = {}
     for block_bytes, warps, evict in CONFIGS:
         target = CUDA_PDL_TARGET if evict else dataclasses.replace(CUDA_PDL_TARGET, honoured_hints=(PDL,))
-        plan = FusedStatePlan.prepare(state, 256, block_bytes=block_bytes, num_warps=warps, pdl=True,
+        plan = FusedStatePlan.prepare(state, 256, block_bytes=block_bytes, num_warps=warps, pdl=pdl,
                                       final_dtypes=(final,), target=target).seal()
-        if not plan.describe()["pdl"]:
+        if plan.describe()["pdl"] != pdl:
             raise RuntimeError(f"plan {block_bytes}/{warps} did not compile with PDL: {plan.describe()}")
         label = f"plan {block_bytes}/{warps}" + ("" if evict else "/no-evict")
         impls[label] = (plan.gather, plan.scatter)
@@ -185,11 +186,14 @@ def prepare_plans(state: Any, final: Any) -> dict[str, tuple[Any, Any]]:
                 "plan 4096/8/unpinned": (unpinned, 8)}
     if final != state.dtype:
         variants["plan default/software-cast"] = (dataclasses.replace(CUDA_PDL_TARGET, hardware_casts=()), None)
+        # the cast scatter as it was before the hardware cast and the pin (bench peer run 1, tree f5702de)
+        variants["plan 4096/4/unpinned/software-cast"] = (dataclasses.replace(unpinned, hardware_casts=()), 4)
+        variants["plan 4096/8/unpinned/software-cast"] = (dataclasses.replace(unpinned, hardware_casts=()), 8)
     for label, (target, warps) in variants.items():
-        plan = FusedStatePlan.prepare(state, 256, num_warps=warps, pdl=True, final_dtypes=(final,),
+        plan = FusedStatePlan.prepare(state, 256, num_warps=warps, pdl=pdl, final_dtypes=(final,),
                                       target=target).seal()
         policy = plan.describe()["casts"][0]
-        if final != state.dtype and (policy["nan"] == "hardware") == label.endswith("software-cast"):
+        if final != state.dtype and (policy["nan"] == "hardware") == ("software-cast" in label):
             raise RuntimeError(f"{label}: unexpected cast policy {policy}")
         impls[label] = (plan.gather, plan.scatter)
     return impls
@@ -241,7 +245,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     for shape, inner in shapes.items():
         for cache_dtype, final in cases:
             state = build_cache(device, cache_dtype, 1024, inner, 8192)
-            impls = prepare_plans(state, final)
+            impls = prepare_plans(state, final, pdl=args.launch == "pdl")
             impls[UPSTREAM] = (gather_up, scatter_up)
             if args.body:
                 impls.update(body_probe_impls(state, final))
@@ -278,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=15)
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--body", action="store_true", help="also the scatter body probes (BODY_PROBES)")
+    parser.add_argument("--launch", choices=("pdl", "plain"), default="pdl",
+                        help="how the plan columns launch (upstream's ops use PDL either way)")
     args = parser.parse_args(argv)
     args.selected = [int(x) for x in args.selected.split(",")]
     import torch

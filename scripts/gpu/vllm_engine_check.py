@@ -165,6 +165,9 @@ class Case:
     # not: mode error stops vLLM's own baseline with TRITON_ATTN (H200 run 9: kernel_unified_attention compiles
     # while serving), so it cannot tell the overlay apart
     jit_watch: bool = False
+    # KDA_PATCHES_PDL=1: the plans compile with programmatic dependent launch; the patched processes' ledgers must
+    # say every routed layer's plan did (the GPU is SM90+), else the case proves nothing about PDL
+    pdl: bool = False
 
     @property
     def profiles_memory(self) -> bool:
@@ -214,7 +217,14 @@ CASES = (
     Case("kimi_k3-v2-prefix-eager-034", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True),
     Case("kimi_k3-v2-prefix-eager-034-NEGATIVE", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True,
          mutant="scatter-halved"),
+    # the plans launched with PDL (KDA_PATCHES_PDL=1) in the engine, CUDA graphs included
+    Case("qwen3_next-v2-prefix-compiled-034-overlay-pdl", "qwen3_next", "v2", True, False, release="0.34.0",
+         extensible=True, gdn_ops="overlay", jit_watch=True, pdl=True),
+    Case("qwen3_next-v2-prefix-eager-034-overlay-pdl-NEGATIVE", "qwen3_next", "v2", True, True, release="0.34.0",
+         extensible=True, gdn_ops="overlay", mutant="scatter-halved", pdl=True),
+    Case("kimi_k3-v2-prefix-eager-034-pdl", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True, pdl=True),
 )
+STATE_COPY_SECTION = "state_copy"  # the ledger section of the plans' per-layer facts (state_copy.errors)
 RAY_WORKER_MARK = "default_worker.py"  # Ray's worker processes run this script (their rank is not in the name)
 # Multicast over NVLink stays off in every process vLLM starts on the multi-GPU machines (the device tool's KINDS.md:
 # a program that uses it can take the shared host's GPUs out of service); recorded per process and checked
@@ -510,6 +520,8 @@ def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, st
         env[MUTANT_ENV] = case.mutant
     if case.gdn_ops:
         env["KDA_PATCHES_GDN_OPS"] = case.gdn_ops
+    if case.pdl:
+        env["KDA_PATCHES_PDL"] = "1"
     return env
 
 
@@ -608,6 +620,20 @@ def seam_stood_aside(ledgers: list[dict[str, Any]], patch: str, seam: str) -> tu
     return True, ""
 
 
+def plans_launched_with_pdl(ledgers: list[dict[str, Any]]) -> tuple[bool, str]:
+    """Return whether the patched processes' state-copy plans were compiled with PDL: at least one layer's ledger
+    fact, and every one of them, says ``pdl: true``."""
+    facts = [(name, fact) for ledger in ledgers
+             for name, fact in ((ledger.get("facts") or {}).get(STATE_COPY_SECTION) or {}).items()
+             if isinstance(fact, dict) and "pdl" in fact]
+    if not facts:
+        return False, "no patched process recorded a state-copy plan (no layer fact with pdl)"
+    plain = sorted({name for name, fact in facts if fact["pdl"] is not True})
+    if plain:
+        return False, f"KDA_PATCHES_PDL=1, but the plans of {plain} launch plainly"
+    return True, f"{len(facts)} layer plan(s) with PDL"
+
+
 def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> tuple[bool, str]:
     """Return (passed, why) for one case's regress report and the facts of its kept outputs.
 
@@ -618,7 +644,8 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
     caching on, the continuation of round two was served from the cache (``cached_prompt_tokens > 0``); a case
     with a small cache (``kv_blocks``) preempted at least once; with vLLM 0.34's extensible cache on, the routed
     patch republished its plans after the rebind (``rebinds > 0``), and with it off, never; a case that watches
-    vLLM's JIT monitor (``jit_watch``) passes :func:`judge_jit`. A scenario the case claims but did not produce is a
+    vLLM's JIT monitor (``jit_watch``) passes :func:`judge_jit`; a PDL case's plans were compiled with PDL
+    (:func:`plans_launched_with_pdl`). A scenario the case claims but did not produce is a
     failure, never a pass.
     """
     verdict = report.get("verdict", "error")
@@ -656,6 +683,11 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         if not quiet:
             return False, why
         jit = f"; {why}"
+    if case.pdl:
+        launched, why = plans_launched_with_pdl(patched_ledgers(report))
+        if not launched:
+            return False, why
+        jit += f"; {why}"
     if case.stands_aside:
         return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen){jit}"
     return True, (f"{verdict}; {patch} routed {routed} == seen {seen}" + (f"; rebinds {rebinds}" if rebinds else "")
@@ -695,7 +727,7 @@ def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:
         routed, seen = routed_and_seen(ledger.get("counters") or {}, patch)
         if routed == 0 or (not case.mutant and routed != seen):
             return False, f"rank {rank}: {patch} routed {routed} of {seen} seen"
-        devices = {fact["signature"][0] for fact in ((ledger.get("facts") or {}).get("state_copy") or {}).values()
+        devices = {fact["signature"][0] for fact in ((ledger.get("facts") or {}).get(STATE_COPY_SECTION) or {}).values()
                    if isinstance(fact, dict) and fact.get("signature")}
         if len(devices) != 1 or (device is not None and devices != {device}):
             return False, f"rank {rank}: plans prepared on {sorted(devices) or 'no device'}, expected " \
