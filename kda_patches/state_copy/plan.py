@@ -615,10 +615,9 @@ class FusedStatePlan(StateCopyPlan):
         self._tiles[None] = self._tiles[self._dtype]
         self._bases = {source: (self.layout.row_stride, self.layout.payload, items, self.layout.payload % items == 0)
                        for source, items in self._blocks.items()}
-        # measured with programmatic dependent launch: a plan of a PDL target that launches without it keeps its
-        # warps (bench peer, H100: the plain-launch Qwen cast scatter with 8 warps was 2-11 % slower than with 4)
-        measured_launch = self._pdl or not self.target.honours(PDL)
-        self._widened_warps = None if num_warps or not measured_launch else self.target.widened_scatter_warps
+        # plain or PDL launch alike (bench peer runs 2 and 3: 4 warps made the plain-launch cast scatters slower in
+        # 6 of 8 rows)
+        self._widened_warps = None if num_warps else self.target.widened_scatter_warps
         bulk = self.target.bulk_scatter
         if bulk and not num_warps and self.max_selected >= bulk.min_rows \
                 and casts.dtype_name(self._dtype) in bulk.cache_dtypes:
