@@ -360,13 +360,13 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_only_a_scatter_whose_tile_was_narrowed_takes_the_widened_scatter_warps",),
            "D (state_copy)", "every variant of an SM90 plan takes 8 warps: the gathers and same-dtype scatters the "
            "H100 probe measured 5-10 % slower at 1-8 rows with 8 warps"),
-    Mutant("widened-warps-only-with-pdl", "kda_patches/state_copy/plan.py",
-           "self._widened_warps = None if num_warps else self.target.widened_scatter_warps",
-           "self._widened_warps = None if num_warps or not self._pdl else self.target.widened_scatter_warps",
+    Mutant("widened-warps-without-pdl", "kda_patches/state_copy/plan.py",
+           "measured_launch = self._pdl or not self.target.honours(PDL)",
+           "measured_launch = True",
            ("tests/state_copy/test_state_copy_targets.py::"
-            "test_a_pdl_target_widens_the_cast_scatter_warps_of_plain_and_pdl_plans_alike",),
-           "D (state_copy)", "the plain-launch plans on SM90 keep 4 warps for the narrowed cast scatter: slower in 6 "
-           "of 8 rows of bench peer (runs 2 and 3, H100)"),
+            "test_a_pdl_target_widens_the_scatter_warps_only_of_plans_launched_with_pdl",),
+           "D (state_copy)", "the default plain-launch plans on SM90 take the 8 warps measured only with PDL: the "
+           "cast scatters 2-7 % slower at 64-256 rows (bench peer runs 2-3, H100; the plain probe, H200)"),
     Mutant("bulk-scatter-threshold-off-by-one", "kda_patches/state_copy/plan.py",
            "if count >= self._bulk_min_rows and packed.dtype == self._dtype:",
            "if count > self._bulk_min_rows and packed.dtype == self._dtype:",

@@ -86,10 +86,12 @@ class TargetFacts:
         widened_scatter_warps: warps per program of a fused scatter whose tile was narrowed by
             ``tile_by_widest_item`` (finals wider than the cache), unless the plan was given ``num_warps``; None
             keeps the plan's warps. Measured on SM90 (H100, ``scripts/gpu/launch_shape_probe.py``): BF16 <- FP32
-            scatters with 8 warps at 64-256 rows match vLLM 0.34's kernels where 4 warps trail by 1-1.5 %. Plans
-            launched without PDL take them too: ``bench peer`` runs 2 (8 warps) and 3 (4 warps) on the H100, plain
-            launch, put 8 warps ahead in 6 of the 8 cast-scatter rows (Qwen 1-8 rows by 7-14 %, Kimi Linear at
-            every row count by 0.5-7 %) and behind only at Qwen's 64-256 rows, by 1.8-2.6 %.
+            scatters with 8 warps at 64-256 rows match vLLM 0.34's kernels where 4 warps trail by 1-1.5 %. On a
+            target that honours PDL it applies only to plans launched with PDL, as measured: launched plainly, 4
+            warps lead at 64-256 rows (Qwen: 1.8-2.6 % on the H100, ``bench peer`` runs 2 and 3; Qwen 5-7 % and Kimi
+            Linear 2-3 % on the H200, ``launch_shape_probe.py --launch plain``), where a layer's lead over
+            upstream's ops is 0.1 %, and trail at 1-8 rows, where the layer leads by 4-9 % on host time
+            (``docs/results/h200-vllm-layers/`` runs 18-19).
         pinned_scatter_load: fused scatters read the packed row with a volatile load, so the compiler cannot sink
             it below the early exit it makes of the index-guarded store (``PIN_LOAD`` of
             :func:`~kda_patches.state_copy.kernels.copy_rows_kernel`). Declared on SM90+ CUDA, whose ptxas does that.

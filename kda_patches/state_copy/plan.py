@@ -615,9 +615,10 @@ class FusedStatePlan(StateCopyPlan):
         self._tiles[None] = self._tiles[self._dtype]
         self._bases = {source: (self.layout.row_stride, self.layout.payload, items, self.layout.payload % items == 0)
                        for source, items in self._blocks.items()}
-        # plain or PDL launch alike (bench peer runs 2 and 3: 4 warps made the plain-launch cast scatters slower in
-        # 6 of 8 rows)
-        self._widened_warps = None if num_warps else self.target.widened_scatter_warps
+        # measured with programmatic dependent launch: a plan of a PDL target that launches without it keeps its
+        # warps, which lead at 64-256 rows (TargetFacts.widened_scatter_warps)
+        measured_launch = self._pdl or not self.target.honours(PDL)
+        self._widened_warps = None if num_warps or not measured_launch else self.target.widened_scatter_warps
         bulk = self.target.bulk_scatter
         if bulk and not num_warps and self.max_selected >= bulk.min_rows \
                 and casts.dtype_name(self._dtype) in bulk.cache_dtypes:
