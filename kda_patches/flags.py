@@ -45,8 +45,9 @@ SWITCHES: dict[str, str] = {
     "routed alias of its cache (tensor subclasses, more host time per call). Read when a seam is wrapped",
     "KDA_PATCHES_PDL": "0 (default): the fused state-copy plans launch as plain kernels; 1: compile them with "
     "programmatic dependent launch where the target has it (NVIDIA SM90+; elsewhere dropped and recorded in each "
-    "layer's memory_hints). Measured on the H200 (bench peer, 72 rows): at or below the plain plan in graph "
-    "replay, equal in host time; not yet measured in the engine",
+    "layer's memory_hints). bench peer (vLLM 0.34, H100 and H200): at or below the plain plan in 71-72 of 72 "
+    "graph-replay rows, equal in host time; engine: Qwen3-Next on 0.34 EQUAL (H200 run 16); off by default until "
+    "Kimi K3 and a negative control run with it",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
     "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
     "(default ~/.cache/kda-patches/releases); not read at activation",
