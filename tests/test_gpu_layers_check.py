@@ -45,6 +45,27 @@ def test_one_batch_size_below_one_makes_the_seam_stand_aside_and_names_it():
     assert line.startswith("DEFAULT qwen_gdn: stand aside (patched slower at 8, 256 sequences")
 
 
+def test_the_median_interval_is_the_order_statistics_whose_coverage_reaches_the_confidence():
+    values = [float(v) for v in range(40)]
+    # n = 40 at 95 %: k = 14 covers 1 - 2 P(B <= 13) = 0.9615; k = 15 would cover 0.9193
+    assert layers_check.median_interval(values) == (13.0, 26.0)
+    assert layers_check.median_interval(list(reversed(values))) == (13.0, 26.0)  # order-free
+    assert layers_check.median_interval(values, confidence=0.90) == (14.0, 25.0)
+    assert layers_check.median_interval([1.0] * 5) is None  # 1 - 2 / 32 = 0.9375 < 0.95
+    assert layers_check.median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == (1.0, 6.0)  # 1 - 2 / 64 = 0.969
+
+
+def test_the_default_line_shows_each_median_s_interval_but_decides_by_the_median_alone():
+    rounds = [0.9980 + 0.0001 * i for i in range(40)]  # the interval straddles 1.00
+    row = {"seqs": 256, "paired_step_speedup": 1.0,
+           "samples": {"baseline": {"step_ms": rounds}, "patched": {"step_ms": [1.0] * 40}}}
+    line = layers_check.seam_default("kimi_linear_gdn", [row])
+    assert line.startswith("DEFAULT kimi_linear_gdn: route") and "256: 1.000x [0.9993, 1.0006]" in line
+    below = dict(row, paired_step_speedup=0.99995)
+    assert "stand aside (patched slower at 256" in layers_check.seam_default("kimi_linear_gdn", [below])
+    assert "[" not in layers_check.seam_default("qwen_gdn", [timed_row(1, 1.4)])  # no rounds kept: no interval
+
+
 def test_no_paired_row_gives_no_default():
     line = layers_check.seam_default("kimi_linear_gdn", [{"seqs": 1, "baseline_step_ms": 1.0}])
     assert line == "DEFAULT kimi_linear_gdn: none (no batch size timed with both variants)"

@@ -51,6 +51,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import pathlib
 import platform
@@ -173,18 +174,46 @@ def layers_for(version: str | None, asked: list[str] | None) -> tuple[list[str],
     return chosen, {name: why for name, why in left_out.items() if name not in chosen}
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """Return the distribution-free interval of the median of ``values`` (order statistics ``k`` and ``n + 1 - k``,
+    the largest ``k`` whose coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least ``confidence``), or None when
+    ``values`` are too few for any interval to reach it (fewer than 6 at 95 %)."""
+    ordered = sorted(values)
+    count = len(ordered)
+    below, chosen = 0.0, None
+    for k in range(1, count // 2 + 1):
+        below += math.comb(count, k - 1) / 2 ** count  # P(B <= k - 1)
+        if 1 - 2 * below < confidence:
+            break
+        chosen = k
+    return None if chosen is None else (ordered[chosen - 1], ordered[count - chosen])
+
+
+def paired_step_ratios(row: dict[str, Any]) -> list[float]:
+    """Return a timed row's per-round unpatched / patched engine-step ratios (empty without both variants' samples)."""
+    samples = row.get("samples") or {}
+    if "baseline" not in samples or "patched" not in samples:
+        return []
+    return [base / patched for base, patched in zip(samples["baseline"]["step_ms"], samples["patched"]["step_ms"],
+                                                    strict=True)]
+
+
 def seam_default(layer: str, rows: list[dict[str, Any]]) -> str:
     """The per-seam default the layer's timing justifies (issue 27's rule), as one ``DEFAULT`` line.
 
     Route when the patched layer call is at least as fast as the unpatched one (median of the per-round paired
     ratios of the engine-step figure, unpatched / patched >= 1.00) at every timed batch size; otherwise stand
-    aside, naming the batch sizes below 1.00. No timed row with both variants: no verdict.
+    aside, naming the batch sizes below 1.00. No timed row with both variants: no verdict. Each figure is followed
+    by the 95 % interval of its median (:func:`median_interval`) where the row kept its rounds: it shows whether a
+    ratio near 1.00 is a measured difference or noise; the rule reads the median alone.
     """
-    paired = [(row["seqs"], row["paired_step_speedup"]) for row in rows if "paired_step_speedup" in row]
+    paired = [(row["seqs"], row["paired_step_speedup"], median_interval(paired_step_ratios(row)))
+              for row in rows if "paired_step_speedup" in row]
     if not paired:
         return f"DEFAULT {layer}: none (no batch size timed with both variants)"
-    figures = ", ".join(f"{seqs}: {ratio:.3f}x" for seqs, ratio in paired)
-    slower = [str(seqs) for seqs, ratio in paired if ratio < 1.0]
+    figures = ", ".join(f"{seqs}: {ratio:.3f}x" + (f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else "")
+                        for seqs, ratio, interval in paired)
+    slower = [str(seqs) for seqs, ratio, _ in paired if ratio < 1.0]
     if slower:
         return (f"DEFAULT {layer}: stand aside (patched slower at {', '.join(slower)} sequences; unpatched/patched "
                 f"per engine step {figures})")
