@@ -563,6 +563,9 @@ def test_a_pdl_case_passes_only_when_every_routed_plan_of_every_process_launched
     assert module.judge_case(case(module), pdl_report([(0, False)]), passing_outputs(module))[0]  # not a PDL case
     assert module.case_env(launched, tmp_path, tmp_path)["KDA_PATCHES_PDL"] == "1"
     assert "KDA_PATCHES_PDL" not in module.case_env(case(module), tmp_path, tmp_path)
+    from kda_patches.state_copy.errors import LEDGER_SECTION
+
+    assert module.STATE_COPY_SECTION == LEDGER_SECTION  # the section the judge reads is the one the plans write
     names = {c.name: c for c in module.CASES}
     assert all(names[n].pdl for n in ("qwen3_next-v2-prefix-compiled-034-overlay-pdl",
                                       "qwen3_next-v2-prefix-eager-034-overlay-pdl-NEGATIVE",

@@ -224,7 +224,9 @@ CASES = (
          extensible=True, gdn_ops="overlay", mutant="scatter-halved", pdl=True),
     Case("kimi_k3-v2-prefix-eager-034-pdl", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True, pdl=True),
 )
-STATE_COPY_SECTION = "state_copy"  # the ledger section of the plans' per-layer facts (state_copy.errors)
+# kda_patches.state_copy.errors.LEDGER_SECTION (the plans' per-layer facts), written out like STEP_TIMES_ENV: this
+# script's module level runs before kda_patches is importable; a test keeps the two equal
+STATE_COPY_SECTION = "state_copy"
 RAY_WORKER_MARK = "default_worker.py"  # Ray's worker processes run this script (their rank is not in the name)
 # Multicast over NVLink stays off in every process vLLM starts on the multi-GPU machines (the device tool's KINDS.md:
 # a program that uses it can take the shared host's GPUs out of service); recorded per process and checked
@@ -677,21 +679,21 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         return False, f"the extensible KV cache was on, but {patch} republished no plan after the rebind"
     if case.extensible is False and rebinds:
         return False, f"the extensible KV cache was off, but {patch} rebound {rebinds} layer(s)"
-    jit = ""
+    notes = ""  # what the JIT watch and the PDL check found, appended to the verdict
     if case.jit_watch:
         quiet, why = judge_jit(outputs)
         if not quiet:
             return False, why
-        jit = f"; {why}"
+        notes = f"; {why}"
     if case.pdl:
         launched, why = plans_launched_with_pdl(patched_ledgers(report))
         if not launched:
             return False, why
-        jit += f"; {why}"
+        notes += f"; {why}"
     if case.stands_aside:
-        return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen){jit}"
+        return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen){notes}"
     return True, (f"{verdict}; {patch} routed {routed} == seen {seen}" + (f"; rebinds {rebinds}" if rebinds else "")
-                  + jit)
+                  + notes)
 
 
 def judge_ranks(case: Case, report: dict[str, Any]) -> tuple[bool, str]:

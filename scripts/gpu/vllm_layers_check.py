@@ -189,12 +189,12 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     return None if chosen is None else (ordered[chosen - 1], ordered[count - chosen])
 
 
-def paired_step_ratios(row: dict[str, Any]) -> list[float]:
-    """Return a timed row's per-round unpatched / patched engine-step ratios (empty without both variants' samples)."""
-    samples = row.get("samples") or {}
+def paired_ratios(samples: dict[str, dict[str, list[float]]], key: str = "step") -> list[float]:
+    """Return the per-round unpatched / patched ratios of a timed row's ``samples`` for figure ``key`` (``event`` or
+    ``step``); empty without both variants' samples."""
     if "baseline" not in samples or "patched" not in samples:
         return []
-    return [base / patched for base, patched in zip(samples["baseline"]["step_ms"], samples["patched"]["step_ms"],
+    return [base / patched for base, patched in zip(samples["baseline"][f"{key}_ms"], samples["patched"][f"{key}_ms"],
                                                     strict=True)]
 
 
@@ -207,7 +207,7 @@ def seam_default(layer: str, rows: list[dict[str, Any]]) -> str:
     by the 95 % interval of its median (:func:`median_interval`) where the row kept its rounds: it shows whether a
     ratio near 1.00 is a measured difference or noise; the rule reads the median alone.
     """
-    paired = [(row["seqs"], row["paired_step_speedup"], median_interval(paired_step_ratios(row)))
+    paired = [(row["seqs"], row["paired_step_speedup"], median_interval(paired_ratios(row.get("samples") or {})))
               for row in rows if "paired_step_speedup" in row]
     if not paired:
         return f"DEFAULT {layer}: none (no batch size timed with both variants)"
@@ -772,9 +772,7 @@ def time_shape(bench: LayerBench, overlay: Overlay | None, seqs: int, rounds: in
             row[f"{variant}_{key}_ms"] = statistics.median(samples[variant][f"{key}_ms"])
     if "patched" in samples:  # both variants ran in every round: the median of the rounds' own ratios
         for key in ("event", "step"):
-            row[f"paired_{key}_speedup"] = statistics.median(
-                base / patched for base, patched in zip(samples["baseline"][f"{key}_ms"],
-                                                        samples["patched"][f"{key}_ms"], strict=True))
+            row[f"paired_{key}_speedup"] = statistics.median(paired_ratios(samples, key))
     return row
 
 
