@@ -43,11 +43,11 @@ SWITCHES: dict[str, str] = {
     "KDA_PATCHES_ROUTING": "rewrite (default): a seam whose released source has exactly the declared copy lines "
     "runs a twin compiled at apply time that calls the plan directly; alias: every seam routes through the "
     "routed alias of its cache (tensor subclasses, more host time per call). Read when a seam is wrapped",
-    "KDA_PATCHES_PDL": "0 (default): the fused state-copy plans launch as plain kernels; 1: compile them with "
-    "programmatic dependent launch where the target has it (NVIDIA SM90+; elsewhere dropped and recorded in each "
-    "layer's memory_hints). bench peer (vLLM 0.34, H100 and H200): at or below the plain plan in 71-72 of 72 "
-    "graph-replay rows, equal in host time; engine: Qwen3-Next on 0.34 EQUAL (H200 run 16); off by default until "
-    "Kimi K3 and a negative control run with it",
+    "KDA_PATCHES_PDL": "auto (default): the fused state-copy plans compile with programmatic dependent launch "
+    "where the target has it (NVIDIA SM90+) and launch plainly elsewhere; 1: ask for it everywhere (a target "
+    "without it drops it and records that in each layer's memory_hints); 0: plain kernels. bench peer (vLLM 0.34, "
+    "H100 and H200): at or below the plain plan in 71-72 of 72 graph-replay rows, equal in host time; engine on "
+    "0.34: Qwen3-Next EQUAL (H200 run 16), Kimi K3 EQUAL and the negative control DIFFERENT (H100 run 17)",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
     "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
     "(default ~/.cache/kda-patches/releases); not read at activation",
@@ -61,6 +61,9 @@ _KIMI_PLANS = ("fork", "overlay")
 _GDN_PLANS = ("fork", "overlay")
 _GDN_OPS = ("measured", "upstream", "overlay")
 _ROUTINGS = ("rewrite", "alias")
+_PDL_CHOICES = ("auto", "on", "off")
+# what a plan's ``pdl`` argument is for each choice (kda_patches.state_copy.device.PDL_WHERE_AVAILABLE is "auto")
+_PDL_REQUESTS = {"auto": "auto", "on": True, "off": False}
 
 
 class Flags:
@@ -80,12 +83,12 @@ class Flags:
                  status_dir: str | None = None, log_level: str = "WARNING", custom_opp: tuple[str, ...] = (),
                  preload: tuple[str, ...] = (), kv_state_mode: str = "auto", role: str | None = None,
                  warnings: tuple[str, ...] = (), kimi_plan: str = "fork", routing: str = "rewrite",
-                 gdn_plan: str = "fork", gdn_ops: str = "measured", pdl: bool = False) -> None:
+                 gdn_plan: str = "fork", gdn_ops: str = "measured", pdl: str = "auto") -> None:
         values = dict(enabled=enabled, disable=frozenset(disable), only=None if only is None else frozenset(only),
                       force_triton=force_triton, strict=strict, status_dir=status_dir, log_level=log_level,
                       custom_opp=tuple(custom_opp), preload=tuple(preload), kv_state_mode=kv_state_mode,
                       kimi_plan=kimi_plan, gdn_plan=gdn_plan, gdn_ops=gdn_ops, routing=routing, role=role,
-                      pdl=bool(pdl), warnings=tuple(warnings))
+                      pdl=pdl, warnings=tuple(warnings))
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -106,6 +109,19 @@ class Flags:
         if not self.enabled or name in self.disable:
             return False
         return self.only is None or name in self.only
+
+    def pdl_request(self) -> bool | str:
+        """Return ``KDA_PATCHES_PDL``'s choice as the state-copy plans' ``pdl`` argument.
+
+        Returns:
+            ``"auto"`` (PDL where the target has it, nothing recorded elsewhere), ``True`` (asked everywhere, a
+            target without it records the drop) or ``False`` (plain launches).
+        Raises:
+            ValueError: the record holds a choice other than auto/on/off (a ``Flags`` built by hand).
+        """
+        if self.pdl not in _PDL_REQUESTS:
+            raise ValueError(f"Flags.pdl={self.pdl!r} is not a choice; use one of {', '.join(_PDL_CHOICES)}")
+        return _PDL_REQUESTS[self.pdl]
 
     def as_dict(self) -> dict:
         """Return the effective switches as a JSON-serialisable dict (for the ledger)."""
@@ -204,6 +220,9 @@ def parse_flags(environ: Mapping[str, str] | None = None,
     if gdn_ops not in _GDN_OPS:
         raise ValueError(f"KDA_PATCHES_GDN_OPS={env.get('KDA_PATCHES_GDN_OPS')!r} is not a choice; "
                          f"use one of {', '.join(_GDN_OPS)}")
+    pdl = (env.get("KDA_PATCHES_PDL") or "auto").strip().lower()
+    if pdl != "auto":
+        pdl = "on" if parse_boolean("KDA_PATCHES_PDL", env.get("KDA_PATCHES_PDL"), False) else "off"
     routing = (env.get("KDA_PATCHES_ROUTING") or "rewrite").strip().lower()
     if routing not in _ROUTINGS:
         raise ValueError(f"KDA_PATCHES_ROUTING={env.get('KDA_PATCHES_ROUTING')!r} is not a mechanism; "
@@ -225,7 +244,7 @@ def parse_flags(environ: Mapping[str, str] | None = None,
         gdn_ops=gdn_ops,
         routing=routing,
         role=env.get("KDA_PATCHES_ROLE") or None,
-        pdl=parse_boolean("KDA_PATCHES_PDL", env.get("KDA_PATCHES_PDL"), False),
+        pdl=pdl,
         warnings=tuple(warnings),
     )
     if warnings:

@@ -472,7 +472,7 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_process_stopped_without_exit_handlers_keeps_the_samples_it_flushed",), "H (bench)",
            "step times written only at exit: vLLM's engine core never writes them"),
     Mutant("pdl-switch-ignored", "kda_patches/routing/startup.py",
-           "initialize(states, max_num_seqs, pdl=current_flags().pdl)",
+           "initialize(states, max_num_seqs, pdl=current_flags().pdl_request())",
            "initialize(states, max_num_seqs)",
            ("tests/routing/test_routing_core.py::test_the_pdl_switch_reaches_the_plans_compiled_at_startup",),
            "D (state_copy)", "KDA_PATCHES_PDL=1 is accepted and shown but never reaches the plans"),

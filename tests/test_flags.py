@@ -73,8 +73,20 @@ def test_gdn_ops_switch_defaults_to_measured_and_accepts_upstream_and_overlay():
         parse_flags({"KDA_PATCHES_GDN_OPS": "fork"}, KNOWN)
 
 
-def test_pdl_switch_is_off_by_default_and_parsed_as_a_boolean():
-    assert parse_flags({}, KNOWN).pdl is False
-    assert parse_flags({"KDA_PATCHES_PDL": "1"}, KNOWN).as_dict()["KDA_PATCHES_PDL"] is True
+def test_pdl_switch_is_auto_by_default_and_otherwise_parsed_as_a_boolean():
+    assert parse_flags({}, KNOWN).pdl == "auto" and parse_flags({"KDA_PATCHES_PDL": " Auto "}, KNOWN).pdl == "auto"
+    assert parse_flags({"KDA_PATCHES_PDL": "1"}, KNOWN).as_dict()["KDA_PATCHES_PDL"] == "on"
+    assert parse_flags({"KDA_PATCHES_PDL": "off"}, KNOWN).pdl == "off"
     with pytest.raises(ValueError, match="KDA_PATCHES_PDL"):
         parse_flags({"KDA_PATCHES_PDL": "fast"}, KNOWN)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, "auto"), ("auto", "auto"), ("yes", True), ("0", False)])
+def test_the_pdl_choice_becomes_the_plans_argument(raw, expected):
+    environ = {} if raw is None else {"KDA_PATCHES_PDL": raw}
+    assert parse_flags(environ, KNOWN).pdl_request() == expected
+
+
+def test_a_hand_built_pdl_choice_outside_the_three_is_refused_by_name():
+    with pytest.raises(ValueError, match="auto, on, off"):
+        Flags(pdl="1").pdl_request()

@@ -561,8 +561,10 @@ def test_a_pdl_case_passes_only_when_every_routed_plan_of_every_process_launched
     assert not module.judge_case(launched, pdl_report(), passing_outputs(module))[0]  # no plan recorded
     assert not module.judge_case(launched, PASSING_REPORT, passing_outputs(module))[0]  # no ledger at all
     assert module.judge_case(case(module), pdl_report([(0, False)]), passing_outputs(module))[0]  # not a PDL case
-    assert module.case_env(launched, tmp_path, tmp_path)["KDA_PATCHES_PDL"] == "1"
-    assert "KDA_PATCHES_PDL" not in module.case_env(case(module), tmp_path, tmp_path)
+    # a PDL case runs the switch's default (auto) even where the caller turned it off
+    monkeypatch.setenv("KDA_PATCHES_PDL", "0")
+    assert "KDA_PATCHES_PDL" not in module.case_env(launched, tmp_path, tmp_path)
+    assert module.case_env(case(module), tmp_path, tmp_path)["KDA_PATCHES_PDL"] == "0"
     from kda_patches.state_copy.errors import LEDGER_SECTION
 
     assert module.STATE_COPY_SECTION == LEDGER_SECTION  # the section the judge reads is the one the plans write

@@ -166,7 +166,7 @@ def prepare_and_publish(runner: Any, section: str | None = None) -> dict[str, An
             states = {name: states[name] for name in selected}
         from kda_patches import current_flags
 
-        plans = initialize(states, max_num_seqs, pdl=current_flags().pdl) if states else {}
+        plans = initialize(states, max_num_seqs, pdl=current_flags().pdl_request()) if states else {}
         missing = sorted(set(selected) - set(plans))
         if missing:
             raise RuntimeError(f"{seams[missing[0]].section}: worker startup aborted: no plan was returned for "

@@ -40,6 +40,9 @@ EVICT_FIRST = "evict_first"
 # (griddepcontrol.wait) before it reads; NVIDIA SM90+ only
 PDL = "pdl"
 PDL_MIN_CAPABILITY = (9, 0)
+# a plan's ``pdl`` argument that asks for PDL only where the target and the plan kind have it: nothing is recorded
+# as dropped elsewhere (``True`` asks for it and records every place that cannot honour it)
+PDL_WHERE_AVAILABLE = "auto"
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from kda_patches.state_copy import casts, kernels, layout
 from kda_patches.state_copy.device import (
     EVICT_FIRST,
     PDL,
+    PDL_WHERE_AVAILABLE,
     PLAN_FALLBACK,
     PLAN_FUSED,
     BulkScatter,
@@ -88,7 +89,7 @@ class StateCopyPlan:
     def __init__(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
                  layer: str | None, stream: bool = False,
                  final_dtypes: tuple[torch.dtype, ...] | None = None, target: TargetFacts | None = None,
-                 pdl: bool = False) -> None:
+                 pdl: bool | str = False) -> None:
         wanted = casts.normalize_final_dtypes(final_dtypes, state.dtype, layer)
         target = target or target_facts(state.device)
         policies = {dtype: casts.probe_nan_policy(dtype, state.dtype, state.device, layer) for dtype in wanted}
@@ -119,7 +120,7 @@ class StateCopyPlan:
 
     def _set_up(self, state: torch.Tensor, max_selected: int, block_bytes: int | None, num_warps: int | None,
                 layer: str | None, stream: bool, policies: dict[torch.dtype, casts.CastPolicy],
-                target: TargetFacts, pdl: bool = False) -> None:
+                target: TargetFacts, pdl: bool | str = False) -> None:
         """Decide everything but the compiled code, from tensor metadata only (a ``meta`` tensor will do)."""
         self.layout = layout.describe_layout(state, layer)
         self.final_dtypes = tuple(policies)
@@ -138,11 +139,14 @@ class StateCopyPlan:
         if stream and not target.honours(EVICT_FIRST):
             self._hints_dropped.append(f"gather evict_first (stream=True): {target.name}'s compiler drops it")
         self._stream = bool(stream) and target.honours(EVICT_FIRST)
-        if pdl and not (target.honours(PDL) and self._launch_option_pdl()):
+        if not (isinstance(pdl, bool) or pdl == PDL_WHERE_AVAILABLE):
+            refuse("pdl", f"pdl must be True, False or {PDL_WHERE_AVAILABLE!r}, got {pdl!r}", layer)
+        available = target.honours(PDL) and self._launch_option_pdl()
+        if pdl is True and not available:
             self._hints_dropped.append(f"pdl: {target.name} has no programmatic dependent launch for this plan kind"
                                        if target.honours(PDL) else
                                        f"pdl: {target.name} has no programmatic dependent launch")
-        self._pdl = bool(pdl) and target.honours(PDL) and self._launch_option_pdl()
+        self._pdl = available and pdl is not False
         self._scatter_evict_first = self._scatter_hint(target)
         self._bulk: BulkScatter | None = None  # a kind that has bulk scatters sets it in _configure
         self._num_warps = self._configure(block_bytes, num_warps, layer)
@@ -151,7 +155,8 @@ class StateCopyPlan:
     @classmethod
     def variant_specs(cls, state: torch.Tensor, max_selected: int, target: TargetFacts,
                       policies: dict[torch.dtype, casts.CastPolicy], block_bytes: int | None = None,
-                      num_warps: int | None = None, stream: bool = False, pdl: bool = False) -> list[dict[str, Any]]:
+                      num_warps: int | None = None, stream: bool = False,
+                      pdl: bool | str = False) -> list[dict[str, Any]]:
         """Return the variants :meth:`prepare` would compile for ``state`` on ``target``, compiling nothing.
 
         For checking a compiler that cannot run here (``make ascend-check``): the block, constexprs and
@@ -196,7 +201,7 @@ class StateCopyPlan:
     def prepare(cls, state: torch.Tensor, max_selected: int, block_bytes: int | None = None,
                 num_warps: int | None = None, layer: str | None = None, stream: bool = False,
                 final_dtypes: tuple[torch.dtype, ...] | None = None,
-                target: TargetFacts | None = None, pdl: bool = False) -> StateCopyPlan:
+                target: TargetFacts | None = None, pdl: bool | str = False) -> StateCopyPlan:
         """Compile and test-run the ``2 + 2 * len(final_dtypes)`` variants for ``state``'s layout on scratch.
 
         Args:
@@ -212,9 +217,11 @@ class StateCopyPlan:
                 ``(cache dtype, torch.float32)`` deduplicated.
             target: the compiler target (default: the device's, :func:`~kda_patches.state_copy.device.target_facts`);
                 its unified-buffer limits cap the block.
-            pdl: fused plan only: compile with programmatic dependent launch where the target honours it
-                (:data:`~kda_patches.state_copy.device.PDL`, NVIDIA SM90+; an experiment, off); elsewhere the
-                request is recorded as dropped.
+            pdl: fused plan only: ``True`` compiles with programmatic dependent launch where the target honours
+                it (:data:`~kda_patches.state_copy.device.PDL`, NVIDIA SM90+) and records the request as dropped
+                elsewhere; ``"auto"`` (:data:`~kda_patches.state_copy.device.PDL_WHERE_AVAILABLE`, serving's
+                default) compiles it where the target and plan kind have it and records nothing elsewhere;
+                ``False`` launches plainly.
         Returns:
             An unsealed plan.
         Raises:

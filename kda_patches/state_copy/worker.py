@@ -120,7 +120,7 @@ def resolve_final_dtypes(states: Mapping[str, torch.Tensor], final_dtypes: Final
 
 
 def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int | str | None = None,
-               final_dtypes: FinalDtypes = None, pdl: bool = False) -> dict[str, LayerStatePlan]:
+               final_dtypes: FinalDtypes = None, pdl: bool | str = False) -> dict[str, LayerStatePlan]:
     """Prepare and seal the plans of a worker's layers; return one binding per layer.
 
     Args:
@@ -134,9 +134,9 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
             ``2 + 2 * F`` variants for its ``F`` final dtypes (two gathers, INT32/INT64, and two
             scatters per final dtype: the issue's "four per final dtype"), all on scratch before
             seal; a scatter of any other dtype is refused before launch.
-        pdl: compile the fused plans with programmatic dependent launch where the target honours it
-            (NVIDIA SM90+; ``KDA_PATCHES_PDL=1`` turns it on in serving, off by default until the engine A/B
-            measures it).
+        pdl: programmatic dependent launch for the fused plans, as :meth:`StateCopyPlan.prepare` takes it:
+            ``True``, ``False`` or ``"auto"`` (where the target has it: NVIDIA SM90+). Serving passes
+            ``KDA_PATCHES_PDL``'s choice (:meth:`kda_patches.flags.Flags.pdl_request`; ``auto`` by default).
     Returns:
         ``{layer_name: LayerStatePlan}``; layers with the same plan kind, cache signature and
         final-dtype set share one compiled plan. Nothing is published anywhere: the caller attaches

@@ -165,8 +165,9 @@ class Case:
     # not: mode error stops vLLM's own baseline with TRITON_ATTN (H200 run 9: kernel_unified_attention compiles
     # while serving), so it cannot tell the overlay apart
     jit_watch: bool = False
-    # KDA_PATCHES_PDL=1: the plans compile with programmatic dependent launch; the patched processes' ledgers must
-    # say every routed layer's plan did (the GPU is SM90+), else the case proves nothing about PDL
+    # KDA_PATCHES_PDL at its default (auto; unset even where the caller set it): on an SM90+ GPU the plans compile
+    # with programmatic dependent launch, and the patched processes' ledgers must say every routed layer's plan did,
+    # else the case proves nothing about PDL (or the default stopped choosing it)
     pdl: bool = False
 
     @property
@@ -217,7 +218,7 @@ CASES = (
     Case("kimi_k3-v2-prefix-eager-034", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True),
     Case("kimi_k3-v2-prefix-eager-034-NEGATIVE", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True,
          mutant="scatter-halved"),
-    # the plans launched with PDL (KDA_PATCHES_PDL=1) in the engine, CUDA graphs included
+    # the plans launched with PDL (KDA_PATCHES_PDL's default, auto, on SM90+) in the engine, CUDA graphs included
     Case("qwen3_next-v2-prefix-compiled-034-overlay-pdl", "qwen3_next", "v2", True, False, release="0.34.0",
          extensible=True, gdn_ops="overlay", jit_watch=True, pdl=True),
     Case("qwen3_next-v2-prefix-eager-034-overlay-pdl-NEGATIVE", "qwen3_next", "v2", True, True, release="0.34.0",
@@ -523,7 +524,7 @@ def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, st
     if case.gdn_ops:
         env["KDA_PATCHES_GDN_OPS"] = case.gdn_ops
     if case.pdl:
-        env["KDA_PATCHES_PDL"] = "1"
+        env.pop("KDA_PATCHES_PDL", None)
     return env
 
 
@@ -632,7 +633,7 @@ def plans_launched_with_pdl(ledgers: list[dict[str, Any]]) -> tuple[bool, str]:
         return False, "no patched process recorded a state-copy plan (no layer fact with pdl)"
     plain = sorted({name for name, fact in facts if fact["pdl"] is not True})
     if plain:
-        return False, f"KDA_PATCHES_PDL=1, but the plans of {plain} launch plainly"
+        return False, f"a PDL case, but the plans of {plain} launch plainly"
     return True, f"{len(facts)} layer plan(s) with PDL"
 
 

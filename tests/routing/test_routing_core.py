@@ -276,10 +276,11 @@ def test_cpu_caches_without_the_interpreter_get_no_plan_and_refuse(load_dummies,
         call(module, layer, *batch(24, 3, torch.int32, 0))
 
 
-@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("pdl", ["off", "on", "auto"])
 def test_the_pdl_switch_reaches_the_plans_compiled_at_startup(load_dummies, monkeypatch, pdl):
     """``KDA_PATCHES_PDL=1`` asks the startup's plans for programmatic dependent launch: on this CPU target it is
-    dropped, and the layer's ledger fact says so; without the switch nothing is asked and nothing dropped."""
+    dropped, and the layer's ledger fact says so; ``0`` asks nothing, and ``auto`` (the default) asks only where
+    the target has it, so nothing is dropped here either."""
     import kda_patches
     from kda_patches.flags import Flags
     from kda_patches.state_copy.errors import LEDGER_SECTION
@@ -289,4 +290,4 @@ def test_the_pdl_switch_reaches_the_plans_compiled_at_startup(load_dummies, monk
     _, _, layer = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
     fact = get_ledger().snapshot()["facts"][LEDGER_SECTION][layer.prefix]
     dropped = [hint for hint in fact["memory_hints"]["dropped"] if hint.startswith("pdl")]
-    assert fact["pdl"] is False and bool(dropped) is pdl
+    assert fact["pdl"] is False and bool(dropped) is (pdl == "on")

@@ -22,7 +22,7 @@ from kda_patches.state_copy.device import (
     PDL,
     TargetFacts,
 )
-from kda_patches.state_copy.errors import StateCopyError
+from kda_patches.state_copy.errors import StateCopyError, StateCopyRefused
 from kda_patches.state_copy.plan import FallbackStatePlan, FusedStatePlan, initialize
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -241,6 +241,30 @@ def test_a_dropped_pdl_request_is_said_in_the_plan_facts(device):
     assert facts["pdl"] is False and "pdl: ascend-a5 has no programmatic dependent launch" in \
         facts["memory_hints"]["dropped"]
     assert FusedStatePlan.prepare(cache.state, 2, target=ASCEND_A5_TARGET).describe()["memory_hints"]["dropped"] == []
+
+
+def test_auto_pdl_compiles_it_where_the_target_has_it_and_records_no_drop_elsewhere():
+    auto = FusedStatePlan.variant_specs(meta(BF16), 8, CUDA_PDL_TARGET, policies(BF16, (BF16,)), pdl="auto")
+    assert {spec["launch_pdl"] for spec in auto} == {True} and {spec["constexprs"]["PDL"] for spec in auto} == {True}
+    for target in (CUDA_TARGET, ASCEND_A5_TARGET):
+        specs = FusedStatePlan.variant_specs(meta(BF16), 8, target, policies(BF16, (BF16,)), pdl="auto")
+        assert not any(spec["launch_pdl"] for spec in specs)
+    fallback = FallbackStatePlan.variant_specs(meta(F16), 8, CUDA_PDL_TARGET, policies(F16, (F16,)), pdl="auto")
+    assert not any(spec["launch_pdl"] for spec in fallback)
+
+
+@pytest.mark.parametrize("asked", [True, "auto"])
+def test_only_an_explicit_pdl_request_is_recorded_as_dropped(device, asked):
+    cache = build_cache(device, dtype=F32, num_rows=4, inner=(2, 16, 64))
+    facts = FusedStatePlan.prepare(cache.state, 2, pdl=asked, target=ASCEND_A5_TARGET).describe()
+    dropped = [hint for hint in facts["memory_hints"]["dropped"] if hint.startswith("pdl")]
+    assert facts["pdl"] is False and bool(dropped) is (asked is True)
+
+
+@pytest.mark.parametrize("asked", ["on", 1, None])
+def test_a_pdl_argument_other_than_true_false_or_auto_is_refused(asked):
+    with pytest.raises(StateCopyRefused, match="pdl must be True, False or 'auto'"):
+        FusedStatePlan.variant_specs(meta(BF16), 8, CUDA_PDL_TARGET, policies(BF16, (BF16,)), pdl=asked)
 
 
 @pytest.mark.parametrize("asked", ["pdl", "plain"])
