@@ -86,6 +86,67 @@ def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_ST
             tl.store(items, values, mask=mask)
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def body_probe_gather_kernel(cache_ptr, packed_ptr, index_ptr, flag_ptr, num_rows, ROW_STRIDE: tl.constexpr,
+                             PAYLOAD: tl.constexpr, BLOCK: tl.constexpr, FORM: tl.constexpr):
+    """Gather of one tile of one row with flags (false: zeros), ``PAYLOAD % BLOCK == 0``; ``FORM``: 0 upstream's body
+    (no bounds check, the flag as int1 folded into the load mask, masked store), 1 the plan's (scalar checks, the flag
+    as int32, the row limit as a scalar, unmasked store), 2 the plan's with the flag as int1, 3 upstream's body with
+    the bounds check folded into its flag, 4 the plan's with upstream's masked store."""
+    tile = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    in_payload = offsets < PAYLOAD
+    if FORM == 0 or FORM == 3:
+        flag = tl.load(flag_ptr + row).to(tl.int1)
+        index = tl.load(index_ptr + row).to(tl.int64)
+        if FORM == 3:
+            flag = flag & (index >= 0) & (index < num_rows.to(tl.int64))
+        index = tl.where(flag, index, 0)
+        values = tl.load(cache_ptr + index * ROW_STRIDE + offsets, mask=in_payload & flag, other=0.0)
+        tl.store(packed_ptr + row * PAYLOAD + offsets, values, mask=in_payload)
+    else:
+        index = tl.load(index_ptr + row).to(tl.int64)
+        valid = (index >= 0) & (index < num_rows.to(tl.int64))
+        if FORM == 2:
+            valid = valid & tl.load(flag_ptr + row).to(tl.int1)
+        else:
+            valid = valid & (tl.load(flag_ptr + row).to(tl.int32) != 0)
+        values = tl.load(cache_ptr + tl.where(valid, index, 0) * ROW_STRIDE + offsets,
+                         mask=offsets < tl.where(valid, PAYLOAD, 0), other=0)
+        if FORM == 4:
+            tl.store(packed_ptr + row * PAYLOAD + offsets, values, mask=in_payload)
+        else:
+            tl.store(packed_ptr + row * PAYLOAD + offsets, values)
+
+
+# label: (warps, FORM); the block is the plan's (4 KiB of the cache item)
+GATHER_BODY_PROBES = {"gbody-upstream-w8": (8, 0), "gbody-upstream-w4": (4, 0), "gbody-plan-w4": (4, 1),
+                      "gbody-plan-w8": (8, 1), "gbody-plan-int1-w4": (4, 2), "gbody-upstream-checked-w8": (8, 3),
+                      "gbody-upstream-checked-w4": (4, 3), "gbody-plan-masked-w4": (4, 4)}
+
+
+def gather_body_probe_impls(state: Any) -> dict[str, tuple[Any, Any]]:
+    """``{label: (gather, None)}`` of the gather body probes (:data:`GATHER_BODY_PROBES`) for a cache like ``state``."""
+    import torch
+
+    block = 4096 // state.element_size()
+    impls = {}
+    for label, (warps, form) in GATHER_BODY_PROBES.items():
+        def gather(cache: Any, indices: Any, flags: Any, warps: int = warps, form: int = form) -> Any:
+            out = torch.empty((indices.shape[0], *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            grid = (cache[0].numel() // block, indices.shape[0])
+            body_probe_gather_kernel[grid](cache, out, indices, flags, cache.shape[0], ROW_STRIDE=cache.stride(0),
+                                           PAYLOAD=cache[0].numel(), BLOCK=block, FORM=form, num_warps=warps,
+                                           launch_pdl=True)
+            return out
+        impls[label] = (gather, None)
+    return impls
+
+
 # label: (block items, or None for a 4 KiB tile of the widest item as the plan sizes it; warps; CHECK). A cast
 # scatter's body converts in ``tl.store`` (the hardware's round-to-nearest-even ``cvt``, as upstream does), not by
 # the plan's bit-pattern cast: the pair of columns prices that cast.
@@ -199,12 +260,19 @@ def prepare_plans(state: Any, final: Any, pdl: bool = True) -> dict[str, tuple[A
     return impls
 
 
-def check_body_probes(impls: dict[str, tuple[Any, Any]], state: Any, indices: Any, last: Any) -> None:
-    """Refuse a body probe whose scatter is not bit-equal to torch's index_put of the finals cast to the cache."""
+def check_body_probes(impls: dict[str, tuple[Any, Any]], state: Any, indices: Any, flags: Any, last: Any) -> None:
+    """Refuse a body probe whose scatter is not bit-equal to torch's index_put of the finals cast to the cache, or
+    whose gather is not bit-equal to the naive twin's."""
     import torch
 
+    from kda_patches.state_copy import naive
+
     for name, (gather, scatter) in impls.items():
-        if gather is None:
+        if scatter is None:
+            expected = naive.gather_states(state, indices, flags)
+            if not torch.equal(gather(state, indices, flags).view(torch.uint8), expected.view(torch.uint8)):
+                raise RuntimeError(f"{name} gathered wrong bytes")
+        elif gather is None:
             before = state.clone()
             scatter(state, last, indices)
             expected = before.clone()
@@ -220,6 +288,10 @@ def bind_calls(impls: dict[str, tuple[Any, Any]], state: Any, index_sets: list[A
     calls = {}
     count = len(index_sets)
     for name, (gather, scatter) in impls.items():
+        if scatter is None:
+            calls[(name, "gather")] = lambda step, gather=gather: gather(state, index_sets[step % count],
+                                                                         flag_sets[step % count])
+            continue
         if gather is None:
             calls[(name, "scatter")] = lambda step, scatter=scatter: scatter(state, last, index_sets[step % count])
             continue
@@ -249,12 +321,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             impls[UPSTREAM] = (gather_up, scatter_up)
             if args.body:
                 impls.update(body_probe_impls(state, final))
+            if args.gather_body:
+                impls.update(gather_body_probe_impls(state))
             for selected in args.selected:
                 index_sets, flag_sets, last = random_selections(
                     state, selected, args.captured, torch.Generator().manual_seed(selected + 7), final)
-                check_correctness({k: v for k, v in impls.items() if v[0] is not None}, state, index_sets[0],
+                check_correctness({k: v for k, v in impls.items() if None not in v}, state, index_sets[0],
                                   flag_sets[0], last)
-                check_body_probes(impls, state, index_sets[0], last)
+                check_body_probes(impls, state, index_sets[0], flag_sets[0], last)
                 calls = bind_calls(impls, state, index_sets, flag_sets, last)
                 samples = timing.replay_graphs(calls, args.captured, args.trials, device, shuffler)
                 for (name, op), values in samples.items():
@@ -282,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=15)
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--body", action="store_true", help="also the scatter body probes (BODY_PROBES)")
+    parser.add_argument("--gather-body", action="store_true",
+                        help="also the gather body probes (GATHER_BODY_PROBES)")
     parser.add_argument("--launch", choices=("pdl", "plain"), default="pdl",
                         help="how the plan columns launch (upstream's ops use PDL either way)")
     args = parser.parse_args(argv)
