@@ -222,7 +222,10 @@ def parse_flags(environ: Mapping[str, str] | None = None,
                          f"use one of {', '.join(_GDN_OPS)}")
     pdl = (env.get("KDA_PATCHES_PDL") or "auto").strip().lower()
     if pdl != "auto":
-        pdl = "on" if parse_boolean("KDA_PATCHES_PDL", env.get("KDA_PATCHES_PDL"), False) else "off"
+        if pdl not in _BOOLEAN_VALUES:
+            raise ValueError(f"KDA_PATCHES_PDL={env.get('KDA_PATCHES_PDL')!r} is not a choice; use "
+                             "KDA_PATCHES_PDL=auto (the default), 1 or 0")
+        pdl = "on" if _BOOLEAN_VALUES[pdl] else "off"
     routing = (env.get("KDA_PATCHES_ROUTING") or "rewrite").strip().lower()
     if routing not in _ROUTINGS:
         raise ValueError(f"KDA_PATCHES_ROUTING={env.get('KDA_PATCHES_ROUTING')!r} is not a mechanism; "

@@ -77,7 +77,7 @@ def test_pdl_switch_is_auto_by_default_and_otherwise_parsed_as_a_boolean():
     assert parse_flags({}, KNOWN).pdl == "auto" and parse_flags({"KDA_PATCHES_PDL": " Auto "}, KNOWN).pdl == "auto"
     assert parse_flags({"KDA_PATCHES_PDL": "1"}, KNOWN).as_dict()["KDA_PATCHES_PDL"] == "on"
     assert parse_flags({"KDA_PATCHES_PDL": "off"}, KNOWN).pdl == "off"
-    with pytest.raises(ValueError, match="KDA_PATCHES_PDL"):
+    with pytest.raises(ValueError, match="KDA_PATCHES_PDL='fast' is not a choice; use KDA_PATCHES_PDL=auto"):
         parse_flags({"KDA_PATCHES_PDL": "fast"}, KNOWN)
 
 
