@@ -61,9 +61,10 @@ _KIMI_PLANS = ("fork", "overlay")
 _GDN_PLANS = ("fork", "overlay")
 _GDN_OPS = ("measured", "upstream", "overlay")
 _ROUTINGS = ("rewrite", "alias")
-_PDL_CHOICES = ("auto", "on", "off")
 # what a plan's ``pdl`` argument is for each choice (kda_patches.state_copy.device.PDL_WHERE_AVAILABLE is "auto")
 _PDL_REQUESTS = {"auto": "auto", "on": True, "off": False}
+# every spelling KDA_PATCHES_PDL accepts -> its choice: auto, or any boolean spelling
+_PDL_VALUES = {"auto": "auto", **{raw: "on" if value else "off" for raw, value in _BOOLEAN_VALUES.items()}}
 
 
 class Flags:
@@ -120,7 +121,7 @@ class Flags:
             ValueError: the record holds a choice other than auto/on/off (a ``Flags`` built by hand).
         """
         if self.pdl not in _PDL_REQUESTS:
-            raise ValueError(f"Flags.pdl={self.pdl!r} is not a choice; use one of {', '.join(_PDL_CHOICES)}")
+            raise ValueError(f"Flags.pdl={self.pdl!r} is not a choice; use one of {', '.join(_PDL_REQUESTS)}")
         return _PDL_REQUESTS[self.pdl]
 
     def as_dict(self) -> dict:
@@ -220,12 +221,10 @@ def parse_flags(environ: Mapping[str, str] | None = None,
     if gdn_ops not in _GDN_OPS:
         raise ValueError(f"KDA_PATCHES_GDN_OPS={env.get('KDA_PATCHES_GDN_OPS')!r} is not a choice; "
                          f"use one of {', '.join(_GDN_OPS)}")
-    pdl = (env.get("KDA_PATCHES_PDL") or "auto").strip().lower()
-    if pdl != "auto":
-        if pdl not in _BOOLEAN_VALUES:
-            raise ValueError(f"KDA_PATCHES_PDL={env.get('KDA_PATCHES_PDL')!r} is not a choice; use "
-                             "KDA_PATCHES_PDL=auto (the default), 1 or 0")
-        pdl = "on" if _BOOLEAN_VALUES[pdl] else "off"
+    pdl = _PDL_VALUES.get((env.get("KDA_PATCHES_PDL") or "auto").strip().lower())
+    if pdl is None:
+        raise ValueError(f"KDA_PATCHES_PDL={env.get('KDA_PATCHES_PDL')!r} is not a choice; use "
+                         "KDA_PATCHES_PDL=auto (the default), 1 or 0")
     routing = (env.get("KDA_PATCHES_ROUTING") or "rewrite").strip().lower()
     if routing not in _ROUTINGS:
         raise ValueError(f"KDA_PATCHES_ROUTING={env.get('KDA_PATCHES_ROUTING')!r} is not a mechanism; "
