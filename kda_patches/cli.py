@@ -18,9 +18,7 @@ from kda_patches.ledger import read_ledger_dir, sum_counters
 def format_ledger(snapshot: dict) -> str:
     """Return a human-readable block for one process's ledger snapshot."""
     lines = [f"process {snapshot['pid']} ({snapshot.get('role') or 'unknown role'})"]
-    switches = snapshot.get("switches", {})
-    active = {k: v for k, v in switches.items() if v not in (None, False, [], "", "auto", "WARNING")}
-    lines.append(f"  switches: {json.dumps(active, sort_keys=True)}")
+    lines.extend(f"  {line}" for line in format_switches(snapshot.get("switches", {})))
     from kda_patches.effects import NOT_IN_EFFECT, judge_effect
 
     for name, patch in sorted(snapshot.get("patches", {}).items()):
@@ -39,6 +37,26 @@ def format_ledger(snapshot: dict) -> str:
         for key, value in sorted(facts.items()):
             lines.append(f"  {section}.{key}: {json.dumps(value, sort_keys=True, default=str)}")
     return "\n".join(lines)
+
+
+def format_switches(switches: dict) -> list[str]:
+    """Return the status lines for one ledger's switches.
+
+    Args:
+        switches: the ledger's ``switches`` (``Flags.as_dict()`` of that process).
+    Returns:
+        ``switches: {...}`` with every switch whose value differs from its default (or that this version does not
+        know), then ``choices at their default: {...}`` with every text-valued switch left at its default --
+        a choice such as ``KDA_PATCHES_PDL=auto`` still decides what the plans compile, so it is shown, not hidden.
+    """
+    from kda_patches.flags import Flags
+
+    defaults = Flags().as_dict()
+    changed = {key: value for key, value in switches.items() if key not in defaults or value != defaults[key]}
+    in_force = {key: value for key, value in switches.items()
+                if key in defaults and value == defaults[key] and isinstance(value, str)}
+    return [f"switches: {json.dumps(changed, sort_keys=True)}",
+            f"choices at their default: {json.dumps(in_force, sort_keys=True)}"]
 
 
 def patch_summaries(snapshot: dict) -> list[str]:

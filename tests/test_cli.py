@@ -80,3 +80,20 @@ def test_cli_status_prints_the_kimi_summary_line(tmp_path, capsys):
     assert cli.main(["status", "--from", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if line.startswith(("  kimi_prefill:", "  gdn_state_copy:"))] == STATUS_LINES
+
+
+def test_status_shows_a_choice_left_at_its_default():
+    """A switch at ``auto`` (PDL's default) is listed as a choice in force, not hidden; a changed one as set."""
+    from kda_patches.flags import Flags
+
+    default = cli.format_switches(Flags().as_dict())
+    assert default[0] == "switches: {}"
+    assert '"KDA_PATCHES_PDL": "auto"' in default[1]
+    assert '"KDA_PATCHES_GDN_OPS": "measured"' in default[1]
+    changed = cli.format_switches(Flags(pdl="off", strict=True).as_dict())
+    assert json.loads(changed[0].removeprefix("switches: ")) == {"KDA_PATCHES_PDL": "off", "KDA_PATCHES_STRICT": True}
+    assert "KDA_PATCHES_PDL" not in changed[1]
+
+
+def test_status_lists_a_switch_this_version_does_not_know_as_set():
+    assert cli.format_switches({"KDA_PATCHES_FUTURE": "auto"})[0] == 'switches: {"KDA_PATCHES_FUTURE": "auto"}'
