@@ -32,6 +32,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from kda_patches.state_copy.kernels import pdl_prologue
+
 UPSTREAM = "upstream-0.34"
 
 
@@ -46,9 +48,7 @@ def body_probe_scatter_kernel(cache_ptr, packed_ptr, index_ptr, num_rows, ROW_ST
     tile = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
     offsets = tile * BLOCK + tl.arange(0, BLOCK)
-    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    pdl_prologue(True)  # the plan's own wait and launch-dependents, where the plan puts them
     if CHECK == 8:
         values = tl.load(packed_ptr + row * PAYLOAD + offsets, volatile=True)
     else:
@@ -96,9 +96,7 @@ def body_probe_gather_kernel(cache_ptr, packed_ptr, index_ptr, flag_ptr, num_row
     tile = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     offsets = tile * BLOCK + tl.arange(0, BLOCK)
-    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    pdl_prologue(True)  # the plan's own wait and launch-dependents, where the plan puts them
     in_payload = offsets < PAYLOAD
     if FORM == 0 or FORM == 3:
         flag = tl.load(flag_ptr + row).to(tl.int1)

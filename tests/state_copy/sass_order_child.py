@@ -12,50 +12,45 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
 
 import torch
 
 from kda_patches.state_copy import casts, sass
-from kda_patches.state_copy.device import CUDA_PDL_TARGET
+from kda_patches.state_copy.device import CUDA_PDL_TARGET, TargetFacts
 from kda_patches.state_copy.plan import FusedStatePlan
 
 QWEN_TP4_STATE = (12, 128, 128)
 
 
-def main() -> None:
-    if sys.argv[1] == "gathers":
-        print(json.dumps(gather_orders(None if sys.argv[2] == "default" else int(sys.argv[2]))))
-        return
-    target = CUDA_PDL_TARGET if sys.argv[1] == "declared" else dataclasses.replace(CUDA_PDL_TARGET,
-                                                                                   pinned_scatter_load=False)
-    warps = None if sys.argv[2] == "default" else int(sys.argv[2])
-    found = {}
+def compiled_int32_variants(target: TargetFacts, warps: int | None,
+                            op: str) -> Iterator[tuple[torch.dtype, dict, list[str]]]:
+    """Yield ``(cache dtype, variant spec, memory order)`` of every INT32 ``op`` (gather or scatter) variant the plan
+    compiles with PDL for FP32 and BF16 caches (FP32 and BF16 finals) on ``target``, cross-compiled for SM90."""
     for cache_dtype in (torch.float32, torch.bfloat16):
         state = torch.empty((8, *QWEN_TP4_STATE), dtype=cache_dtype, device="meta")
         policies = {final: casts.CastPolicy(final, cache_dtype, casts.NAN_QUIET)
                     for final in (torch.float32, torch.bfloat16)}
         for spec in FusedStatePlan.variant_specs(state, 256, target, policies, num_warps=warps, pdl=True):
-            if "/scatter/int32/" not in spec["name"]:
-                continue
-            order = sass.memory_order(sass.cross_compile(spec).asm["cubin"])
-            final = casts.dtype_name(spec["final"]) + (" bulk" if spec["name"].endswith("/bulk") else "")
-            key = f"{casts.dtype_name(cache_dtype)} <- {final} warps {spec['num_warps']}"
-            found[key] = sass.loads_after_early_exit(order)
-    print(json.dumps(found))
+            if f"/{op}/int32" in spec["name"]:
+                yield cache_dtype, spec, sass.memory_order(sass.cross_compile(spec).asm["cubin"])
 
 
-def gather_orders(warps: int | None) -> dict[str, list[str]]:
-    """Return ``{"CACHE warps W block B": memory order}`` of the SM90 target's INT32 gathers, FP32 and BF16 caches."""
+def main() -> None:
+    warps = None if sys.argv[2] == "default" else int(sys.argv[2])
     found = {}
-    for cache_dtype in (torch.float32, torch.bfloat16):
-        state = torch.empty((8, *QWEN_TP4_STATE), dtype=cache_dtype, device="meta")
-        policies = {cache_dtype: casts.CastPolicy(cache_dtype, cache_dtype, casts.NAN_QUIET)}
-        for spec in FusedStatePlan.variant_specs(state, 256, CUDA_PDL_TARGET, policies, num_warps=warps, pdl=True):
-            if "/gather/int32" in spec["name"]:
-                order = sass.memory_order(sass.cross_compile(spec).asm["cubin"])
-                tile = spec["constexprs"]["BLOCK"] * cache_dtype.itemsize
-                found[f"{casts.dtype_name(cache_dtype)} warps {spec['num_warps']} block {tile}"] = order
-    return found
+    if sys.argv[1] == "gathers":
+        for cache_dtype, spec, order in compiled_int32_variants(CUDA_PDL_TARGET, warps, "gather"):
+            tile = spec["constexprs"]["BLOCK"] * cache_dtype.itemsize
+            found[f"{casts.dtype_name(cache_dtype)} warps {spec['num_warps']} block {tile}"] = order
+    else:
+        target = CUDA_PDL_TARGET if sys.argv[1] == "declared" else dataclasses.replace(CUDA_PDL_TARGET,
+                                                                                       pinned_scatter_load=False)
+        for cache_dtype, spec, order in compiled_int32_variants(target, warps, "scatter"):
+            final = casts.dtype_name(spec["final"]) + (" bulk" if spec["name"].endswith("/bulk") else "")
+            found[f"{casts.dtype_name(cache_dtype)} <- {final} warps {spec['num_warps']}"] = \
+                sass.loads_after_early_exit(order)
+    print(json.dumps(found))
 
 
 if __name__ == "__main__":
