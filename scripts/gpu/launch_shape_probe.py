@@ -323,7 +323,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 impls.update(gather_body_probe_impls(state))
             for selected in args.selected:
                 index_sets, flag_sets, last = random_selections(
-                    state, selected, args.captured, torch.Generator().manual_seed(selected + 7), final)
+                    state, selected, args.captured, torch.Generator().manual_seed(selected + args.index_seed), final)
                 check_correctness({k: v for k, v in impls.items() if None not in v}, state, index_sets[0],
                                   flag_sets[0], last)
                 check_body_probes(impls, state, index_sets[0], flag_sets[0], last)
@@ -352,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--selected", default="1,2,4,8,64,256")
     parser.add_argument("--captured", type=int, default=20)
     parser.add_argument("--trials", type=int, default=15)
-    parser.add_argument("--seed", type=int, default=27)
+    parser.add_argument("--seed", type=int, default=27, help="seeds the order the implementations are replayed in")
+    parser.add_argument("--index-seed", type=int, default=7,
+                        help="the index and flag sets of S rows are drawn from seed S + this (7: earlier runs' sets)")
     parser.add_argument("--body", action="store_true", help="also the scatter body probes (BODY_PROBES)")
     parser.add_argument("--gather-body", action="store_true",
                         help="also the gather body probes (GATHER_BODY_PROBES)")
