@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--selected", type=parse_ints, default=[1, 8, 64, 256], help="selected counts")
     state.add_argument("--dtypes", default="float32,bfloat16", help="cache dtypes")
     state.add_argument("--graph-calls", type=int, default=100, help="calls captured per CUDA graph")
+    add_graph_instances(state)
     state.add_argument("--no-reference", action="store_true",
                        help="skip the contiguous torch copy of the same bytes (a reference, not a state copy)")
     state.add_argument("--fused-variants", type=parse_variants, default=[],
@@ -59,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("serve-ab", help="vLLM's own `vllm bench throughput|latency`, KDA_PATCHES=0 vs =1, shuffled "
                         "rounds, patched/baseline ratios (own options: `kda-patches bench serve-ab --help`)")
     return parser
+
+
+def add_graph_instances(parser: argparse.ArgumentParser) -> None:
+    """Add ``--graph-instances`` (:func:`~kda_patches.bench.timing.replay_graphs`' ``instances``) to ``parser``."""
+    parser.add_argument("--graph-instances", type=int, default=5,
+                        help="captures of each call as a CUDA graph, each replayed in its own block of rounds "
+                             "(divides --trials; default 5): one capture's own offset, up to 3.5 %% apart between "
+                             "identical kernels at 1-8 rows, is spread over every implementation")
 
 
 def add_gdn_parser(commands: argparse._SubParsersAction, name: str = "gdn-state-copy",
@@ -81,6 +90,7 @@ def add_gdn_parser(commands: argparse._SubParsersAction, name: str = "gdn-state-
     gdn.add_argument("--gap-items", type=int, default=8192, help="page gap between rows, in items")
     gdn.add_argument("--selected", type=parse_ints, default=[1, 8, 64, 256], help="selected counts")
     gdn.add_argument("--graph-calls", type=int, default=50, help="calls captured per CUDA graph")
+    add_graph_instances(gdn)
     gdn.add_argument("--pdl", action="store_true", help="also measure the plan compiled with programmatic dependent "
                      "launch (plan+pdl; NVIDIA SM90+, left out where the target has none)")
     return gdn
@@ -99,7 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         from kda_patches.bench.serve_ab import main as serve_ab_main
 
         return serve_ab_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "graph_instances", None) is not None:
+        from kda_patches.bench import timing
+
+        try:
+            timing.check_graph_instances(args.trials, args.graph_instances)
+        except ValueError as error:
+            parser.error(f"--graph-instances / --trials: {error}")
     if args.benchmark == "state-copy":
         from kda_patches.bench.state_copy import run_benchmark
 

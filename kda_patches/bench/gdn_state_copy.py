@@ -143,7 +143,7 @@ def measure_case(impls: dict[str, Any], state: torch.Tensor, final: torch.dtype,
     # slab: torch's copy_, a memcpy when the dtypes match, else its cast)
     reference = ContiguousCopyReference(state)
     calls[(COPY, "scatter")] = lambda step: reference.scatter(state, last, index_sets[step % sets])
-    return timing.measure_rounds(calls, args.trials, args.graph_calls, device, shuffler)
+    return timing.measure_rounds(calls, args.trials, args.graph_calls, device, shuffler, args.graph_instances)
 
 
 def run_gdn_benchmark(args: argparse.Namespace, extra_impls: dict[str, Any] | None = None,

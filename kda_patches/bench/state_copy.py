@@ -170,7 +170,7 @@ def measure_case(impls: dict[str, dict[str, Any]], state: torch.Tensor, selected
     check_correctness(impls, state, index_sets[0], flag_sets[0], packed)
     calls = {(name, op): call for name, impl in impls.items()
              for op, call in make_calls(impl, state, index_sets, flag_sets, packed).items()}
-    samples = timing.measure_rounds(calls, args.trials, args.graph_calls, device, shuffler)
+    samples = timing.measure_rounds(calls, args.trials, args.graph_calls, device, shuffler, args.graph_instances)
     return [{"dtype": str(state.dtype).removeprefix("torch."), "selected": selected, "impl": impl, "op": op,
              "mode": mode, "samples_us": values, "median_us": timing.median(values)}
             for (impl, op, mode), values in samples.items()]

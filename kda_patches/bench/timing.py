@@ -115,7 +115,7 @@ def measure_copy_ceiling(device: torch.device, nbytes: int = 2 << 30, repeats: i
 
 
 def measure_rounds(calls: dict[tuple[str, ...], Call], trials: int, graph_calls: int, device: torch.device,
-                   shuffler: Any) -> dict[tuple[str, ...], list[float]]:
+                   shuffler: Any, graph_instances: int = 1) -> dict[tuple[str, ...], list[float]]:
     """Time every call in every mode, shuffling the order of the calls in each round (seed 000 method).
 
     Args:
@@ -124,12 +124,14 @@ def measure_rounds(calls: dict[tuple[str, ...], Call], trials: int, graph_calls:
         graph_calls: calls captured per CUDA graph (graph mode: CUDA only).
         device: the device the calls run on.
         shuffler: a ``random.Random`` (the order of each round).
+        graph_instances: graph mode: how many times each call is captured anew (:func:`replay_graphs`).
     Returns:
         ``{(*key, mode): raw samples in us}`` for modes wall, enqueue, and on CUDA event and graph.
     """
     modes: dict[str, Any] = {"wall": time_wall, "enqueue": time_enqueue}
     if device.type == "cuda":
         modes["event"] = time_eager_event
+        check_graph_instances(trials, graph_instances)  # before the eager rounds, not after them
     samples: dict[tuple[str, ...], list[float]] = {}
     order = list(calls)
     for step in range(trials):
@@ -138,41 +140,94 @@ def measure_rounds(calls: dict[tuple[str, ...], Call], trials: int, graph_calls:
             for mode, measure in modes.items():
                 samples.setdefault((*key, mode), []).append(measure(calls[key], step, device))
     if device.type == "cuda":
-        for key, values in replay_graphs(calls, graph_calls, trials, device, shuffler).items():
+        for key, values in replay_graphs(calls, graph_calls, trials, device, shuffler, graph_instances).items():
             samples[(*key, "graph")] = values
     return samples
 
 
+def check_graph_instances(trials: int, instances: int) -> None:
+    """Refuse ``instances`` captures per call that cannot split ``trials`` rounds evenly.
+
+    Raises:
+        ValueError: ``instances`` is below 1 or does not divide ``trials`` (names both and the fix).
+    """
+    if instances < 1 or trials % instances:
+        raise ValueError(f"graph instances {instances} must be at least 1 and divide the trials ({trials}): "
+                         "pick trials as a multiple of the instances")
+
+
+def graph_schedule(keys: list[Any], trials: int, instances: int,
+                   shuffler: Any) -> list[tuple[list[Any], list[list[Any]]]]:
+    """Plan :func:`replay_graphs`: ``instances`` blocks, each ``(capture order, replay order of each round)``.
+
+    Every block captures every key anew, in an order of its own, and replays them in ``trials // instances``
+    rounds of shuffled order. Why: one graph of a call carries an offset of its own into every replay of it
+    (identical kernels captured as two graphs read up to 3.5 % apart at one to eight rows, H100 and H200,
+    ``docs/results/launch-shape/``); samples from several captures spread that offset over both sides of a
+    comparison instead of handing it to one.
+
+    Args:
+        keys: the calls' keys.
+        trials: replay rounds in all, a multiple of ``instances``.
+        instances: captures per key (at least 1).
+        shuffler: a ``random.Random``.
+    Returns:
+        The blocks in the order they run.
+    Raises:
+        ValueError: from :func:`check_graph_instances`.
+    """
+    check_graph_instances(trials, instances)
+    blocks = []
+    for _ in range(instances):
+        capture = list(keys)
+        shuffler.shuffle(capture)
+        rounds = []
+        for _ in range(trials // instances):
+            order = list(keys)
+            shuffler.shuffle(order)
+            rounds.append(order)
+        blocks.append((capture, rounds))
+    return blocks
+
+
 def replay_graphs(calls: dict[Any, Call], graph_calls: int, trials: int, device: torch.device,
-                  shuffler: Any) -> dict[Any, list[float]]:
-    """Capture each call into a CUDA graph of ``graph_calls`` calls, then replay them in shuffled rounds.
+                  shuffler: Any, instances: int = 1) -> dict[Any, list[float]]:
+    """Capture each call into CUDA graphs of ``graph_calls`` calls, then replay them in shuffled rounds
+    (:func:`graph_schedule`: ``instances`` blocks, each with fresh captures released before the next block).
 
     Args:
         calls: ``{key: call}`` (CUDA).
         graph_calls: calls captured per graph.
-        trials: replay rounds; each round replays every graph once, in an order drawn from ``shuffler``.
+        trials: replay rounds in all; each round replays every graph of its block once.
         device: the CUDA device.
         shuffler: a ``random.Random``.
+        instances: captures per call (divides ``trials``).
     Returns:
-        ``{key: microseconds per captured call, one sample per round}``. A key whose capture fails (e.g. a
-        pattern that synchronizes the host) is reported on stdout and left out.
+        ``{key: microseconds per captured call, one sample per round}``, block after block (block ``b``'s
+        samples are ``[b * trials // instances, (b + 1) * trials // instances)``). A key whose capture fails
+        (e.g. a pattern that synchronizes the host) is reported on stdout and left out.
     """
-    graphs = {}
-    for key, call in calls.items():
-        try:
-            graphs[key] = capture_graph(call, graph_calls, device)
-        except RuntimeError as exc:
-            name = "/".join(key) if isinstance(key, tuple) else str(key)
-            print(f"kda-patches bench: {name} cannot be captured in a CUDA graph: {exc}", flush=True)
-            synchronize(device)
-    samples: dict[Any, list[float]] = {key: [] for key in graphs}
-    order = list(graphs)
-    for _ in range(trials):
-        shuffler.shuffle(order)
-        for key in order:
-            samples[key].append(time_graph(graphs[key], graph_calls, device))
-    del graphs
-    torch.cuda.empty_cache()
+    samples: dict[Any, list[float]] = {}
+    failed: set[Any] = set()
+    for capture, rounds in graph_schedule(list(calls), trials, instances, shuffler):
+        graphs = {}
+        for key in capture:
+            if key in failed:
+                continue
+            try:
+                graphs[key] = capture_graph(calls[key], graph_calls, device)
+            except RuntimeError as exc:
+                name = "/".join(key) if isinstance(key, tuple) else str(key)
+                print(f"kda-patches bench: {name} cannot be captured in a CUDA graph: {exc}", flush=True)
+                synchronize(device)
+                failed.add(key)
+                samples.pop(key, None)
+        for order in rounds:
+            for key in order:
+                if key in graphs:
+                    samples.setdefault(key, []).append(time_graph(graphs[key], graph_calls, device))
+        del graphs
+        torch.cuda.empty_cache()
     return samples
 
 

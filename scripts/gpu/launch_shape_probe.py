@@ -328,7 +328,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                                   flag_sets[0], last)
                 check_body_probes(impls, state, index_sets[0], flag_sets[0], last)
                 calls = bind_calls(impls, state, index_sets, flag_sets, last)
-                samples = timing.replay_graphs(calls, args.captured, args.trials, device, shuffler)
+                samples = timing.replay_graphs(calls, args.captured, args.trials, device, shuffler,
+                                               args.graph_instances)
                 for (name, op), values in samples.items():
                     records.append({"shape": shape, "cache": str(cache_dtype).removeprefix("torch."),
                                     "final": str(final).removeprefix("torch."), "selected": selected, "impl": name,
@@ -352,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--selected", default="1,2,4,8,64,256")
     parser.add_argument("--captured", type=int, default=20)
     parser.add_argument("--trials", type=int, default=15)
+    parser.add_argument("--graph-instances", type=int, default=5,
+                        help="captures per implementation, each replayed in its own block (divides --trials)")
     parser.add_argument("--seed", type=int, default=27, help="seeds the order the implementations are replayed in")
     parser.add_argument("--index-seed", type=int, default=7,
                         help="the index and flag sets of S rows are drawn from seed S + this (7: earlier runs' sets)")

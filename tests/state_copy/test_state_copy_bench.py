@@ -13,7 +13,7 @@ from kda_patches.bench import main
 def test_bench_smoke_run_writes_raw_samples_and_refuses_overwrite(tmp_path, device):
     output = tmp_path / "bench.json"
     argv = ["state-copy", "--output", str(output), "--device", str(device), "--rows", "12", "--inner", "2,3,8",
-            "--gap-items", "5", "--selected", "1,3", "--trials", "2", "--graph-calls", "3",
+            "--gap-items", "5", "--selected", "1,3", "--trials", "2", "--graph-calls", "3", "--graph-instances", "2",
             "--dtypes", "float32,bfloat16", "--fused-variants", "64/2/stream", "--seed", "7"]
     assert main(argv) == 0
     result = json.loads(output.read_text())
@@ -33,7 +33,8 @@ def test_gdn_bench_smoke_run_native_vs_plan_with_cast_cases(tmp_path, device):
     output = tmp_path / "gdn.json"
     argv = ["gdn-state-copy", "--output", str(output), "--device", str(device), "--rows", "12",
             "--shapes", "tiny=2,3,8;tinier=1,4,8", "--gap-items", "5", "--selected", "1,3", "--trials", "2",
-            "--graph-calls", "3", "--cases", "float32:float32,bfloat16:float32", "--seed", "3"]
+            "--graph-calls", "3", "--graph-instances", "2", "--cases", "float32:float32,bfloat16:float32",
+            "--seed", "3"]
     assert main(argv) == 0
     result = json.loads(output.read_text())
     assert result["benchmark"] == "gdn-state-copy" and len(result["source_sha256"]) == 64
@@ -72,18 +73,27 @@ def test_replay_graphs_times_every_call_in_each_round(device) -> None:
 
     source = torch.randn(1024, device=device)
     targets = {name: torch.zeros_like(source) for name in ("copy", "scaled")}
-    calls = {"copy": lambda step: targets["copy"].copy_(source),
-             "scaled": lambda step: torch.mul(source, 2.0, out=targets["scaled"])}
-    samples = replay_graphs(calls, graph_calls=5, trials=3, device=device, shuffler=random.Random(3))
-    assert set(samples) == set(calls) and all(len(values) == 3 and min(values) > 0 for values in samples.values())
+    ran = {"copy": 0, "scaled": 0}
+
+    def counted(name, launch):
+        def call(step):
+            ran[name] += 1  # host code: runs at warm-up and capture only, never at replay
+            return launch()
+        return call
+
+    calls = {"copy": counted("copy", lambda: targets["copy"].copy_(source)),
+             "scaled": counted("scaled", lambda: torch.mul(source, 2.0, out=targets["scaled"]))}
+    samples = replay_graphs(calls, graph_calls=5, trials=6, device=device, shuffler=random.Random(3), instances=3)
+    assert set(samples) == set(calls) and all(len(values) == 6 and min(values) > 0 for values in samples.values())
+    assert ran == {"copy": 3 * (3 + 5), "scaled": 3 * (3 + 5)}  # three captures, each 3 warm-up calls and 5 captured
     assert torch.equal(targets["copy"], source) and torch.equal(targets["scaled"], source * 2.0)
 
 
 def test_gdn_bench_measures_the_pdl_plan_only_where_the_target_has_pdl(tmp_path, device, capsys):
     output = tmp_path / "gdn.json"
     argv = ["gdn-state-copy", "--output", str(output), "--device", str(device), "--rows", "12", "--shapes",
-            "tiny=2,3,8", "--gap-items", "5", "--selected", "1,3", "--trials", "2", "--graph-calls", "3", "--cases",
-            "bfloat16:float32", "--seed", "3", "--pdl"]
+            "tiny=2,3,8", "--gap-items", "5", "--selected", "1,3", "--trials", "2", "--graph-calls", "3",
+            "--graph-instances", "2", "--cases", "bfloat16:float32", "--seed", "3", "--pdl"]
     assert main(argv) == 0
     impls = {record["impl"] for record in json.loads(output.read_text())["records"]}
     from kda_patches.state_copy.device import PDL, target_facts

@@ -18,7 +18,7 @@ from kda_patches.bench.gdn_report import PEER_LEAD, summarize_gdn
 from kda_patches.bench.peer import DEFAULT_RELEASE, fork_gdn_impl, peer_unrunnable
 
 ARGV = ["--rows", "12", "--shapes", "tiny=2,3,8", "--gap-items", "5", "--selected", "1,3", "--trials", "2",
-        "--graph-calls", "3", "--cases", "bfloat16:float32", "--seed", "3"]
+        "--graph-calls", "3", "--graph-instances", "2", "--cases", "bfloat16:float32", "--seed", "3"]
 
 
 def test_the_peer_is_the_releases_own_code_and_runs_or_says_why(tmp_path, device):
