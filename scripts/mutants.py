@@ -476,6 +476,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "initialize(states, max_num_seqs)",
            ("tests/routing/test_routing_core.py::test_the_pdl_switch_reaches_the_plans_compiled_at_startup",),
            "D (state_copy)", "KDA_PATCHES_PDL=1 is accepted and shown but never reaches the plans"),
+    Mutant("graph-instances-uneven-split", "kda_patches/bench/timing.py",
+           "    if instances < 1 or trials % instances:",
+           "    if instances < 1:",
+           ("tests/state_copy/test_state_copy_bench_graphs.py::"
+            "test_a_split_that_does_not_divide_the_trials_is_refused_naming_both",), "H (bench)",
+           "captures that do not divide the trials give some captures fewer rounds than others"),
+    Mutant("graph-instances-one-capture-order", "kda_patches/bench/timing.py",
+           "    for _ in range(instances):\n        capture = list(keys)\n",
+           "    capture = list(keys)\n    for _ in range(instances):\n",
+           ("tests/state_copy/test_state_copy_bench_graphs.py::"
+            "test_each_block_captures_every_call_anew_in_its_own_order_and_the_rounds_add_up_to_the_trials",),
+           "H (bench)", "every block captures in one shared order: each call keeps its place among the captures"),
     Mutant("status-hides-default-choices", "kda_patches/cli.py",
            "if key in defaults and value == defaults[key] and isinstance(value, str)}",
            "if key in defaults and value == defaults[key] and isinstance(value, str) and value != \"auto\"}",
