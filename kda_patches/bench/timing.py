@@ -228,7 +228,7 @@ def replay_graphs(calls: dict[Any, Call], graph_calls: int, trials: int, device:
                     samples.setdefault(key, []).append(time_graph(graphs[key], graph_calls, device))
         del graphs
         torch.cuda.empty_cache()
-    return samples
+    return {key: samples[key] for key in calls if key in samples}  # in the calls' order, as before blocks
 
 
 def best_loop_us(call: Callable[[], Any], calls: int = 3000, loops: int = 5, warmup: int = 100,

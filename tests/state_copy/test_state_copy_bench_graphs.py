@@ -71,6 +71,7 @@ def test_samples_come_block_after_block_each_from_that_blocks_own_capture(monkey
                                    instances=3)
     assert captures == {"up": 3, "plan": 3, "twin": 3}
     assert samples == {key: [0.0, 0.0, 1.0, 1.0, 2.0, 2.0] for key in calls}
+    assert list(samples) == list(calls)  # the calls' order, whatever order the captures and rounds took
 
 
 def test_a_call_whose_capture_fails_in_any_block_is_left_out_entirely(monkeypatch, capsys):
