@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_ab_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "graph_instances", None) is not None:
+    if args.benchmark in ("state-copy", "gdn-state-copy", "peer"):  # every parser above takes --graph-instances
         from kda_patches.bench import timing
 
         try:

@@ -365,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="how the plan columns launch (upstream's ops use PDL either way)")
     args = parser.parse_args(argv)
     args.selected = [int(x) for x in args.selected.split(",")]
+    from kda_patches.bench import timing
+
+    try:  # before any plan is compiled or graph captured
+        timing.check_graph_instances(args.trials, args.graph_instances)
+    except ValueError as error:
+        parser.error(str(error))
     import torch
 
     if not torch.cuda.is_available():
