@@ -90,3 +90,34 @@ def test_the_children_get_the_gdn_ops_switch_asked_for(gdn_ops, tmp_path: pathli
     assert env["KDA_PATCHES_GDN_OPS"] == gdn_ops and env["KDA_PATCHES_ONLY"] == "gdn_state_copy"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in env or env["VLLM_USE_V2_MODEL_RUNNER"] == __import__(
         "os").environ.get("VLLM_USE_V2_MODEL_RUNNER")
+
+
+@pytest.mark.parametrize(("rounds", "instances", "refused"), [(15, 5, False), (15, 4, True), (15, 0, True),
+                                                               (16, 3, True), (12, 3, False)])
+def test_copy_costs_refuse_graph_instances_that_do_not_split_the_rounds(rounds, instances, refused, monkeypatch,
+                                                                        capsys):
+    ran = []
+    monkeypatch.setattr(layers_check, "run_parent", lambda args: ran.append(args.graph_instances) or 0)
+    argv = ["--copy-costs", "--rounds", str(rounds), "--graph-instances", str(instances)]
+    if refused:
+        with pytest.raises(SystemExit):
+            layers_check.main(argv)
+        assert f"--graph-instances {instances}" in capsys.readouterr().err and ran == []
+    else:
+        assert layers_check.main(argv) == 0 and ran == [instances]
+
+
+def test_graph_instances_that_do_not_split_the_rounds_pass_when_copy_costs_are_not_timed(monkeypatch):
+    ran = []
+    monkeypatch.setattr(layers_check, "run_parent", lambda args: ran.append(args.graph_instances) or 0)
+    assert layers_check.main(["--rounds", "15", "--graph-instances", "4"]) == 0 and ran == [4]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_children_get_the_graph_instances_and_the_host_profile_only_when_patched(enabled, tmp_path):
+    args = layers_check.argparse.Namespace(rounds=20, settle=1, burst=8, graph_instances=4, copy_costs=True,
+                                           dry_run=False, host_profile=[1, 8])
+    argv = layers_check.child_argv("qwen_gdn", enabled, args, tmp_path / "child.json")
+    assert argv[argv.index("--graph-instances") + 1] == "4" and argv[argv.index("--rounds") + 1] == "20"
+    assert "--copy-costs" in argv and argv[argv.index("--mode") + 1] == ("on" if enabled else "off")
+    assert ("--host-profile" in argv) is enabled

@@ -247,14 +247,21 @@ def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool,
     return env
 
 
-def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Namespace, log: Any) -> dict[str, Any]:
-    """Run one child (``--child LAYER``) and return its JSON result (or the failure)."""
-    out = pathlib.Path(args.out) / f".child-{layer}-{'on' if enabled else 'off'}.json"
+def child_argv(layer: str, enabled: bool, args: argparse.Namespace, out: pathlib.Path) -> list[str]:
+    """The command line of one child (``--child LAYER``) writing its JSON to ``out``: the parent's timing options
+    (rounds, settle, burst, copy costs and their graph instances) and, patched children only, the host profile."""
     argv = [sys.executable, __file__, "--child", layer, "--child-out", str(out), "--rounds", str(args.rounds),
-            "--settle", str(args.settle), "--burst", str(args.burst),
+            "--settle", str(args.settle), "--burst", str(args.burst), "--graph-instances", str(args.graph_instances),
             *(["--copy-costs"] if args.copy_costs else []), "--mode", "on" if enabled else "off"]
     argv += ["--dry-run"] if args.dry_run else []
     argv += ["--host-profile", *map(str, args.host_profile)] if args.host_profile and enabled else []
+    return argv
+
+
+def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    """Run one child (``--child LAYER``) and return its JSON result (or the failure)."""
+    out = pathlib.Path(args.out) / f".child-{layer}-{'on' if enabled else 'off'}.json"
+    argv = child_argv(layer, enabled, args, out)
     started = time.perf_counter()
     process = subprocess.Popen(argv, env=child_env(site, layer, enabled, args.dry_run, args.gdn_ops),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -791,7 +798,7 @@ def copy_calls(fork_gather: Any, state: Any, indices: Any, flags: Any, final: An
     return calls
 
 
-def time_copy_costs(bench: LayerBench, trials: int) -> dict[str, Any]:
+def time_copy_costs(bench: LayerBench, trials: int, graph_instances: int = 1) -> dict[str, Any]:
     """The seam's copies alone on the layer's bound cache: the released body's ops against the overlay's plan.
 
     For each timed batch size the metadata comes from vLLM's own builder (the index and flag tensors the seam
@@ -799,7 +806,8 @@ def time_copy_costs(bench: LayerBench, trials: int) -> dict[str, Any]:
     plan prepared as the startup hook prepares it), and two plan configurations to explain a gap: ``plan_w8``
     (8 warps, as vLLM's gather launches) and ``plan_plain`` (no ``evict_first`` on the scatter's cache writes).
     Every plan's result is first compared with the fork's, byte for byte. Timing: the bench's seed-000 modes
-    (eager event, wall, host enqueue, graph replay), shuffled rounds.
+    (eager event, wall, host enqueue, graph replay), shuffled rounds; each copy captured ``graph_instances`` times
+    anew (:func:`~kda_patches.bench.timing.replay_graphs`), so no one capture's offset decides a row.
     """
     torch = bench.torch
     from kda_patches.bench.timing import measure_rounds, median
@@ -841,7 +849,7 @@ def time_copy_costs(bench: LayerBench, trials: int) -> dict[str, Any]:
         bench.raw.copy_(snapshot)
 
         calls = copy_calls(gather_initial_states, state, indices, flags, final, plans)
-        samples = measure_rounds(calls, trials, 20, bench.device, random.Random(500 + seqs))
+        samples = measure_rounds(calls, trials, 20, bench.device, random.Random(500 + seqs), graph_instances)
         bench.raw.copy_(snapshot)
         report["rows"][str(seqs)] = {
             "index_dtype": str(indices.dtype), "checks": checks,
@@ -1006,7 +1014,7 @@ def run_child_main(args: argparse.Namespace) -> int:
                 print(f"[{args.child}] timing {seqs}x{new}: " + json.dumps(
                     {k: v for k, v in row.items() if k != "samples"}), flush=True)
             if args.copy_costs and result["patched_available"]:
-                result["copy_costs"] = time_copy_costs(bench, args.rounds)
+                result["copy_costs"] = time_copy_costs(bench, args.rounds, args.graph_instances)
                 save()
             for seqs in args.host_profile:
                 profile = profile_host(bench, overlay if result["patched_available"] else None, seqs, 20, args.settle)
@@ -1040,6 +1048,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="calls per timed step (back to back on one metadata object, as one engine step)")
     parser.add_argument("--copy-costs", action="store_true",
                         help="also time the seam's copies alone, the fork's ops against the overlay's plan")
+    parser.add_argument("--graph-instances", type=int, default=5, metavar="N",
+                        help="--copy-costs: capture each copy N times anew, each capture replayed in rounds/N "
+                             "rounds (N must divide --rounds)")
     parser.add_argument("--layers", nargs="+", choices=LAYERS,
                         help="default: every layer that can run on the bundle's vLLM (layers_for)")
     parser.add_argument("--gdn-ops", choices=("overlay", "upstream"), default="overlay",
@@ -1053,6 +1064,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.copy_costs and (args.graph_instances < 1 or args.rounds % args.graph_instances):
+        parser.error(f"--graph-instances {args.graph_instances} must be at least 1 and divide --rounds "
+                     f"({args.rounds}): pick --rounds as a multiple of it")
     return run_child_main(args) if args.child else run_parent(args)
 
 
