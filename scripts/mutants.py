@@ -358,7 +358,7 @@ MUTANTS: tuple[Mutant, ...] = (
            'if self._widened_warps:',
            ("tests/state_copy/test_state_copy_targets.py::"
             "test_only_a_scatter_whose_tile_was_narrowed_takes_the_widened_scatter_warps",),
-           "D (state_copy)", "every variant of an SM90 plan takes 8 warps: the gathers and same-dtype scatters the "
+           "D (state_copy)", "every variant of an SM90 plan takes 8 warps: the BF16 gathers and same-dtype scatters the "
            "H100 probe measured 5-10 % slower at 1-8 rows with 8 warps"),
     Mutant("widened-warps-without-pdl", "kda_patches/state_copy/plan.py",
            "measured_launch = self._pdl or not self.target.honours(PDL)",
@@ -367,6 +367,24 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_pdl_target_widens_the_scatter_warps_only_of_plans_launched_with_pdl",),
            "D (state_copy)", "the default plain-launch plans on SM90 take the 8 warps measured only with PDL: the "
            "cast scatters 2-7 % slower at 64-256 rows (bench peer runs 2-3, H100; the plain probe, H200)"),
+    Mutant("gather-warps-ignored", "kda_patches/state_copy/plan.py",
+           'if key[0] == "gather" and self._gather_warps:', 'if False:',
+           ("tests/state_copy/test_state_copy_targets.py::"
+            "test_only_the_gathers_of_a_listed_cache_dtype_take_the_targets_gather_warps",),
+           "D (state_copy)", "SM90 PDL plans gather FP32 caches with 4 warps: 0.985-0.999 of vLLM 0.34's kernels at "
+           "8-256 rows on the H100 (launch-shape run 9, five captures), where 8 warps read 1.000-1.013"),
+    Mutant("gather-warps-without-pdl", "kda_patches/state_copy/plan.py",
+           "self._gather_warps = None if num_warps or not measured_launch else",
+           "self._gather_warps = None if num_warps else",
+           ("tests/state_copy/test_state_copy_targets.py::"
+            "test_a_pdl_target_gives_the_gather_warps_only_to_plans_launched_with_pdl",),
+           "D (state_copy)", "plain-launch plans (KDA_PATCHES_PDL=0) take gather warps measured only with PDL"),
+    Mutant("gather-warps-every-dtype", "kda_patches/state_copy/plan.py",
+           ".gather_warps.get(\n            casts.dtype_name(self._dtype))",
+           '.gather_warps.get(\n            "float32")',
+           ("tests/state_copy/test_state_copy_targets.py::"
+            "test_only_the_gathers_of_a_listed_cache_dtype_take_the_targets_gather_warps",),
+           "D (state_copy)", "BF16 caches gather with the FP32 gathers' 8 warps: 2-6 % slower than 4 at 8-256 rows"),
     Mutant("bulk-scatter-threshold-off-by-one", "kda_patches/state_copy/plan.py",
            "if count >= self._bulk_min_rows and packed.dtype == self._dtype:",
            "if count > self._bulk_min_rows and packed.dtype == self._dtype:",

@@ -103,6 +103,13 @@ class TargetFacts:
             ``scripts/gpu/launch_shape_probe.py``, ``docs/results/launch-shape/``): an FP32 scatter of 64-256 rows
             with 8 warps, plain stores and the pinned load matches vLLM 0.34's kernels (1.000), where 4 warps with
             ``evict_first`` (the better shape up to 8 rows) trail by 0.4-0.6 %.
+        gather_warps: cache dtype name (``"float32"`` ...) -> warps per program of the fused gathers of plans that
+            launch as measured (with PDL on a target that honours it), unless the plan was given ``num_warps``;
+            dtypes not listed keep the plan's warps. Measured on SM90 with five captures per implementation
+            (``docs/results/launch-shape/``, run 9, H100): FP32 gathers with 8 warps (vLLM 0.34's own shape, one
+            16-byte vector per thread) read 1.000-1.013 of upstream's kernels at 1-256 rows where 4 warps read
+            0.985-0.999; on the H200 (run 5) 8 warps read 1.000-1.016 and 4 warps 0.999-1.021. BF16 gathers
+            keep 4 warps (2-6 % ahead of 8 at 8-256 rows on both cards).
     """
 
     name: str
@@ -114,6 +121,7 @@ class TargetFacts:
     widened_scatter_warps: int | None = None
     pinned_scatter_load: bool = False
     bulk_scatter: BulkScatter | None = None
+    gather_warps: Mapping[str, int] = field(default_factory=dict)
 
     def honours(self, hint: str) -> bool:
         """Return whether the compiler keeps ``hint`` (e.g. :data:`EVICT_FIRST`)."""
@@ -132,7 +140,8 @@ SM90_HARDWARE_CASTS = ("float32->bfloat16",)
 SM90_BULK_SCATTER = BulkScatter(min_rows=64, num_warps=8, evict_first=False, cache_dtypes=("float32",))
 CUDA_PDL_TARGET = TargetFacts("cuda", honoured_hints=(EVICT_FIRST, PDL), tile_by_widest_item=True,
                               hardware_casts=SM90_HARDWARE_CASTS, widened_scatter_warps=8,
-                              pinned_scatter_load=True, bulk_scatter=SM90_BULK_SCATTER)  # SM90+
+                              pinned_scatter_load=True, bulk_scatter=SM90_BULK_SCATTER,
+                              gather_warps={"float32": 8})  # SM90+
 INTERPRETER_TARGET = TargetFacts("cpu-interpreter")  # the interpreter has no caches: hints are no-ops
 # Measured with triton-ascend 3.2.0 + bishengir 1.2.0 (`make ascend-check`, probe in patches/ASCEND_COMPILE.md):
 # the largest power-of-two block, in items, up to 65536, that reaches the final HIVM IR with the backend's

@@ -626,6 +626,8 @@ class FusedStatePlan(StateCopyPlan):
         # warps, which lead at 64-256 rows (TargetFacts.widened_scatter_warps)
         measured_launch = self._pdl or not self.target.honours(PDL)
         self._widened_warps = None if num_warps or not measured_launch else self.target.widened_scatter_warps
+        self._gather_warps = None if num_warps or not measured_launch else self.target.gather_warps.get(
+            casts.dtype_name(self._dtype))
         bulk = self.target.bulk_scatter
         if bulk and not num_warps and self.max_selected >= bulk.min_rows \
                 and casts.dtype_name(self._dtype) in bulk.cache_dtypes:
@@ -642,6 +644,8 @@ class FusedStatePlan(StateCopyPlan):
             return self._widened_warps
         if key[3:] == (BULK,):
             return self._bulk.num_warps
+        if key[0] == "gather" and self._gather_warps:  # TargetFacts.gather_warps, for this cache dtype
+            return self._gather_warps
         return self._num_warps
 
     def _block_facts(self) -> dict[str, Any]:
@@ -651,6 +655,8 @@ class FusedStatePlan(StateCopyPlan):
             facts["scatter_items"] = narrower
             if self._widened_warps:
                 facts["scatter_warps"] = {name: self._widened_warps for name in narrower}
+        if self._gather_warps:  # the gathers launch with the target's warps for this cache dtype
+            facts["gather_warps"] = self._gather_warps
         if self.target.pinned_scatter_load:  # the scatters' packed loads are volatile (kernels.py, "Pinned ...")
             facts["scatter_load"] = "pinned"
         if self._bulk is not None:  # from this many rows, same-dtype scatters launch the bulk variants

@@ -101,6 +101,40 @@ def test_only_a_scatter_whose_tile_was_narrowed_takes_the_widened_scatter_warps(
     assert CUDA_PDL_TARGET.widened_scatter_warps == 8 and CUDA_TARGET.widened_scatter_warps is None
 
 
+def test_only_the_gathers_of_a_listed_cache_dtype_take_the_targets_gather_warps():
+    target = TargetFacts("gathers", gather_warps={"float32": 8})
+    fp32 = warps(FusedStatePlan.variant_specs(meta(F32), 8, target, policies(F32, (F32, BF16))))
+    assert {fp32[name] for name in fp32 if "/gather/" in name} == {8}
+    assert {fp32[name] for name in fp32 if "/scatter/" in name} == {4}
+    # a cache dtype the target does not list keeps the plan's warps, and warps the caller chose apply everywhere
+    assert set(warps(FusedStatePlan.variant_specs(meta(BF16), 8, target, policies(BF16, (BF16, F32)))).values()) \
+        == {4}
+    assert set(warps(FusedStatePlan.variant_specs(meta(F32), 8, target, policies(F32, (F32,)),
+                                                  num_warps=2)).values()) == {2}
+    assert CUDA_PDL_TARGET.gather_warps == {"float32": 8} and CUDA_TARGET.gather_warps == {}
+
+
+def test_a_pdl_target_gives_the_gather_warps_only_to_plans_launched_with_pdl():
+    # measured with programmatic dependent launch, like the widened scatter warps
+    by_pdl = {pdl: warps(FusedStatePlan.variant_specs(meta(F32), 8, CUDA_PDL_TARGET, policies(F32, (F32,)),
+                                                      pdl=pdl))
+              for pdl in (True, False)}
+    assert by_pdl[True]["fused/gather/int32"] == by_pdl[True]["fused/gather/int64"] == 8
+    assert set(by_pdl[False].values()) == {4}
+
+
+def test_a_plan_with_gather_warps_says_so_and_gathers_exactly(device):
+    cache = build_cache(device, dtype=F32, num_rows=7, inner=(2, 16, 48), seed=17)
+    plan = FusedStatePlan.prepare(cache.state, 5, target=TargetFacts("gathers", gather_warps={"float32": 8})).seal()
+    assert plan.describe()["block"]["gather_warps"] == 8 and plan.describe()["num_warps"] == 4
+    indices = torch.tensor([6, -2, 1, 7, 3], dtype=torch.int64, device=device)
+    flags = torch.tensor([True, True, False, True, True], device=device)
+    before = cache.clone()
+    assert torch.equal(bits(plan.gather(cache.state, indices, flags)),
+                       bits(naive.gather_states(cache.state, indices, flags)))
+    assert torch.equal(bits(cache.backing), bits(before.backing)) and cache.gaps_untouched()
+
+
 def test_a_plan_with_widened_scatter_warps_says_so_and_copies_exactly(device):
     cache = build_cache(device, dtype=BF16, num_rows=6, inner=(2, 16, 48), seed=13)
     target = TargetFacts("wide", tile_by_widest_item=True, widened_scatter_warps=8)
