@@ -358,8 +358,8 @@ MUTANTS: tuple[Mutant, ...] = (
            'if self._widened_warps:',
            ("tests/state_copy/test_state_copy_targets.py::"
             "test_only_a_scatter_whose_tile_was_narrowed_takes_the_widened_scatter_warps",),
-           "D (state_copy)", "every variant of an SM90 plan takes 8 warps: the BF16 gathers and same-dtype scatters the "
-           "H100 probe measured 5-10 % slower at 1-8 rows with 8 warps"),
+           "D (state_copy)", "every variant of an SM90 plan takes 8 warps: the BF16 gathers and same-dtype scatters "
+           "the H100 probe measured 5-10 % slower at 1-8 rows with 8 warps"),
     Mutant("widened-warps-without-pdl", "kda_patches/state_copy/plan.py",
            "measured_launch = self._pdl or not self.target.honours(PDL)",
            "measured_launch = True",
