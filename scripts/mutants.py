@@ -399,8 +399,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "D (state_copy)", "BF16 finals of many rows launch the FP32 same-dtype bulk variant: it reads them as "
            "FP32 and writes garbage into the cache"),
     Mutant("scatter-load-unpinned", "kda_patches/state_copy/device.py",
-           "pinned_scatter_load=True, bulk_scatter=SM90_BULK_SCATTER)",
-           "pinned_scatter_load=False, bulk_scatter=SM90_BULK_SCATTER)",
+           "pinned_scatter_load=True, bulk_scatter=SM90_BULK_SCATTER,",
+           "pinned_scatter_load=False, bulk_scatter=SM90_BULK_SCATTER,",
            ("tests/state_copy/test_state_copy_sass.py::"
             "test_every_sm90_scatter_loads_its_packed_row_before_any_early_exit",),
            "D (state_copy)", "SM90's ptxas sinks the 8-warp same-dtype scatter's packed load below the early exit "
