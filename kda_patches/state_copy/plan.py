@@ -625,9 +625,9 @@ class FusedStatePlan(StateCopyPlan):
         # measured with programmatic dependent launch: a plan of a PDL target that launches without it keeps its
         # warps, which lead at 64-256 rows (TargetFacts.widened_scatter_warps)
         measured_launch = self._pdl or not self.target.honours(PDL)
-        self._widened_warps = None if num_warps or not measured_launch else self.target.widened_scatter_warps
-        self._gather_warps = None if num_warps or not measured_launch else self.target.gather_warps.get(
-            casts.dtype_name(self._dtype))
+        target_warps = measured_launch and not num_warps  # warps the caller chose apply to every variant
+        self._widened_warps = self.target.widened_scatter_warps if target_warps else None
+        self._gather_warps = self.target.gather_warps.get(casts.dtype_name(self._dtype)) if target_warps else None
         bulk = self.target.bulk_scatter
         if bulk and not num_warps and self.max_selected >= bulk.min_rows \
                 and casts.dtype_name(self._dtype) in bulk.cache_dtypes:
