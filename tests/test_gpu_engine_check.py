@@ -407,6 +407,9 @@ def test_the_peer_run_measures_the_unpacked_releases_own_ops_on_both_shapes(tmp_
                                                                        str(tmp_path / "peer.json"))
     assert [shape.split("=")[1] for shape in args.shapes.split(";")] == ["12,128,128", "32,128,128"]
     assert args.pdl  # the plan with programmatic dependent launch measured beside it
+    assert args.seed == 0
+    reseeded = module.peer_argv("0.33.0", tmp_path / "peer.json", seed=43)
+    assert build_parser().parse_args(reseeded[reseeded.index("bench") + 1:]).seed == 43
 
 
 @pytest.mark.parametrize("mode", ["bisect", "peer"])
@@ -421,7 +424,7 @@ def test_the_bisect_and_peer_runs_start_one_child_in_the_engine_environment(tmp_
     monkeypatch.setattr(module.subprocess, "run", lambda argv, env, cwd: started.append((argv, env)) or
                         subprocess.CompletedProcess(argv, 7))
     extra = (["--bisect", "short", "--num-prompts", "64", "--repeats", "2", "--interleave", "5"] if mode == "bisect"
-             else ["--peer"])
+             else ["--peer", "--peer-seed", "43"])
     assert module.main(["--out", str(tmp_path / "out"), *extra]) == 7  # the child's exit status
     (argv, env), = started
     assert str(tmp_path / "site-engine-hook") == env["PYTHONPATH"].split(":")[0]  # the stand-in hook first
@@ -433,6 +436,7 @@ def test_the_bisect_and_peer_runs_start_one_child_in_the_engine_environment(tmp_
         assert (tmp_path / "out" / "models" / "qwen3_5_bench" / "config.json").is_file()
     else:
         assert argv[argv.index("--release") + 1] == "vllm==0.33.0"
+        assert argv[argv.index("--seed") + 1] == "43"
 
 
 def test_the_throughput_line_says_a_shape_stopped_for_time():

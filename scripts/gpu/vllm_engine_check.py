@@ -920,12 +920,13 @@ _REPEAT_ENGINE_ARGS = {"--tensor-parallel-size": "tensor_parallel_size",
 PEER_SHAPES = "qwen3.6-27b-tp4=12,128,128;kimi-linear-48b-tp1=32,128,128"
 
 
-def peer_argv(vllm_version: str, output: pathlib.Path) -> list[str]:
+def peer_argv(vllm_version: str, output: pathlib.Path, seed: int = 0) -> list[str]:
     """``kda-patches bench peer`` with upstream vLLM's own GDN state-copy ops of the unpacked release beside the
     plan and the plan with programmatic dependent launch (issue 27 deliverable 3): Qwen3.6-27B's GDN heads at TP4
-    and Kimi-Linear-48B's KDA heads on one GPU."""
+    and Kimi-Linear-48B's KDA heads on one GPU. ``seed`` picks indices, flags, data and the shuffled capture
+    order; a second seed tells a capture's placement (which repeats under one seed) from a kernel's cost."""
     return [sys.executable, "-m", "kda_patches", "bench", "peer", "--release", f"vllm=={vllm_version}",
-            "--output", str(output), "--device", "cuda", "--shapes", PEER_SHAPES, "--pdl"]
+            "--output", str(output), "--device", "cuda", "--shapes", PEER_SHAPES, "--pdl", "--seed", str(seed)]
 
 
 def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: list[str], repeats: int,
@@ -1054,7 +1055,7 @@ def run_parent(args: argparse.Namespace) -> int:
                                            "install_engine_stand_ins")
     if args.peer:
         env = bench_env("peer", hook, site)
-        argv = peer_argv(report["vllm"], out / "peer.json")
+        argv = peer_argv(report["vllm"], out / "peer.json", args.peer_seed)
         print(" ".join(argv), flush=True)
         return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if args.bisect:
@@ -1124,6 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
                              "the same command in the next call (machine still warm) continues where it stopped")
     parser.add_argument("--peer", action="store_true",
                         help="instead of cases: `bench peer` with the unpacked release's own GDN state-copy ops")
+    parser.add_argument("--peer-seed", type=int, default=0, help="--peer's `bench peer --seed`")
     parser.add_argument("--bisect", choices=sorted(THROUGHPUT_SHAPES),
                         help="instead of cases: engine_repeat over this shape's requests, the baseline and --arms "
                              "(one engine per arm, --repeats timed passes each, step times on)")
