@@ -406,6 +406,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_every_sm90_scatter_loads_its_packed_row_before_any_early_exit",),
            "D (state_copy)", "SM90's ptxas sinks the 8-warp same-dtype scatter's packed load below the early exit "
            "(the bulk variant's load then waits for the index)"),
+    Mutant("peer-against-the-plain-plan", "kda_patches/bench/gdn_report.py",
+           "return next((name for name in PEER_REFERENCES if name in impls), \"plan\")",
+           "return \"plan\"",
+           ("tests/state_copy/test_state_copy_bench_peer.py::"
+            "test_peers_are_compared_with_the_pdl_plan_where_the_run_measured_it",),
+           "H (bench)", "`bench peer --pdl` judges upstream's kernels against the plain plan, which SM90+ never "
+           "runs by default (run 6: 0.59-1.43x printed where the PDL plan reads 0.943-1.656x)"),
+    Mutant("peer-behind-includes-parity", "kda_patches/bench/gdn_report.py",
+           "        if ratio < 1:\n", "        if ratio <= 1:\n",
+           ("tests/state_copy/test_state_copy_bench_peer.py::"
+            "test_a_row_behind_a_peer_names_its_per_capture_ratios_and_parity_is_not_behind",),
+           "H (bench)", "a row where the plan and the peer read the same is reported as the plan behind"),
     Mutant("engine-stop-sends-no-wake", "kda_patches/regress/engine_stop.py",
            "            send_abort([WAKE_REQUEST_ID])\n", "            pass\n",
            ("tests/regress/test_engine_stop.py::"

@@ -156,6 +156,20 @@ def check_graph_instances(trials: int, instances: int) -> None:
                          "pick trials as a multiple of the instances")
 
 
+def capture_medians(samples: list[float], instances: int) -> list[float]:
+    """Return the median of each capture's block of graph-replay ``samples``.
+
+    Args:
+        samples: one call's graph samples as :func:`replay_graphs` returns them (block after block, equal blocks).
+        instances: the captures they came from (``graph_instances``).
+    Raises:
+        ValueError: ``instances`` does not split the samples evenly (from :func:`check_graph_instances`).
+    """
+    check_graph_instances(len(samples), instances)
+    per = len(samples) // instances
+    return [median(samples[block * per:(block + 1) * per]) for block in range(instances)]
+
+
 def graph_schedule(keys: list[Any], trials: int, instances: int,
                    shuffler: Any) -> list[tuple[list[Any], list[list[Any]]]]:
     """Plan :func:`replay_graphs`: ``instances`` blocks, each ``(capture order, replay order of each round)``.

@@ -19,6 +19,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from kda_patches.bench.timing import capture_medians
+
 UPSTREAM = "upstream-0.34"
 # labels whose gather kernels compile identically (4 KiB tile; warps 4 or 8; the rest only changes the scatter)
 GATHER_TWINS = {"4 warps": ("plan 4096/4", "plan 4096/4/no-evict", "plan default", "plan default/unpinned"),
@@ -36,12 +38,6 @@ def graph_instances(result: dict[str, Any]) -> int:
     """Captures per implementation of ``result``: its ``--graph-instances``, else 1 (runs before the option)."""
     argv = result.get("argv", [])
     return int(argv[argv.index("--graph-instances") + 1]) if "--graph-instances" in argv else 1
-
-
-def capture_medians(samples: list[float], instances: int) -> list[float]:
-    """Return the median of each capture's block of ``samples`` (block-major, equal blocks)."""
-    per = len(samples) // instances
-    return [statistics.median(samples[block * per:(block + 1) * per]) for block in range(instances)]
 
 
 def rows_of(result: dict[str, Any], op: str) -> dict[tuple, dict[str, dict[str, Any]]]:

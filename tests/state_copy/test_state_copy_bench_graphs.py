@@ -74,6 +74,16 @@ def test_samples_come_block_after_block_each_from_that_blocks_own_capture(monkey
     assert list(samples) == list(calls)  # the calls' order, whatever order the captures and rounds took
 
 
+def test_capture_medians_read_the_samples_back_one_capture_at_a_time(monkeypatch):
+    stand_in_device(monkeypatch, refuse={})
+    samples = timing.replay_graphs({"plan": lambda step: step}, graph_calls=5, trials=6, device=CPU,
+                                   shuffler=random.Random(3), instances=3)["plan"]
+    assert timing.capture_medians(samples, 3) == [0.0, 1.0, 2.0]  # the block's own capture, not the whole median
+    assert timing.capture_medians([1.0, 3.0, 8.0, 9.0], 1) == [5.5]
+    with pytest.raises(ValueError, match="must be at least 1 and divide the trials"):
+        timing.capture_medians(samples, 4)  # 6 samples do not come from 4 equal captures
+
+
 def test_a_call_whose_capture_fails_in_any_block_is_left_out_entirely(monkeypatch, capsys):
     stand_in_device(monkeypatch, refuse={"syncs": 1})
     calls = {key: (lambda step, key=key: key) for key in ("plan", "syncs")}

@@ -7,12 +7,13 @@ reported as not run, never silently dropped. On a GPU (``--run-gpu``) it is meas
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
 from vllm_stack import import_vllm
 
-from kda_patches.bench import main
+from kda_patches.bench import gdn_report, main
 from kda_patches.bench.entries import CompilerEntryCounter
 from kda_patches.bench.gdn_report import PEER_LEAD, summarize_gdn
 from kda_patches.bench.peer import DEFAULT_RELEASE, fork_gdn_impl, peer_unrunnable
@@ -124,6 +125,58 @@ def test_the_summary_says_where_the_plan_leads_a_peer():
     assert by_rows[64]["plan_speedup_vs_peer"]["fork"]["graph"] > PEER_LEAD
     assert summary["peers"]["fork"]["plan_leads_by_10pct"] == ["s bfloat16:float32 S=64 pair 1.15x"]
     assert summary["peers"]["fork"]["graph_ratio_min"] == 1.0
+
+
+def peer_records(medians, selected=8, samples=None):
+    """Graph and wall records of one pair row: ``{impl: median}``, ``samples`` ``{impl: graph samples}``."""
+    return [{"shape": "s", "inner": [1, 2, 2], "dtype": "float32", "final_dtype": "float32", "selected": selected,
+             "op": "pair", "impl": impl, "mode": mode, "median_us": median,
+             **({"samples_us": samples[impl]} if samples and mode == "graph" else {})}
+            for impl, median in medians.items() for mode in ("graph", "wall")]
+
+
+def test_peers_are_compared_with_the_pdl_plan_where_the_run_measured_it():
+    # the plain plan trails the peer, the PDL plan leads it: which one the verdict reads decides the outcome
+    medians = {"native": 40.0, "plan": 10.0, "plan+pdl": 8.0, "fork": 9.0}
+    summary = summarize_gdn({"records": peer_records(medians), "copy_ceiling": None,
+                             "compiler_entries_after_seal": {}})
+    assert summary["peer_reference"] == "plan+pdl"
+    assert summary["peers"]["fork"]["plan_leads_by_10pct"] == ["s float32:float32 S=8 pair 1.12x"]
+    assert summary["peers"]["fork"]["plan_behind"] == []
+    without_pdl = {impl: value for impl, value in medians.items() if impl != "plan+pdl"}
+    summary = summarize_gdn({"records": peer_records(without_pdl), "copy_ceiling": None,
+                             "compiler_entries_after_seal": {}})
+    assert summary["peer_reference"] == "plan"
+    assert summary["peers"]["fork"]["plan_behind"] == ["s float32:float32 S=8 pair 0.900x"]
+
+
+def test_a_row_behind_a_peer_names_its_per_capture_ratios_and_parity_is_not_behind():
+    samples = {"plan+pdl": [1.0, 1.0, 2.0, 2.0], "fork": [1.1, 1.1, 1.1, 1.1]}  # captures 1.0 and 2.0 against 1.1
+    records = peer_records({"plan+pdl": 1.5, "fork": 1.1}, samples=samples)
+    records += peer_records({"plan+pdl": 3.0, "fork": 3.0}, selected=64)  # level: not behind
+    summary = summarize_gdn({"records": records, "copy_ceiling": None, "compiler_entries_after_seal": {},
+                             "argv": {"graph_instances": 2}})
+    assert summary["peers"]["fork"]["plan_behind"] == ["s float32:float32 S=8 pair 0.733x (captures 0.550-1.100)"]
+    by_rows = {row["selected"]: row for row in summary["rows"]}
+    assert by_rows[8]["peer_capture_ratios"] == {"fork": [1.1, 0.55]}
+    assert "peer_capture_ratios" not in by_rows[64]  # no samples: no per-capture claim
+
+
+def test_a_saved_result_is_read_again_with_todays_summary_and_left_as_it_was(tmp_path, capsys):
+    from kda_patches.results_io import write_json
+
+    path = write_json(tmp_path / "peer.json.xz", {"records": peer_records({"plan": 10.0, "plan+pdl": 8.0,
+                                                                           "fork": 7.6}),
+                                                  "copy_ceiling": None, "compiler_entries_after_seal": {},
+                                                  "summary": {"stale": True}})
+    before = pathlib.Path(path).read_bytes()
+    assert gdn_report.main([path]) == 0
+    out = capsys.readouterr().out
+    assert "peer fork: peer/plan+pdl graph-replay time 0.950-0.950x" in out
+    assert "behind in 1: s float32:float32 S=8 pair 0.950x" in out
+    assert pathlib.Path(path).read_bytes() == before
+    assert gdn_report.main([str(tmp_path / "peer.json")]) == 2
+    assert "try " + str(tmp_path / "peer.json.xz") in capsys.readouterr().out
 
 
 def test_foreign_kernels_jit_entries_are_counted_apart(device):
