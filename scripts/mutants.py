@@ -507,7 +507,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "initialize(states, max_num_seqs)",
            ("tests/routing/test_routing_core.py::test_the_pdl_switch_reaches_the_plans_compiled_at_startup",),
            "D (state_copy)", "KDA_PATCHES_PDL=1 is accepted and shown but never reaches the plans"),
-    Mutant("graph-instances-uneven-split", "kda_patches/bench/timing.py",
+    Mutant("graph-instances-uneven-split", "kda_patches/bench/stats.py",
            "    if instances < 1 or trials % instances:",
            "    if instances < 1:",
            ("tests/state_copy/test_state_copy_bench_graphs.py::"

@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.benchmark in ("state-copy", "gdn-state-copy", "peer"):  # every parser above takes --graph-instances
-        from kda_patches.bench import timing
+        from kda_patches.bench.stats import check_graph_instances  # no torch before the refusal
 
         try:
-            timing.check_graph_instances(args.trials, args.graph_instances)
+            check_graph_instances(args.trials, args.graph_instances)
         except ValueError as error:
             parser.error(f"--graph-instances / --trials: {error}")
     if args.benchmark == "state-copy":

@@ -7,7 +7,7 @@ from typing import Any
 
 from kda_patches.bench.plot import load_pyplot
 from kda_patches.bench.report import close_summary, target_check
-from kda_patches.bench.timing import capture_medians
+from kda_patches.bench.stats import capture_medians
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GDN_TARGETS = {
@@ -81,16 +81,16 @@ def summarize_gdn(result: dict[str, Any]) -> dict[str, Any]:
         row["copy_graph_over_floor"] = copy["graph"] / floor if copy.get("graph") and floor else None
         # peer / reference plan per mode: > 1 means the plan is faster than that peer
         reference = impls.get(reference_name, {})
-        peers = [name for name in impls if name not in OWN_IMPLS]
+        row_peers = [name for name in impls if name not in OWN_IMPLS]
         row["plan_speedup_vs_peer"] = {name: {mode: impls[name][mode] / reference[mode] for mode in MODES
-                                              if impls[name].get(mode) and reference.get(mode)} for name in peers}
+                                              if impls[name].get(mode) and reference.get(mode)} for name in row_peers}
         samples = graph_samples.get(key, {})
         if reference_name in samples:  # per capture block: a capture's placement shows as one block apart
             ours = capture_medians(samples[reference_name], instances)
             row["peer_capture_ratios"] = {
                 name: [theirs / own
                        for theirs, own in zip(capture_medians(samples[name], instances), ours, strict=True)]
-                for name in peers if name in samples}
+                for name in row_peers if name in samples}
         rows.append(row)
         tag = f"{shape}/{cache}:{final}/{selected}"
         if selected >= 64 and op == "pair" and (cache, final) in SPEEDUP_CASES:
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kda_patches.results_io import read_json
 
-    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else None)
+    parser = argparse.ArgumentParser(description="print a saved GDN or `bench peer` result with today's summary")
     parser.add_argument("result", help="a `bench gdn-state-copy` or `bench peer` JSON (.json or .json.xz)")
     args = parser.parse_args(argv)
     try:

@@ -11,10 +11,12 @@ Each measured call returns its output; outputs are released after the timed regi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from kda_patches.bench.stats import check_graph_instances, median
 
 Call = Callable[[int], Any]
 
@@ -145,31 +147,6 @@ def measure_rounds(calls: dict[tuple[str, ...], Call], trials: int, graph_calls:
     return samples
 
 
-def check_graph_instances(trials: int, instances: int) -> None:
-    """Refuse ``instances`` captures per call that cannot split ``trials`` rounds evenly.
-
-    Raises:
-        ValueError: ``instances`` is below 1 or does not divide ``trials`` (names both and the fix).
-    """
-    if instances < 1 or trials % instances:
-        raise ValueError(f"graph instances {instances} must be at least 1 and divide the trials ({trials}): "
-                         "pick trials as a multiple of the instances")
-
-
-def capture_medians(samples: list[float], instances: int) -> list[float]:
-    """Return the median of each capture's block of graph-replay ``samples``.
-
-    Args:
-        samples: one call's graph samples as :func:`replay_graphs` returns them (block after block, equal blocks).
-        instances: the captures they came from (``graph_instances``).
-    Raises:
-        ValueError: ``instances`` does not split the samples evenly (from :func:`check_graph_instances`).
-    """
-    check_graph_instances(len(samples), instances)
-    per = len(samples) // instances
-    return [median(samples[block * per:(block + 1) * per]) for block in range(instances)]
-
-
 def graph_schedule(keys: list[Any], trials: int, instances: int,
                    shuffler: Any) -> list[tuple[list[Any], list[list[Any]]]]:
     """Plan :func:`replay_graphs`: ``instances`` blocks, each ``(capture order, replay order of each round)``.
@@ -265,10 +242,3 @@ def best_loop_us(call: Callable[[], Any], calls: int = 3000, loops: int = 5, war
         if synchronize_device is not None:
             synchronize(synchronize_device)
     return round(best, 3)
-
-
-def median(samples: Sequence[float]) -> float:
-    """Return the median of ``samples`` (the mean of the middle two for an even count)."""
-    ordered = sorted(samples)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

@@ -19,7 +19,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from kda_patches.bench.timing import capture_medians
+from kda_patches.bench.stats import capture_medians
 
 UPSTREAM = "upstream-0.34"
 # labels whose gather kernels compile identically (4 KiB tile; warps 4 or 8; the rest only changes the scatter)

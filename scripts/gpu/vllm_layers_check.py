@@ -1064,7 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("on", "off"), default="on", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    # kda_patches.bench.timing.check_graph_instances' rule: importing the package here would activate the overlay
+    # kda_patches.bench.stats.check_graph_instances' rule: importing the package here would activate the overlay
     if args.copy_costs and (args.graph_instances < 1 or args.rounds % args.graph_instances):
         parser.error(f"--graph-instances {args.graph_instances} must be at least 1 and divide --rounds "
                      f"({args.rounds}): pick --rounds as a multiple of it")

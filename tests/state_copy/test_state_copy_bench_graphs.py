@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kda_patches.bench import main, timing
+from kda_patches.bench import main, stats, timing
 
 CPU = torch.device("cpu")
 
@@ -78,10 +78,10 @@ def test_capture_medians_read_the_samples_back_one_capture_at_a_time(monkeypatch
     stand_in_device(monkeypatch, refuse={})
     samples = timing.replay_graphs({"plan": lambda step: step}, graph_calls=5, trials=6, device=CPU,
                                    shuffler=random.Random(3), instances=3)["plan"]
-    assert timing.capture_medians(samples, 3) == [0.0, 1.0, 2.0]  # the block's own capture, not the whole median
-    assert timing.capture_medians([1.0, 3.0, 8.0, 9.0], 1) == [5.5]
+    assert stats.capture_medians(samples, 3) == [0.0, 1.0, 2.0]  # the block's own capture, not the whole median
+    assert stats.capture_medians([1.0, 3.0, 8.0, 9.0], 1) == [5.5]
     with pytest.raises(ValueError, match="must be at least 1 and divide the trials"):
-        timing.capture_medians(samples, 4)  # 6 samples do not come from 4 equal captures
+        stats.capture_medians(samples, 4)  # 6 samples do not come from 4 equal captures
 
 
 def test_a_call_whose_capture_fails_in_any_block_is_left_out_entirely(monkeypatch, capsys):

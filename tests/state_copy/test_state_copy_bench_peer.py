@@ -179,6 +179,17 @@ def test_a_saved_result_is_read_again_with_todays_summary_and_left_as_it_was(tmp
     assert "try " + str(tmp_path / "peer.json.xz") in capsys.readouterr().out
 
 
+def test_reading_a_saved_result_imports_no_torch():
+    # kda_patches.bench.stats holds the sample arithmetic apart from the timing module, which needs torch
+    import subprocess
+    import sys
+
+    probe = ("import sys, kda_patches.bench.gdn_report; "
+             "print(sorted(name for name in ('torch', 'triton') if name in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+
+
 def test_foreign_kernels_jit_entries_are_counted_apart(device):
     import triton
     import triton.language as tl
