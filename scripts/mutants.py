@@ -161,6 +161,17 @@ CHOSEN_TARGET_ALWAYS_LIVE = Mutant(
     "a target chosen by a switch (vllm-ascend 0.30 GDN) is wrapped although the fork does the job")
 
 MUTANTS: tuple[Mutant, ...] = (
+    # -- issue 50: breakable CUDA graphs replay the routed call, and capture-time dummy batches are counted apart --
+    Mutant("eager-break-replays-the-unwrapped-function", "kda_patches/routing/wrappers.py",
+           "        self.breaks[original] = found.decorator(self.routed_entry(found.inner))\n",
+           "",
+           (f"{REWRITE_TESTS}::test_a_seam_under_vllms_eager_break_is_routed_at_capture_and_in_every_replay",),
+           "E (routing)", "the capture records the undecorated function: replays copy states unseen, unrouted"),
+    Mutant("capture-time-calls-counted-as-requests", DIRECT,
+           "        seam = seam.at_capture  # a capture's dummy batch: routed, counted apart from the requests\n",
+           "        pass\n",
+           (f"{REWRITE_TESTS}::test_a_seam_under_vllms_eager_break_is_routed_at_capture_and_in_every_replay",),
+           "E (routing)", "a breakable capture's eager run of a dummy batch is counted as a served prefill call"),
     # -- issue 19: the rewritten twin's guards, and the alias's transpose tag -----------------------------
     Mutant("rewrite-fold-any-clear-value", REWRITE,
            "if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1 and _is_zero(statement.value)):",

@@ -42,6 +42,7 @@ from kda_patches.routing.seams import (
     Argument,
     KVCacheSlot,
     Seam,
+    capture_section,
 )
 from kda_patches.routing.wrappers import (
     ForkPlanWrapper,
@@ -162,7 +163,9 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
         section: the patch's ledger section (``kimi_prefill`` or ``gdn_state_copy``).
     Returns:
         e.g. ``kimi_prefill: prefill calls seen 12, routed 12, bypassed 0; plans fused=4 (model.layers.0…);
-        seams by rewrite 1``; layers where the fork keeps its own plan show as ``fork-native:fused=4 (…)``;
+        seams by rewrite 1``; calls a breakable CUDA-graph capture ran (dummy batches) follow as ``at graph
+        capture seen N, routed N, bypassed N`` when there were any; layers where the fork keeps its own plan
+        show as ``fork-native:fused=4 (…)``;
         the last part counts the wrapped seam functions by routing mechanism (facts ``routing <target>``).
     """
     counters = snapshot.get("counters", {}).get(section, {})
@@ -183,6 +186,10 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
     for extra in ("casts_folded", "casts_materialized"):  # the final-state cast inside the scatter, or not
         if counters.get(extra):
             line += f", {extra.replace('_', ' ')} {counters[extra]}"
+    captured = snapshot.get("counters", {}).get(capture_section(section), {})
+    if captured:  # breakable CUDA-graph capture's eager runs of dummy batches: not requests, counted apart
+        line += (f"; at graph capture seen {captured.get('calls_seen', 0)}, routed {captured.get('calls_routed', 0)}, "
+                 f"bypassed {captured.get('calls_bypassed', 0)}")
     mechanisms = sorted(fact["mechanism"] for key, fact in facts.items()
                         if key.startswith("routing ") and isinstance(fact, dict) and "mechanism" in fact)
     routing = ", ".join(f"{name} {mechanisms.count(name)}" for name in sorted(set(mechanisms)))

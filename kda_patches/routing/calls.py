@@ -64,20 +64,34 @@ def prefill_metadata(layer: Any) -> Any:
     return entry if entry is not None and (getattr(entry, "num_prefills", 0) or 0) > 0 else None
 
 
-def breakable_capture_active() -> bool:
-    """Return whether vLLM's breakable CUDA-graph capture would record this call for eager replay.
+NOT_CAPTURING, CAPTURE_EAGER, CAPTURE_RECORDING = 0, 1, 2
 
-    Such a replay calls the undecorated function without this wrapper, so its copies cannot be routed.
+
+def breakable_capture_phase() -> int:
+    """Return where this call stands in vLLM's breakable CUDA-graph capture (none before vLLM imports it).
+
+    Returns:
+        :data:`NOT_CAPTURING` (serving, replays included: a replay runs outside any capture context),
+        :data:`CAPTURE_EAGER` (a capture is current but its segment is closed: the eager run that
+        ``add_eager`` makes of a break while recording it -- a capture-time dummy batch, not a request), or
+        :data:`CAPTURE_RECORDING` (a segment is recording: the call's kernels go into a graph that replays
+        without this wrapper).
     """
     module = sys.modules.get("vllm.compilation.breakable_cudagraph")
     if module is None:
-        return False
+        return NOT_CAPTURING
     capture_class = module.BreakableCUDAGraphCapture
     tls = getattr(capture_class, "_tls", None)
     # vLLM's current() is getattr(cls._tls, "active", None): on a thread that never captured, that attribute
     # miss raises and catches inside (~0.5 us per routed call); the thread's own dict answers without it
     capture = tls.__dict__.get("active") if type(tls) is threading.local else capture_class.current()
-    return capture is not None and bool(getattr(capture, "_capturing", False))
+    if capture is None:
+        return NOT_CAPTURING
+    return CAPTURE_RECORDING if getattr(capture, "_capturing", False) else CAPTURE_EAGER
+
+
+CAPTURE_RECORDING_REASON = ("a breakable CUDA-graph segment was recording: its replays run the copies without any "
+                            "wrapper (a seam is routed under breakable graphs only as an eager break)")
 
 
 def read_argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
@@ -143,6 +157,9 @@ def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dic
     """
     if getattr(active_call, "route", None) is not None:  # a nested override: the outer call routes
         return wrapped(*args, **kwargs)
+    phase = breakable_capture_phase()
+    if phase == CAPTURE_EAGER:
+        seam = seam.at_capture  # a capture's dummy batch: routed, counted apart from the requests
     metadata = None
     if seam.prefill_gated:
         metadata = prefill_metadata(instance)
@@ -156,9 +173,8 @@ def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dic
         report_bypass(section, layer_name_of(instance), f"the declared state {seam.state!r} is not a "
                       "[N, H, V, K] tensor")
         return wrapped(*args, **kwargs)
-    if seam.prefill_gated and breakable_capture_active():
-        report_bypass(section, layer_name_of(instance), "breakable CUDA-graph capture replays the unwrapped "
-                      f"function (VLLM_USE_BREAKABLE_CUDAGRAPH=1 is not supported by {section})")
+    if phase == CAPTURE_RECORDING and seam.prefill_gated:
+        report_bypass(section, layer_name_of(instance), CAPTURE_RECORDING_REASON)
         return wrapped(*args, **kwargs)
     indices = read_declared(seam.indices, args, kwargs, metadata)
     flags = None if seam.clear == CLEAR_NONE or not fold else read_declared(seam.flags, args, kwargs, metadata)

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from kda_patches.ledger import get_ledger
-from kda_patches.routing.calls import active_call, breakable_capture_active, prefill_metadata
+from kda_patches.routing.calls import (
+    CAPTURE_EAGER,
+    CAPTURE_RECORDING,
+    CAPTURE_RECORDING_REASON,
+    active_call,
+    breakable_capture_phase,
+    prefill_metadata,
+)
 from kda_patches.routing.proof import PLAN_ATTRIBUTE, layer_name_of, report_bypass, require_plan
 from kda_patches.routing.seams import KVCacheSlot, Seam
 
@@ -211,7 +218,7 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
 
     The prefill gate is read only when it decides something: before the call when the layer has no plan
     (a prefill call is refused before any of it runs, a decode call runs as written) or the call cannot be
-    routed (no 4-D cache, breakable CUDA-graph capture), and after a call that copied nothing through the
+    routed (no 4-D cache, a breakable CUDA-graph segment recording), and after a call that copied nothing through the
     plan (decode-only: uncounted; a prefill: bypassed). A call that routed exactly one gather and one
     scatter copied its states in the prefill branch, which is the gate's answer already.
 
@@ -237,8 +244,11 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
         state = cache[seam.state.slot] if len(cache) > seam.state.slot else None  # the common case, inline
     else:
         state = read_cache(seam, instance, args, kwargs)
+    phase = breakable_capture_phase()
+    if phase == CAPTURE_EAGER:
+        seam = seam.at_capture  # a capture's dummy batch: routed, counted apart from the requests
     if plan is None or not isinstance(state, torch.Tensor) or state.dim() != 4 or (
-            seam.prefill_gated and breakable_capture_active()):
+            phase == CAPTURE_RECORDING and seam.prefill_gated):
         return run_unroutable(seam, wrapped, instance, args, kwargs, state)
     route = DirectRoute(plan, state)
     active.route = route
@@ -261,7 +271,8 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
 
 
 def run_unroutable(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dict, state: Any) -> Any:
-    """A call with no plan, no 4-D cache or under breakable capture: refuse or report a prefill, run the rest.
+    """A call with no plan, no 4-D cache or inside a recording graph segment: refuse or report a prefill, run the
+    rest.
 
     Raises:
         PlanNotPublished: a prefill call (or any call of a seam that is not prefill-gated) without a plan.
@@ -275,6 +286,5 @@ def run_unroutable(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs:
         report_bypass(section, layer_name_of(instance), f"the declared state {seam.state!r} is not a "
                       "[N, H, V, K] tensor")
     else:
-        report_bypass(section, layer_name_of(instance), "breakable CUDA-graph capture replays the unwrapped "
-                      f"function (VLLM_USE_BREAKABLE_CUDAGRAPH=1 is not supported by {section})")
+        report_bypass(section, layer_name_of(instance), CAPTURE_RECORDING_REASON)
     return wrapped(*args, **kwargs)

@@ -29,7 +29,8 @@ A re-application of the same function (revert, register again) reuses its twin (
 The twin has the original's globals (the module's live namespace), defaults, name and line numbers, plus one
 positional-only first parameter ``_kda_route``: ``twin(route, self, *args, **kwargs)``. A function this
 module cannot rewrite exactly -- no source, a closure (``super()``), a decorator that returned another
-object (unless :data:`TRANSPARENT_WRAPPERS` declares why standing in for it is exact), a name-mangled
+object (an eager-break decorator of :data:`EAGER_BREAK_WRAPPERS` is not: the twin is built from the function it
+wrapped and the seam's wrapper re-applies the decorator, :func:`find_eager_break`), a name-mangled
 identifier, a source file that no longer compiles to the loaded function's bytecode, a clear that is not the
 folded form, another index read or write of the cache -- is refused with the reason; the seam then routes
 through the alias, and the ledger fact ``routing <target>`` of the seam's section says which mechanism each
@@ -43,7 +44,7 @@ import inspect
 import types
 from typing import Any
 
-from kda_patches.routing.seams import CLEAR_FUNCTION, CLEAR_NATIVE, CLEAR_NONE, Argument, Seam
+from kda_patches.routing.seams import CLEAR_FUNCTION, CLEAR_NATIVE, CLEAR_NONE, Argument, Seam, capture_section
 
 ROUTE_PARAMETER = "_kda_route"
 _SCOPE = "_kda_class_scope"  # the class body a method's source is parsed in
@@ -58,12 +59,54 @@ for _feature in ("annotations", "division", "generator_stop"):
     _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
 
 
-# decorators whose wrapper the twin may stand in for: ``module:qualname`` of the wrapper -> why that is exact
-TRANSPARENT_WRAPPERS = {
-    "vllm.compilation.breakable_cudagraph:eager_break_during_capture.<locals>.wrapper":
-        "vLLM's eager_break_during_capture calls the function itself outside a breakable CUDA-graph capture; a "
-        "call under capture runs the wrapper as written and is reported bypassed (prefill-gated seams only)",
+# decorators that make a function an eager break of vLLM's breakable CUDA-graph capture (a capture records a
+# closure over the *undecorated* function and replays that, so a wrapper around the decorated one is never reached
+# again): ``module:qualname`` of the wrapper the decorator returns -> the decorator's name in that module. A seam's
+# wrapper re-applies the decorator to its own routed entry (:func:`find_eager_break`), so what a capture records
+# and replays is the routed call.
+EAGER_BREAK_WRAPPERS = {
+    "vllm.compilation.breakable_cudagraph:eager_break_during_capture.<locals>.wrapper": "eager_break_during_capture",
 }
+
+
+class EagerBreak:
+    """A seam function as an eager-break decorator returned it.
+
+    Attributes:
+        decorator: the decorator itself, found in the wrapper's own module (its code holds the wrapper's).
+        inner: the undecorated function the wrapper calls (what a capture records; the twin is built from it).
+        name: ``module.decorator`` (ledger).
+    """
+
+    __slots__ = ("decorator", "inner", "name")
+
+    def __init__(self, decorator: Any, inner: types.FunctionType, name: str) -> None:
+        self.decorator = decorator
+        self.inner = inner
+        self.name = name
+
+
+def find_eager_break(function: Any) -> EagerBreak | None:
+    """Return how ``function`` was made an eager break, or None when it is not a declared decorator's wrapper.
+
+    The decorator is read from the function object: its code is one of :data:`EAGER_BREAK_WRAPPERS`, the
+    decorator of that name in the wrapper's module made it (the wrapper's code is a constant of the decorator's),
+    and the function its closure calls is its ``__wrapped__``. A wrapper that does not prove all three is
+    treated as any other decorated function (no twin; under capture its calls are reported bypassed).
+    """
+    if type(function) is not types.FunctionType:
+        return None
+    module = function.__globals__.get("__name__")
+    name = EAGER_BREAK_WRAPPERS.get(f"{module}:{function.__code__.co_qualname}")
+    if name is None:
+        return None
+    decorator = function.__globals__.get(name)
+    inner = getattr(function, "__wrapped__", None)
+    cells = [cell.cell_contents for cell in function.__closure__ or ()]
+    if (type(decorator) is not types.FunctionType or function.__code__ not in decorator.__code__.co_consts
+            or type(inner) is not types.FunctionType or not any(inner is value for value in cells)):
+        return None
+    return EagerBreak(decorator, inner, f"{module}.{name}")
 
 
 class RewriteRefused(Exception):
@@ -423,13 +466,6 @@ def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
     """
     if type(function) is not types.FunctionType:  # a proxy (another wrapper) passes isinstance
         raise RewriteRefused(f"{function!r} is not a plain function")
-    # the defining module of the wrapper's code (functools.wraps copies the wrapped function's __module__)
-    through = TRANSPARENT_WRAPPERS.get(f"{function.__globals__.get('__name__')}:{function.__code__.co_qualname}")
-    inner = getattr(function, "__wrapped__", None)
-    if through is not None and seam.prefill_gated and type(inner) is types.FunctionType:
-        function = inner  # the twin stands in for the wrapper outside capture (route_direct checks for capture)
-    else:
-        through = None
     code = function.__code__
     if code.co_freevars:
         raise RewriteRefused(f"{function.__qualname__} closes over {', '.join(code.co_freevars)} (e.g. super()); "
@@ -472,8 +508,6 @@ def rewrite_seam_function(function: Any, seam: Seam) -> Rewritten:
     twin.__annotations__ = dict(getattr(function, "__annotations__", {}))
     twin.__dict__.update(function.__dict__)
     twin.__kda_original__ = function
-    if through is not None:
-        replaced = [f"through its decorator: {through}", *replaced]
     return Rewritten(twin, replaced)
 
 
@@ -533,17 +567,28 @@ def predict_mechanism(definition: ast.AST, seam: Seam, qualname: str) -> dict[st
         seam: its declaration.
         qualname: the function's qualified name.
     Returns:
-        ``{"mechanism": "rewrite", "replaced": [...]}`` or ``{"mechanism": "alias", "reason": ...}``. A
+        ``{"mechanism": "rewrite", "replaced": [...]}`` or ``{"mechanism": "alias", "reason": ...}``, with
+        ``"eager_break": <decorator name>`` where the definition carries a declared eager-break decorator
+        (:data:`EAGER_BREAK_WRAPPERS`: the seam is then reached through that decorator re-applied). Any other
         decorator is read as returning the function itself (the live check decides the rest at wrap time).
     """
     import copy
 
     if not isinstance(definition, ast.FunctionDef):
         return {"mechanism": "alias", "reason": f"not rewritten: {qualname} is not a function definition"}
+    breaks = sorted(set(EAGER_BREAK_WRAPPERS.values()) & {_decorator_name(node) for node in definition.decorator_list})
+    eager_break = {"eager_break": breaks[0]} if breaks else {}
     try:
-        return {"mechanism": "rewrite", "replaced": plan_rewrite(copy.deepcopy(definition), seam, qualname)}
+        return {"mechanism": "rewrite", "replaced": plan_rewrite(copy.deepcopy(definition), seam, qualname),
+                **eager_break}
     except RewriteRefused as refusal:
-        return {"mechanism": "alias", "reason": f"not rewritten: {refusal}"}
+        return {"mechanism": "alias", "reason": f"not rewritten: {refusal}", **eager_break}
+
+
+def _decorator_name(node: ast.expr) -> str:
+    """The last name of a decorator expression (``@a.b`` -> ``b``; a call's callee), or ``""``."""
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
 
 
 # twins already built, by original function: a re-application (revert, then register again: A/B switching in one
@@ -563,7 +608,8 @@ def build_twin(original: Any, seam: Seam) -> Rewritten:
     return rewritten
 
 
-def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, key: str, original: Any) -> str:
+def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, key: str, original: Any,
+                    eager_break: str | None = None) -> str:
     """Build the twin of a just-wrapped seam function into ``rewrites`` (or record why it routes by alias).
 
     Called once when the registry wraps the function (``SeamWrapper.on_apply``); never raises: a refusal
@@ -577,7 +623,9 @@ def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, ke
         unfolded: the wrapper's set of functions whose alias must not fold the clear.
         seam: the declaration.
         key: the target's ``module:qualname`` (the fact's name).
-        original: what the registry wrapped (a class ``__dict__`` entry).
+        original: what the registry wrapped (a class ``__dict__`` entry), or the function an eager-break
+            decorator wrapped (then ``eager_break`` names the decorator).
+        eager_break: ``module.decorator`` re-applied to the routed entry, or None; recorded in the fact.
     Returns:
         ``"rewrite"`` or ``"alias"``.
     """
@@ -603,5 +651,9 @@ def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, ke
         fact["warning"] = (f"no alias routes {seam.gather_function} / {seam.scatter_function}: every prefill call of "
                            "this seam runs the fork's kernels and is reported bypassed (raises under STRICT); "
                            "it is routed only by the rewritten twin (KDA_PATCHES_ROUTING=rewrite)")
+    if eager_break is not None:
+        fact["eager_break"] = (f"{eager_break} re-applied to the routed call: a breakable CUDA-graph capture records "
+                               "and replays it (replays routed and counted; capture-time calls counted in "
+                               f"{capture_section(seam.section)})")
     get_ledger().set_fact(seam.section, f"routing {key}", {"seam": seam.name, **fact})
     return fact["mechanism"]

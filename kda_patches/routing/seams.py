@@ -99,6 +99,11 @@ class FinalFrom:
         return f"FinalFrom({where}()[{self.index}])"
 
 
+def capture_section(section: str) -> str:
+    """Return the ledger section that counts ``section``'s calls made while a breakable capture records."""
+    return f"{section}:capture"
+
+
 class Seam:
     """One state-copy seam of one fork function (see the module docstring).
 
@@ -124,8 +129,8 @@ class Seam:
             ``scatter_states``), not ``(state, indices, values)``.
     """
 
-    __slots__ = ("cache_slot", "clear", "clear_function", "final", "flags", "gather_function", "indices", "name",
-                 "prefill_gated", "scatter_function", "scatter_value_first", "section", "state")
+    __slots__ = ("_at_capture", "cache_slot", "clear", "clear_function", "final", "flags", "gather_function",
+                 "indices", "name", "prefill_gated", "scatter_function", "scatter_value_first", "section", "state")
 
     def __init__(self, name: str, section: str, state: Argument | KVCacheSlot, indices: Any = None,
                  flags: Any = None, clear: str = CLEAR_NATIVE, clear_function: str | None = None,
@@ -162,9 +167,24 @@ class Seam:
         if final is not None and not isinstance(final, FinalFrom):
             raise TypeError(f"seam {name!r}: final must be a FinalFrom or None, got {final!r}")
         self.final = final
+        self._at_capture: Seam | None = None
 
     def __repr__(self) -> str:
         return f"Seam({self.name!r}, section={self.section!r})"
+
+    @property
+    def at_capture(self) -> Seam:
+        """This declaration counted in its capture section (:func:`capture_section`): the calls a breakable
+        CUDA-graph capture runs eagerly while recording (dummy batches, not requests) are routed like any
+        other but kept out of ``calls_seen``."""
+        twin = self._at_capture
+        if twin is None:
+            twin = object.__new__(Seam)
+            for name in Seam.__slots__:
+                setattr(twin, name, getattr(self, name))
+            twin.section = capture_section(self.section)
+            twin._at_capture = self._at_capture = twin
+        return twin
 
     def describe(self) -> dict[str, Any]:
         """Return the declaration as a JSON-serialisable dict (ledger, doctor)."""

@@ -11,6 +11,8 @@ circle: ``wrappers`` -> mechanism -> ``seams`` (data). The startup hook recognis
 
 from __future__ import annotations
 
+import types
+
 from kda_patches.routing.seams import Seam
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
@@ -44,41 +46,69 @@ class SeamWrapper:
     When the registry wraps a function it calls :meth:`on_apply`, which compiles the function's rewritten
     twin (:mod:`kda_patches.routing.rewrite`); calls of a function with a twin run the twin with a direct
     route (:mod:`kda_patches.routing.direct`), any other call routes through the alias
-    (:mod:`kda_patches.routing.calls`). The worker startup hook recognises a seam layer by this wrapper
-    type on its class's method.
+    (:mod:`kda_patches.routing.calls`). A function an eager-break decorator returned (vLLM's
+    ``eager_break_during_capture``, :func:`~kda_patches.routing.rewrite.find_eager_break`) is called through
+    that decorator re-applied to this wrapper's routed entry: outside a capture the decorator calls the entry,
+    and a breakable CUDA-graph capture records the entry -- so its replays are routed and counted too. The worker
+    startup hook recognises a seam layer by this wrapper type on its class's method.
     """
 
-    __slots__ = ("rewrites", "seam", "unfolded")
+    __slots__ = ("breaks", "rewrites", "seam", "unfolded")
 
     def __init__(self, seam: Seam) -> None:
         self.seam = seam
-        self.rewrites: dict[Any, Any] = {}  # original function -> its rewritten twin
+        self.rewrites: dict[Any, Any] = {}  # original (undecorated) function -> its rewritten twin
         self.unfolded: set[Any] = set()  # originals whose source shows no foldable clear: the alias must not fold
+        self.breaks: dict[Any, Any] = {}  # eager-break wrapper -> its decorator applied to the routed entry
 
     def __repr__(self) -> str:
         return f"SeamWrapper({self.seam.name!r})"
 
     def on_apply(self, key: str, original: Any) -> str:
         """Prepare the twin of ``original`` (just wrapped as ``key``); return the mechanism its calls use."""
-        from kda_patches.routing.rewrite import prepare_rewrite  # deferred: ast/inspect, only when wrapping
+        from kda_patches.routing.rewrite import find_eager_break, prepare_rewrite  # deferred: ast/inspect
 
-        return prepare_rewrite(self.rewrites, self.unfolded, self.seam, key, original)
+        found = find_eager_break(original)
+        if found is None:
+            return prepare_rewrite(self.rewrites, self.unfolded, self.seam, key, original)
+        mechanism = prepare_rewrite(self.rewrites, self.unfolded, self.seam, key, found.inner, found.name)
+        self.breaks[original] = found.decorator(self.routed_entry(found.inner))
+        return mechanism
 
     def on_revert(self, key: str, original: Any) -> None:
         """Forget the twin of ``original`` (its wrapper was removed)."""
-        self.rewrites.pop(original, None)
-        self.unfolded.discard(original)
+        for function in (original, getattr(original, "__wrapped__", None) if original in self.breaks else None):
+            self.rewrites.pop(function, None)
+            self.unfolded.discard(function)
+        self.breaks.pop(original, None)
+
+    def routed_entry(self, function: Any) -> Any:
+        """Return ``entry(layer, *args, **kwargs)``: one routed call of the plain ``function`` on ``layer``."""
+        route = self.route
+        method = types.MethodType
+
+        def entry(layer: Any, *args: Any, **kwargs: Any) -> Any:
+            return route(function, method(function, layer), layer, args, kwargs)
+
+        entry.__name__, entry.__qualname__ = function.__name__, f"{function.__qualname__} (kda_patches routed)"
+        return entry
+
+    def route(self, function: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        """Route one call of the plain ``function`` (bound as ``wrapped``): its twin if it has one, else the alias."""
+        twin = self.rewrites.get(function) if self.rewrites else None
+        if twin is not None:
+            return (_route_direct or _load_direct())(self.seam, twin, wrapped, instance, args, kwargs)
+        fold = not self.unfolded or function not in self.unfolded
+        return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs, fold)
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        rewrites = self.rewrites
-        if rewrites:
-            # a bound method, or (a call through the class) wrapt's partial proxy binding the instance
-            twin = rewrites.get(getattr(wrapped, "__func__", None) or getattr(wrapped, "__wrapped__", None))
-            if twin is not None:
-                return (_route_direct or _load_direct())(self.seam, twin, wrapped, instance, args, kwargs)
-        fold = not self.unfolded or (getattr(wrapped, "__func__", None)
-                                     or getattr(wrapped, "__wrapped__", None)) not in self.unfolded
-        return (_calls or _load_calls()).route_call(self.seam, wrapped, instance, args, kwargs, fold)
+        # a bound method, or (a call through the class) wrapt's partial proxy binding the instance
+        function = getattr(wrapped, "__func__", None) or getattr(wrapped, "__wrapped__", None)
+        if self.breaks:
+            entry = self.breaks.get(function)
+            if entry is not None:
+                return entry(instance, *args, **kwargs)
+        return self.route(function, wrapped, instance, args, kwargs)
 
 
 class ClearWrapper:

@@ -19,6 +19,7 @@ from kda_patches.patches import gdn_state_copy, kimi_prefill
 from kda_patches.registry import Patch, Target
 from kda_patches.routing.alias import PackedStates
 from kda_patches.routing.proof import PLAN_ATTRIBUTE, StateCopyBypassed
+from kda_patches.routing.seams import capture_section
 from kda_patches.routing.wrappers import SeamWrapper, wrap_clear, wrap_gather
 
 KIMI, GDN = kimi_prefill.LEDGER_PATH, gdn_state_copy.LEDGER_PATH
@@ -135,45 +136,64 @@ def test_decode_only_and_context_free_calls_pass_through_uncounted(load_dummies,
     assert torch.equal(runner.raw[layer.prefix], snapshot)
 
 
-def test_a_prefill_under_breakable_graph_capture_runs_as_written_and_is_reported(load_dummies, lenient, monkeypatch):
-    """Breakable capture replays the undecorated function without the wrapper: the call is not routed."""
+def test_a_prefill_inside_a_recording_graph_segment_runs_as_written_and_is_reported(load_dummies, lenient,
+                                                                                    monkeypatch):
+    """A call recorded into a graph segment (not an eager break) replays without any wrapper: not routed."""
     module = load_dummies()
     base_outputs, base_raw, _ = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
     capture = SimpleNamespace(_capturing=True)
     fake = SimpleNamespace(BreakableCUDAGraphCapture=SimpleNamespace(current=lambda: capture))
     monkeypatch.setitem(sys.modules, "vllm.compilation.breakable_cudagraph", fake)
     module = load_dummies(record("routing_breakable", ("NativeClearLayer",)))
-    before = counters(GDN)
+    before, captured_before = counters(GDN), counters(capture_section(GDN))
     outputs, raw, layer = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
     assert torch.equal(outputs[0], base_outputs[0]) and torch.equal(raw, base_raw)
     assert grew(before, GDN) == {"calls_seen": 1, "calls_routed": 0, "calls_bypassed": 1}
-    assert "breakable CUDA-graph capture" in get_ledger().snapshot()["facts"][GDN]["last_bypass"]["reason"]
+    assert grew(captured_before, capture_section(GDN)) == {"calls_seen": 0, "calls_routed": 0, "calls_bypassed": 0}
+    assert "graph segment was recording" in get_ledger().snapshot()["facts"][GDN]["last_bypass"]["reason"]
     assert layer.seen_state_types == [torch.Tensor]  # the fork's own function ran on the plain cache
+
+
+def test_a_prefill_run_eagerly_at_capture_is_routed_and_counted_apart(load_dummies, strict, monkeypatch):
+    """The eager run a breakable capture makes of a break (its segment closed) is a dummy batch: routed through
+    the plan, counted in the capture section only -- ``calls_seen`` stays the requests' prefill calls."""
+    module = load_dummies()
+    base_outputs, base_raw, _ = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
+    capture = SimpleNamespace(_capturing=False)
+    fake = SimpleNamespace(BreakableCUDAGraphCapture=SimpleNamespace(current=lambda: capture))
+    monkeypatch.setitem(sys.modules, "vllm.compilation.breakable_cudagraph", fake)
+    module = load_dummies(record("routing_capture_eager", ("NativeClearLayer",)))
+    before, captured_before = counters(GDN), counters(capture_section(GDN))
+    outputs, raw, _ = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
+    assert torch.equal(outputs[0], base_outputs[0]) and torch.equal(raw, base_raw)
+    assert grew(before, GDN) == {"calls_seen": 0, "calls_routed": 0, "calls_bypassed": 0}
+    assert grew(captured_before, capture_section(GDN)) == {"calls_seen": 1, "calls_routed": 1, "calls_bypassed": 0}
 
 
 def test_breakable_capture_is_read_per_thread_from_vllms_own_capture_class():
     """vLLM's ``BreakableCUDAGraphCapture`` keeps the active capture per thread (``_tls.active``): a capture on
-    this thread is seen, one on another thread or one not capturing is not -- read as its ``current()`` reads it."""
+    this thread is seen, one on another thread is not -- read as its ``current()`` reads it; between segments
+    (``_capturing`` false) the call is the eager run of a break."""
     import threading
 
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 
-    from kda_patches.routing.calls import breakable_capture_active
+    from kda_patches.routing.calls import CAPTURE_EAGER, CAPTURE_RECORDING, NOT_CAPTURING, breakable_capture_phase
 
     tls = BreakableCUDAGraphCapture._tls
-    assert BreakableCUDAGraphCapture.current() is None and not breakable_capture_active()
+    assert BreakableCUDAGraphCapture.current() is None and breakable_capture_phase() == NOT_CAPTURING
     tls.active = SimpleNamespace(_capturing=True)
     try:
         seen_elsewhere = []
-        other = threading.Thread(target=lambda: seen_elsewhere.append(breakable_capture_active()))
+        other = threading.Thread(target=lambda: seen_elsewhere.append(breakable_capture_phase()))
         other.start()
         other.join()
-        assert breakable_capture_active() and seen_elsewhere == [False]
-        tls.active._capturing = False  # between segments: eager, routed normally
-        assert not breakable_capture_active()
+        assert breakable_capture_phase() == CAPTURE_RECORDING and seen_elsewhere == [NOT_CAPTURING]
+        tls.active._capturing = False  # between segments: the eager run of a break
+        assert breakable_capture_phase() == CAPTURE_EAGER
     finally:
         del tls.active
-    assert not breakable_capture_active()
+    assert breakable_capture_phase() == NOT_CAPTURING
 
 
 def test_a_same_shaped_other_index_tensor_never_folds_the_clear(load_dummies, strict):

@@ -5,6 +5,7 @@ one place the rule looks at.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -15,7 +16,15 @@ from kda_patches.ledger import get_ledger
 from kda_patches.registry import Patch, Target, register_patch, revert_patch
 from kda_patches.routing.proof import PLAN_ATTRIBUTE, PlanNotPublished, StateCopyBypassed
 from kda_patches.routing.rewrite import RewriteRefused, rewrite_seam_function
-from kda_patches.routing.seams import CLEAR_FUNCTION, CLEAR_NATIVE, Argument, FinalFrom, KVCacheSlot, Seam
+from kda_patches.routing.seams import (
+    CLEAR_FUNCTION,
+    CLEAR_NATIVE,
+    Argument,
+    FinalFrom,
+    KVCacheSlot,
+    Seam,
+    capture_section,
+)
 from kda_patches.routing.wrappers import SeamWrapper
 
 pytestmark = pytest.mark.rewrite_mechanism
@@ -425,33 +434,114 @@ def test_a_clear_the_rewrite_cannot_fold_is_the_forks_under_the_alias_too(world,
     assert mechanism(cls)["clear_folded"] is False
 
 
-def test_vllms_eager_break_wrapper_is_stood_in_for_on_a_prefill_gated_seam_only(tmp_path, monkeypatch):
-    """On CUDA, vLLM 0.33 wraps the Kimi ``_forward`` seams with ``eager_break_during_capture`` (a closure over the
-    function). Outside capture that wrapper only calls the function, so the twin of the function stands in for it
-    on a prefill-gated seam (whose route checks for capture first); any other seam stays on the alias."""
-    import importlib.util
+class CPUGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` (the one CUDA call of a breakable capture): nothing to record on the
+    CPU, so a graph segment replays nothing and only the eager breaks run again."""
 
+    def capture_begin(self, pool=None) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+
+@pytest.fixture
+def breakable(tmp_path, monkeypatch):
+    """vLLM's own (installed) ``breakable_cudagraph`` turned on, its CUDA-graph calls stood in, and
+    :mod:`rewrite_dummies` copied as ``decorated_dummies`` with ``Valid.forward`` under ``@eager_break_during_capture``.
+    Returns ``(breakable_cudagraph module, decorated module name)``."""
     from vllm.compilation import breakable_cudagraph
 
-    monkeypatch.setattr(breakable_cudagraph, "is_breakable_cudagraph_enabled", lambda: True)
+    monkeypatch.setattr(breakable_cudagraph, "is_breakable_cudagraph_enabled", lambda *args: True)
+    monkeypatch.setattr(breakable_cudagraph, "weak_ref_tensor", lambda tensor: tensor)  # a CUDA op: the tensor
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CPUGraph)
     module, _ = load(None)
-    path = tmp_path / "decorated_layer.py"
     decorator_import = "from vllm.compilation.breakable_cudagraph import eager_break_during_capture\n"
     text = inspect_source(module).replace("from __future__ import annotations\n",
                                           f"from __future__ import annotations\n\n{decorator_import}", 1)
     body = "    def forward(self, indices, flags):\n        BODY_RUNS"
-    path.write_text(text.replace(body, f"    @eager_break_during_capture\n{body}", 1))
-    spec = importlib.util.spec_from_file_location("decorated_layer", path)
-    decorated = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decorated)
-    wrapper = vars(decorated.Valid)["forward"]
-    assert wrapper.__code__.co_freevars and wrapper.__wrapped__  # the decorator's closure, as on the H200
-    gated = Seam("gated", SECTION, state=KVCacheSlot(1), clear=CLEAR_NATIVE, prefill_gated=True,
-                 final=FinalFrom(1, function="chunk"))
-    replaced = rewrite_seam_function(wrapper, gated).replaced
-    assert replaced[0].startswith("through its decorator: vLLM's eager_break_during_capture")
+    (tmp_path / "decorated_dummies.py").write_text(text.replace(body, f"    @eager_break_during_capture\n{body}", 1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield breakable_cudagraph, "decorated_dummies"
+    sys.modules.pop("decorated_dummies", None)
+
+
+def capture_and_replay(breakable_module, name: str, patched: bool, dtype: torch.dtype, replays: int) -> tuple:
+    """Capture one ``Valid.forward`` call under vLLM's breakable capture, replay it ``replays`` times; return
+    ``(capture-time output, cache after each replay, counters grown, capture counters grown, wrapper)``."""
+    sys.modules.pop(name, None)
+    patch = Patch(f"rewrite_breakable_{patched}", "rewrite test record",
+                  (Target(name, "Valid.forward", SeamWrapper(SEAM)),))
+    if patched:
+        register_patch(patch)
+    try:
+        module = importlib.import_module(name)
+        layer = module.Valid()
+        cache = torch.randn(6, 2, 4, 4, generator=torch.Generator().manual_seed(5)).to(dtype)
+        layer.kv_cache = (torch.zeros(6, 3, dtype=torch.bfloat16), cache)
+        if patched:
+            setattr(layer, PLAN_ATTRIBUTE, ContractPlan())
+        before = get_ledger().counters(SECTION)
+        captured_before = get_ledger().counters(capture_section(SECTION))
+        indices, flags = batch()
+        with breakable_module.BreakableCUDAGraphCapture() as capture:
+            first = layer.forward(indices, flags)
+        assert capture.num_eager_breaks == 1, capture
+        caches = []
+        for _ in range(replays):
+            capture.replay()
+            caches.append(layer.kv_cache[1].clone())
+        grew_by = {key: get_ledger().counters(SECTION).get(key, 0) - before.get(key, 0)
+                   for key in ("calls_seen", "calls_routed", "calls_bypassed")}
+        captured = {key: get_ledger().counters(capture_section(SECTION)).get(key, 0) - captured_before.get(key, 0)
+                    for key in ("calls_seen", "calls_routed", "calls_bypassed")}
+        return first, caches, grew_by, captured, vars(module.Valid)["forward"]
+    finally:
+        if patched:
+            revert_patch(patch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_seam_under_vllms_eager_break_is_routed_at_capture_and_in_every_replay(breakable, strict, dtype):
+    """vLLM wraps the Kimi ``_forward`` seams with ``eager_break_during_capture``: a capture records a closure over
+    the undecorated function and replays *that*. The seam's wrapper re-applies the decorator to its routed entry,
+    so the capture records the routed call: the capture-time run is routed and counted in the capture section, and
+    each replay is routed and counted as a call -- with the unpatched function's outputs and cache bytes."""
+    breakable_module, name = breakable
+    base = capture_and_replay(breakable_module, name, False, dtype, replays=3)
+    patched = capture_and_replay(breakable_module, name, True, dtype, replays=3)
+    assert torch.equal(base[0], patched[0])
+    assert all(torch.equal(a, b) for a, b in zip(base[1], patched[1], strict=True))
+    assert patched[2] == {"calls_seen": 3, "calls_routed": 3, "calls_bypassed": 0}  # the three replays
+    assert patched[3] == {"calls_seen": 1, "calls_routed": 1, "calls_bypassed": 0}  # the capture-time run
+    routing = get_ledger().snapshot()["facts"][SECTION][f"routing {name}:Valid.forward"]
+    assert routing["mechanism"] == "rewrite" and "eager_break_during_capture re-applied" in routing["eager_break"]
+
+
+def test_the_eager_break_is_read_from_the_function_object(breakable):
+    """:func:`find_eager_break` names the decorator, its module and the undecorated function only for a wrapper
+    the declared decorator made; the decorated wrapper itself is never rewritten (it closes over ``fn``)."""
+    from kda_patches.routing.rewrite import find_eager_break
+
+    breakable_module, name = breakable
+    sys.modules.pop(name, None)
+    module = importlib.import_module(name)
+    wrapper = vars(module.Valid)["forward"]
+    found = find_eager_break(wrapper)
+    assert found is not None and found.decorator is breakable_module.eager_break_during_capture
+    assert found.inner is wrapper.__wrapped__ and found.name.endswith("breakable_cudagraph.eager_break_during_capture")
     with pytest.raises(RewriteRefused, match="closes over"):
-        rewrite_seam_function(wrapper, SEAM)  # not prefill-gated: nothing would check for capture
+        rewrite_seam_function(wrapper, SEAM)
+    assert find_eager_break(wrapper.__wrapped__) is None  # the plain function
+    impostor = functools.wraps(wrapper.__wrapped__)(lambda *args, **kwargs: None)
+    assert find_eager_break(impostor) is None  # same __wrapped__, but not the decorator's wrapper
+    # the declared wrapper's code, but its closure calls another function than its __wrapped__
+    forged = breakable_module.eager_break_during_capture(lambda *args: None)
+    forged.__wrapped__ = wrapper.__wrapped__
+    assert find_eager_break(forged) is None
 
 
 def inspect_source(module) -> str:
