@@ -17,6 +17,11 @@ four fresh processes, not a pair per case: issue 28), each case with its own fre
 Every case (layer x FP32/BF16 cache x SD/DS conv layout): the patched side's outputs and every byte of every page
 equal the baseline's (NaN-poisoned gaps, offset and untouched conv state checked), through the shared batch plan
 (prefill, mixed decode + prefill, decode-only, continued; INT32 and INT64 indices).
+
+0.34's own ``breakable_cudagraph.py`` is executed (its ``eager_break_during_capture`` on the Kimi seams, as on
+CUDA); the ``:breakable`` cases run each layer call under its ``BreakableCUDAGraphCapture`` (CUDA-graph calls stood
+in) and replay the capture: where the seam is routed, every replay is a routed, counted call and the capture-time
+run is routed and counted apart (``<section>:capture``) -- what a replay of the unwrapped function would miss.
 """
 
 from __future__ import annotations
@@ -26,11 +31,16 @@ import released_ab
 import torch
 from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 from runner_standin import PageSpec, poison_problems
-from upstream034_standins import GATHER_MODULE, LAYERS, SCATTER_MODULE, SECTION
+from upstream034_standins import BREAK_REPLAYS, GATHER_MODULE, LAYERS, SCATTER_MODULE, SECTION
+
+from kda_patches.routing.seams import capture_section
 
 RELEASE = "0.34.0"
 CASES = ("qwen:float32:SD", "qwen:bfloat16:DS", "linear:float32:DS", "linear:bfloat16:SD",
-         "k3:float32:SD", "k3:bfloat16:DS", "olmo:bfloat16:SD", "olmo:float32:DS")
+         "k3:float32:SD", "k3:bfloat16:DS", "olmo:bfloat16:SD", "olmo:float32:DS",
+         # each layer call captured under 0.34's own breakable CUDA graph (its default for both Kimi models on CUDA),
+         # then replayed BREAK_REPLAYS times: the replays are the served calls, the capture-time run a dummy's
+         "k3:bfloat16:SD:breakable", "linear:float32:DS:breakable")
 GATHER, SCATTER = "_gather_initial_states_kernel", "_scatter_states_kernel"
 # which layers each side routes through the overlay's plans
 ROUTED = {"baseline": (), "measured": ("qwen", "k3", "olmo"), "upstream": ("k3", "olmo"),
@@ -48,6 +58,17 @@ ROUTED_SEAMS = {"olmo": f"{_GDN}.olmo_gdn_linear_attn:OlmoHybridGatedDeltaNetAtt
                 "k3": "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention._forward"}
 STANDS_ASIDE = "so the overlay stands aside"
 PATCHED_SIDES = ("measured", "upstream", "overlay")
+EAGER_BREAKS = ("k3", "linear")  # 0.34 decorates these seams with eager_break_during_capture
+
+
+def runs_per_call(case: str) -> int:
+    """How often each layer call of the batch plan runs: once, or captured once and replayed."""
+    return 1 + BREAK_REPLAYS if case.endswith(":breakable") else 1
+
+
+def served_per_call(case: str) -> int:
+    """How many of those runs are served calls (a capture's own run is a dummy's, counted apart)."""
+    return BREAK_REPLAYS if case.endswith(":breakable") else 1
 
 
 SIDES = (("baseline", released_ab.Side(False)), ("measured", released_ab.Side(True)),
@@ -82,8 +103,10 @@ def test_baseline_runs_the_releases_own_code(runs: tuple, case: str) -> None:
     context = context_of(runs, case, "baseline")
     assert run["layer_file"].startswith(root), context  # the release's file ran, not the installed 0.32's
     assert run["wrapped"] == "function" and run["conv"] == "causal_conv1d_fn_cpu", context
-    assert run["launches"] == UPSTREAM_LAUNCHES[kind], context + f"\nlaunches {run['launches']}"
+    launches = {name: count * runs_per_call(case) for name, count in UPSTREAM_LAUNCHES[kind].items()}
+    assert run["launches"] == launches, context + f"\nlaunches {run['launches']}"
     assert not run["counters"].get(SECTION[kind]), context + f"\n{run['counters']}"
+    assert run["eager_break"] == (kind in EAGER_BREAKS), context  # the release's decorator, executed
     bound = run["bound"]
     for module, op in ((GATHER_MODULE, "gather_initial_states"), (SCATTER_MODULE, "scatter_states")):
         assert bound[module][op] == "release", context + f"\n{module}: {bound[module]}"  # upstream's op, executed
@@ -95,7 +118,7 @@ def test_baseline_runs_the_releases_own_code(runs: tuple, case: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_patched_equals_baseline(runs: tuple, case: str, side: str) -> None:
     _, batch = runs
-    kind, cache_dtype, conv_layout = case.split(":")
+    kind, cache_dtype, conv_layout = case.split(":")[:3]
     baseline, patched = batch.case(case, "baseline"), batch.case(case, side)
     context = context_of(runs, case, side)
 
@@ -108,20 +131,28 @@ def test_patched_equals_baseline(runs: tuple, case: str, side: str) -> None:
             assert not problems, context + f"\n{name}: {problems}"
 
     seen = patched["counters"].get(SECTION[kind], {})
+    captured = patched["counters"].get(capture_section(SECTION[kind]), {})
     plans = patched["facts"][SECTION[kind]]
+    assert patched["eager_break"] == (kind in EAGER_BREAKS), context  # the overlay keeps the release's decorator
+    served = PREFILL_CALLS * served_per_call(case)
     if kind in ROUTED[side]:
         assert patched["wrapped"] != "function", context + "\nthe seam is not wrapped"
-        assert seen.get("calls_seen") == seen.get("calls_routed") == PREFILL_CALLS, context + f"\nledger: {seen}"
+        assert seen.get("calls_seen") == seen.get("calls_routed") == served, context + f"\nledger: {seen}"
         assert not seen.get("calls_bypassed"), context + f"\nledger: {seen}"
-        folds = PREFILL_CALLS if cache_dtype == "bfloat16" and kind in CASTING else 0
-        assert seen.get("casts_folded", 0) == folds and not seen.get("casts_materialized"), context + f"\n{seen}"
+        at_capture = PREFILL_CALLS if case.endswith(":breakable") else 0
+        assert captured.get("calls_seen", 0) == captured.get("calls_routed", 0) == at_capture, (
+            context + f"\ncapture-time: {captured}")
+        folds = served + at_capture if cache_dtype == "bfloat16" and kind in CASTING else 0
+        assert seen.get("casts_folded", 0) + captured.get("casts_folded", 0) == folds, context + f"\n{seen}"
+        assert not seen.get("casts_materialized"), context + f"\n{seen}"
         assert all(fact and fact.get("plan_kind") for fact in plans.values()), context + f"\n{plans}"
         assert patched["launches"] == {GATHER: 0, SCATTER: 0}, context + f"\nupstream's ops ran: {patched['launches']}"
     else:  # stands aside: upstream's ops copy the states, the overlay neither wraps nor prepares anything here
         assert patched["wrapped"] == "function", context + "\nthe seam was wrapped though the overlay stands aside"
-        assert not seen, context + f"\nledger: {seen}"
+        assert not seen and not captured, context + f"\nledger: {seen} {captured}"
         assert not any(plans.values()), context + f"\n{plans}"
-        assert patched["launches"] == UPSTREAM_LAUNCHES[kind], context + f"\nlaunches {patched['launches']}"
+        launches = {name: count * runs_per_call(case) for name, count in UPSTREAM_LAUNCHES[kind].items()}
+        assert patched["launches"] == launches, context + f"\nlaunches {patched['launches']}"
 
 
 def test_the_choice_is_in_the_ledger_and_status(runs: tuple) -> None:

@@ -22,7 +22,8 @@ its own (:func:`upstream_standins.set_conv_layout`, the cache cleared).
 
 Saved (``torch.save``): ``cases`` -> per case ``outputs``, ``snapshots``, ``counters`` (the case's ledger counter
 increments per section), ``launches`` (upstream's two kernels launched during the case), ``facts`` (its layers'
-plan facts per section), ``class``, ``layer_file``, ``wrapped`` (the seam's type on the class), ``conv``; and
+plan facts per section), ``class``, ``layer_file``, ``wrapped`` (the seam's type on the class), ``conv``,
+``eager_break`` (the seam on the class is 0.34's eager_break_during_capture wrapper); and
 ``ledger`` (the final snapshot), ``status`` (what ``kda-patches status`` prints for it), ``bound``, ``standins``.
 """
 
@@ -32,6 +33,7 @@ import dataclasses
 import importlib
 import pathlib
 import sys
+import types
 from typing import Any
 
 import batch_child
@@ -55,10 +57,13 @@ class State:
         return {name: count for table in self.kernel_tables for name, count in table.items()}
 
 
-def parse_case(case: str) -> tuple[str, str, str]:
-    """``"qwen:float32:SD"`` -> ``("qwen", "float32", "SD")``."""
-    kind, dtype, layout = case.split(":")
-    return kind, dtype, layout
+def parse_case(case: str) -> tuple[str, str, str, bool]:
+    """``"qwen:float32:SD"`` -> ``("qwen", "float32", "SD", False)``; a ``:breakable`` suffix -> True (each layer
+    call captured under the released breakable CUDA graph, then replayed)."""
+    kind, dtype, layout, *mode = case.split(":")
+    if mode not in ([], ["breakable"]):
+        raise ValueError(f"case {case!r}: the only mode is ':breakable'")
+    return kind, dtype, layout, bool(mode)
 
 
 def setup(args: list[str], cases: list[str]) -> State:
@@ -89,6 +94,7 @@ def setup(args: list[str], cases: list[str]) -> State:
     import kda_patches  # noqa: F401  (activated here, late: see above)
 
     standins.install()  # after the stack: the kernels' packages import release modules (Kimi's package: its layers)
+    standins.install_breakable_standins(importlib.import_module(standins.BREAKABLE_MODULE))
     modules = {kind: importlib.import_module(module) for kind, (module, _, _) in standins.LAYERS.items()}
     standins.install_layer_standins(modules)
     tables = [count_kernel_launches(importlib.import_module(module), (kernel,)) for module, kernel in standins.KERNELS]
@@ -102,7 +108,7 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
 
     import kda_patches
 
-    kind, cache_dtype, conv_layout = parse_case(case)
+    kind, cache_dtype, conv_layout, breakable = parse_case(case)
     standins.set_conv_layout(conv_layout)
     _, class_name, method = standins.LAYERS[kind]
     cls = getattr(state.modules[kind], class_name)
@@ -115,7 +121,8 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
                              CONV_WIDTH, conv_layout=conv_layout) for name in layers}
     launches_before = state.launched()
     case_runner.initialize_kv_cache(config, False, None, False)
-    outputs, snapshots = standins.run_batches(kind, layers, case_runner.raw_caches, generator)
+    invoke = standins.capture_and_replay(sys.modules[standins.BREAKABLE_MODULE]) if breakable else None
+    outputs, snapshots = standins.run_batches(kind, layers, case_runner.raw_caches, generator, invoke)
     after, launches_after = kda_patches.get_ledger().snapshot(), state.launched()
     return {
         "outputs": outputs, "snapshots": snapshots,
@@ -123,7 +130,13 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
         "facts": {section: {name: after.get("facts", {}).get(section, {}).get(name) for name in layers}
                   for section in ("gdn_state_copy", "kimi_prefill")},
         "class": cls.__qualname__, "layer_file": getattr(cls, method).__code__.co_filename,
-        "wrapped": type(vars(cls)[method]).__name__, "conv": state.modules[kind].causal_conv1d_fn.__name__}
+        "wrapped": type(vars(cls)[method]).__name__, "conv": state.modules[kind].causal_conv1d_fn.__name__,
+        "eager_break": seam_code(vars(cls)[method]).co_qualname.startswith("eager_break_during_capture.")}
+
+
+def seam_code(seam: Any) -> Any:
+    """The code object of the seam function on the class (under the overlay's wrapper, if any)."""
+    return (seam if isinstance(seam, types.FunctionType) else seam.__wrapped__).__code__
 
 
 def describe(state: State) -> dict[str, Any]:

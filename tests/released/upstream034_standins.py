@@ -48,6 +48,8 @@ RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 RUNNER_FILE = "vllm/v1/worker/gpu/model_runner.py"
 EXTENSIBLE_MODULE = "vllm.v1.worker.extensible_kv_cache"  # extend_kv_cache: a member of 0.34's runner group
 EXTENSIBLE_FILE = "vllm/v1/worker/extensible_kv_cache.py"
+BREAKABLE_MODULE = "vllm.compilation.breakable_cudagraph"  # eager_break_during_capture on Kimi K3 / Kimi Linear
+BREAK_REPLAYS = 2  # a ":breakable" case captures each layer call once, then replays it this many times
 # layer kind -> (module, class, seam method)
 LAYERS = {"qwen": (gdn_standins.QWEN_MODULE, "QwenGatedDeltaNetAttention", "_forward_core"),
           "olmo": (gdn_standins.OLMO_MODULE, "OlmoHybridGatedDeltaNetAttention", "_forward_core"),
@@ -58,7 +60,7 @@ SECTION = {"qwen": "gdn_state_copy", "olmo": "gdn_state_copy", "linear": "gdn_st
 KERNELS = ((GATHER_MODULE, "_gather_initial_states_kernel"), (SCATTER_MODULE, "_scatter_states_kernel"))
 RELEASE_MODULES = (*(module for module, _, _ in LAYERS.values()), GATHER_MODULE, SCATTER_MODULE,
                    "vllm.model_executor.warmup.jit_warmup", "vllm.model_executor.warmup.jit_warmup_triton_helper",
-                   KDA_CONV_MODULE)
+                   KDA_CONV_MODULE, BREAKABLE_MODULE)
 DEVICE_GUARD = "state.is_cuda or state.is_xpu"
 LIFTED = {GATHER_MODULE: (DEVICE_GUARD,), SCATTER_MODULE: (DEVICE_GUARD,)}
 # the warmup modules import more of the standard library than the layer files: all of it is real
@@ -86,6 +88,14 @@ _SCATTER = {
     "triton.runtime.interpreter FP32->BF16 create_fp_trunc (harness fix, not vLLM)": "rounds to nearest even as "
     "compiled Triton does (the interpreter truncates): scatter_states' store of FP32 finals into a BF16 cache",
 }
+_BREAKABLE = {
+    f"{BREAKABLE_MODULE} (release, not stood in)": "0.34's eager_break_during_capture on the Kimi layers' _forward "
+    "(always a wrapper in 0.34) and BreakableCUDAGraphCapture, which ':breakable' cases capture and replay under",
+    "torch.cuda.CUDAGraph (breakable cases)": "capture_begin / capture_end / replay do nothing: the CPU records no "
+    "graph, so a replay runs the eager breaks (the layer calls) and nothing else",
+    f"{BREAKABLE_MODULE}.weak_ref_tensor(s)": "the tensor itself (vLLM's is a CUDA op; on the CPU the replay closure "
+    "holds the same storage either way)",
+}
 _GDN_METADATA = {"GDNAttentionMetadata.flashinfer_checkpoint_plan (0.34 field)": "None on 0.32's metadata (no "
                  "FlashInfer checkpoint plan)"}
 _KIMI = {name: what for name, what in upstream_standins.STANDINS.items()
@@ -99,8 +109,8 @@ STANDINS = {
              "vllm._aiter_ops.rocm_aiter_ops (Qwen file)": "are_gdn_triton_kernels_available / "
              "are_rdna_gdn_triton_kernels_available -> False (not ROCm), nothing else",
              **_GATHER, **_SCATTER, **_COMMON},
-    "linear": {**_KIMI, **_GATHER, **_SCATTER, **_COMMON},
-    "k3": {**_KIMI, **_GATHER, **_COMMON,
+    "linear": {**_KIMI, **_GATHER, **_SCATTER, **_COMMON, **_BREAKABLE},
+    "k3": {**_KIMI, **_GATHER, **_COMMON, **_BREAKABLE,
            f"{KDA_CONV_MODULE} (release, not stood in)": "packed_causal_conv1d_supported declines CPU tensors: "
            "the stock per-part convolution (vLLM's CPU kernel) runs"},
     "olmo": {**{name: what for name, what in gdn_standins.STANDINS_OLMO.items() if not name.startswith("vllm.v1")},
@@ -177,6 +187,40 @@ def install_layer_standins(modules: dict[str, Any]) -> None:
     modules["olmo"].fused_olmo_hybrid_gdn_gating = gdn_standins.fused_olmo_hybrid_gdn_gating
 
 
+class CPUGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` under the released breakable capture: nothing to record on the CPU."""
+
+    def capture_begin(self, pool: Any = None) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+
+def install_breakable_standins(breakable: Any) -> None:
+    """Stand in the CUDA-graph calls of the released ``breakable_cudagraph`` (and nothing else of it)."""
+    torch.cuda.CUDAGraph = CPUGraph
+    breakable.weak_ref_tensor = lambda tensor: tensor
+    breakable.weak_ref_tensors = lambda tensors: tensors
+
+
+def capture_and_replay(breakable: Any) -> Any:
+    """Return ``invoke(call)``: capture ``call`` under the released ``BreakableCUDAGraphCapture`` (its eager run is
+    the capture-time call), then replay the capture :data:`BREAK_REPLAYS` times, as vLLM replays a batch."""
+
+    def invoke(call: Any) -> None:
+        with breakable.BreakableCUDAGraphCapture() as capture:
+            call()
+        assert capture.num_eager_breaks == 1, f"the layer call was not an eager break: {capture!r}"
+        for _ in range(BREAK_REPLAYS):
+            capture.replay()
+
+    return invoke
+
+
 def build_layer(kind: str, cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
     """Return the release's layer class built as for 0.33 (only what the seam reads is set)."""
     if kind in ("qwen", "olmo"):
@@ -190,9 +234,10 @@ def build_layer(kind: str, cls: type, name: str, generator: torch.Generator) -> 
     return build_kimi(cls, name, generator)
 
 
-def run_batches(kind: str, layers: dict, raw_caches: dict, generator: torch.Generator
+def run_batches(kind: str, layers: dict, raw_caches: dict, generator: torch.Generator, invoke: Any = None
                 ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """Run the shared batch plan through the layers' seam (``_forward_core`` / ``_forward``)."""
+    """Run the shared batch plan through the layers' seam (``_forward_core`` / ``_forward``); ``invoke`` (Kimi
+    layers only) runs each layer call, e.g. :func:`capture_and_replay`."""
     if kind in ("qwen", "olmo"):
         from upstream_gdn_layers import metadata_of
 
@@ -200,4 +245,4 @@ def run_batches(kind: str, layers: dict, raw_caches: dict, generator: torch.Gene
                                         generator)
     from upstream_kimi_layers import run_forward_batches
 
-    return run_forward_batches(layers, raw_caches, generator)
+    return run_forward_batches(layers, raw_caches, generator, invoke)

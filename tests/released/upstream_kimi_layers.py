@@ -10,6 +10,9 @@ batch, a decode-only batch (must pass through untouched), chunked continuations.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from batch_plan import BATCHES, CONV_WIDTH, HEAD_DIM, HEADS, token_bounds
 
@@ -50,9 +53,14 @@ def metadata_of(batch: tuple) -> tuple[object, tuple[int, ...]]:
         non_spec_state_indices_tensor=torch.tensor(rows, dtype=index_dtype)), tuple(bounds)
 
 
-def run_forward_batches(layers: dict, raw_caches: dict, generator: torch.Generator
+def run_forward_batches(layers: dict, raw_caches: dict, generator: torch.Generator,
+                        invoke: Callable[[Callable[[], object]], None] | None = None,
                         ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Run every batch of :data:`BATCHES` through each Kimi layer's ``_forward`` in vLLM's forward context.
+
+    Args:
+        invoke: runs one layer call given as a callable (e.g. captured under a breakable CUDA graph, then
+            replayed); None calls it once.
 
     Returns:
         ``(outputs, snapshots)``: one output per (batch, layer); ``len(BATCHES) + 1`` raw-cache snapshots.
@@ -72,7 +80,8 @@ def run_forward_batches(layers: dict, raw_caches: dict, generator: torch.Generat
             core = torch.zeros((1, tokens, HEADS, HEAD_DIM), dtype=torch.bfloat16)
             context = ForwardContext(no_compile_layers=layers, attn_metadata={name: metadata}, slot_mapping={})
             with override_forward_context(context):
-                layer._forward(mixed_qkv, g1, g2, beta, core)
+                call = functools.partial(layer._forward, mixed_qkv, g1, g2, beta, core)
+                call() if invoke is None else invoke(call)
             outputs.append(core)
         snapshots.append({name: raw.clone() for name, raw in raw_caches.items()})
     return outputs, snapshots
