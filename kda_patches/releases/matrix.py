@@ -91,7 +91,9 @@ def render_matrix(reports: list[dict]) -> str:
     lines += ["## State-copy seams: the routing mechanism each wrapped seam runs", "",
               "Read from each release's source by the code the seam's wrapper runs at apply time "
               "(`kda_patches/routing/rewrite.py`): `rewrite` = a twin whose copy lines call the plan directly; "
-              "`alias` = the routed alias (with the reason the rewrite refused).", "",
+              "`alias` = the routed alias (with the reason the rewrite refused); *(eager break)*: the release makes the "
+              "seam a breakable CUDA-graph eager break (`eager_break_during_capture`), and the wrapper re-applies that "
+              "decorator to its routed call, so captures record and replay the routed call.", "",
               "| stack | rewrite | alias |", "|---|---|---|"]
     for report in reports:
         by_mechanism: dict[str, list[str]] = {"rewrite": [], "alias": []}
@@ -99,7 +101,7 @@ def render_matrix(reports: list[dict]) -> str:
             for target in entry.get("targets", []):
                 routing = target.get("routing")
                 if routing is not None:
-                    label = f"`{target['key'].split(':')[-1]}`"
+                    label = f"`{target['key'].split(':')[-1]}`" + (" (eager break)" if routing.get("eager_break") else "")
                     by_mechanism[routing["mechanism"]].append(
                         label if routing["mechanism"] == "rewrite" else f"{label} ({routing['reason']})")
         if by_mechanism["rewrite"] or by_mechanism["alias"]:
