@@ -172,6 +172,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "        pass\n",
            (f"{REWRITE_TESTS}::test_a_seam_under_vllms_eager_break_is_routed_at_capture_and_in_every_replay",),
            "E (routing)", "a breakable capture's eager run of a dummy batch is counted as a served prefill call"),
+    Mutant("qwen-034-flashinfer-half-routed", "kda_patches/patches/gdn_state_copy.py",
+           "**_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE)", "**_UPSTREAM_OPS)",
+           ("tests/released/test_upstream034_layers.py::test_patched_equals_baseline",),
+           "E (routing)", "Qwen's FlashInfer branch gathers upstream's way while the seam's scatter goes to the plan"),
     # -- issue 19: the rewritten twin's guards, and the alias's transpose tag -----------------------------
     Mutant("rewrite-fold-any-clear-value", REWRITE,
            "if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1 and _is_zero(statement.value)):",

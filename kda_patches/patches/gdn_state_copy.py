@@ -34,8 +34,10 @@ Linear ``_forward`` copy states with upstream's own startup-warmed Triton ops ``
 (``KDA_PATCHES_GDN_OPS=measured``, the default): Qwen is routed through the plan (at least as fast at every batch
 size), the overlay stands aside on Kimi Linear (inert with the reason, conformance "stands down" on it: 0.998-0.999x
 at 64-256 sequences). ``upstream`` stands aside on both, ``overlay`` routes both (rewritten twin only:
-``QWEN_034_SEAM`` / ``KIMI_GDN_034_SEAM``). Qwen's FlashInfer prefill backend passes the cache to its kernel
-without either op: such a call is reported bypassed.
+``QWEN_034_SEAM`` / ``KIMI_GDN_034_SEAM``). Qwen's FlashInfer prefill branch (0.34's ``auto`` on SM90) gathers
+inside ``_forward_flashinfer_prefill`` and scatters in the seam: the seam routes only layers on the Triton backend
+(:data:`QWEN_FLASHINFER_GATE`); a FlashInfer layer gets no plan and keeps both of upstream's copies (``stands-aside``
+in the ledger, its calls counted ``calls_upstream``).
 
 Final-state cast folded into the scatter (``Seam.final``): where the released body scatters
 ``ssm_state[idx] = last_recurrent_state.to(ssm_state.dtype)`` with the final state straight from a chunk
@@ -65,6 +67,7 @@ from kda_patches.routing.seams import (
     CLEAR_FUNCTION,
     CLEAR_NATIVE,
     CLEAR_NONE,
+    BackendGate,
     FinalFrom,
     KVCacheSlot,
     MetadataField,
@@ -108,7 +111,14 @@ ASCEND_030_SEAM = Seam("vllm-ascend 0.30 GDN _forward_core", LEDGER_PATH, **_ASC
 # (flags inside) and scatter_states(state, src, indices) (the cast inside its store); routed only when chosen
 _UPSTREAM_OPS = {"state": KVCacheSlot(1), "clear": CLEAR_NONE, "gather_function": "gather_initial_states",
                  "scatter_function": "scatter_states", "scatter_value_first": True, "prefill_gated": True}
-QWEN_034_SEAM = Seam("vLLM 0.34 Qwen GDN _forward_core", LEDGER_PATH, **_UPSTREAM_OPS)
+# 0.34's Qwen FlashInfer branch (the `auto` choice on SM90, and SM100/SM120 with head_k_dim 128) gathers inside
+# _forward_flashinfer_prefill while the seam scatters after it: routed, one call would have two owners
+QWEN_FLASHINFER_GATE = BackendGate(
+    "gdn_prefill_backend", ("triton",),
+    "the FlashInfer branch gathers inside _forward_flashinfer_prefill (upstream's gather_initial_states) and the seam "
+    "scatters after it, so routing the seam's scatter alone would give one call two owners; routing both copies on "
+    "that backend is not measured (bench layers covers the Triton backend), so upstream keeps both")
+QWEN_034_SEAM = Seam("vLLM 0.34 Qwen GDN _forward_core", LEDGER_PATH, **_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE)
 KIMI_GDN_034_SEAM = Seam("vLLM 0.34 Kimi Linear GDN _forward", LEDGER_PATH, **_UPSTREAM_OPS)
 ASCEND_FUSED_CHUNK = "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"
 # 0.27-0.29: the same seam, plus the fused variant's chunk as the final state's source (the folded cast)

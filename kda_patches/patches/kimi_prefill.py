@@ -165,7 +165,8 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
         e.g. ``kimi_prefill: prefill calls seen 12, routed 12, bypassed 0; plans fused=4 (model.layers.0…);
         seams by rewrite 1``; calls a breakable CUDA-graph capture ran (dummy batches) follow as ``at graph
         capture seen N, routed N, bypassed N`` when there were any; layers where the fork keeps its own plan
-        show as ``fork-native:fused=4 (…)``;
+        show as ``fork-native:fused=4 (…)``, layers whose prefill backend the seam does not route as ``stands-aside
+        on flashinfer=N (…)`` (their calls: ``upstream N``);
         the last part counts the wrapped seam functions by routing mechanism (facts ``routing <target>``).
     """
     counters = snapshot.get("counters", {}).get(section, {})
@@ -176,11 +177,13 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
             decision = fact.get("decision", "overlay-plan")
             prefix = "" if decision == "overlay-plan" else f"{decision}:"
             kinds.setdefault(f"{prefix}{fact['plan_kind']}", []).append(layer)
+        elif isinstance(fact, dict) and fact.get("decision") == "stands-aside":  # a backend the seam does not route
+            kinds.setdefault(f"stands-aside on {fact.get('backend')}", []).append(layer)
     plans = ", ".join(f"{kind}={len(layers)} ({layers[0]}{'…' if len(layers) > 1 else ''})"
                       for kind, layers in sorted(kinds.items())) or "none published"
     line = (f"{section}: prefill calls seen {counters.get('calls_seen', 0)}, routed "
             f"{counters.get('calls_routed', 0)}, bypassed {counters.get('calls_bypassed', 0)}")
-    for extra in ("calls_refused", "calls_failed"):
+    for extra in ("calls_refused", "calls_failed", "calls_upstream"):
         if counters.get(extra):
             line += f", {extra.split('_')[1]} {counters[extra]}"
     for extra in ("casts_folded", "casts_materialized"):  # the final-state cast inside the scatter, or not

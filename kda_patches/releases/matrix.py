@@ -91,9 +91,10 @@ def render_matrix(reports: list[dict]) -> str:
     lines += ["## State-copy seams: the routing mechanism each wrapped seam runs", "",
               "Read from each release's source by the code the seam's wrapper runs at apply time "
               "(`kda_patches/routing/rewrite.py`): `rewrite` = a twin whose copy lines call the plan directly; "
-              "`alias` = the routed alias (with the reason the rewrite refused); *(eager break)*: the release makes the "
-              "seam a breakable CUDA-graph eager break (`eager_break_during_capture`), and the wrapper re-applies that "
-              "decorator to its routed call, so captures record and replay the routed call.", "",
+              "`alias` = the routed alias (with the reason the rewrite refused); *(eager break)*: the release makes "
+              "the seam a breakable CUDA-graph eager break (`eager_break_during_capture`), and the wrapper re-applies "
+              "that decorator to its routed call, so captures record and replay the routed call; *(routed on X "
+              "only)*: layers on another prefill backend keep upstream's copies (the seam's backend gate).", "",
               "| stack | rewrite | alias |", "|---|---|---|"]
     for report in reports:
         by_mechanism: dict[str, list[str]] = {"rewrite": [], "alias": []}
@@ -101,7 +102,10 @@ def render_matrix(reports: list[dict]) -> str:
             for target in entry.get("targets", []):
                 routing = target.get("routing")
                 if routing is not None:
-                    label = f"`{target['key'].split(':')[-1]}`" + (" (eager break)" if routing.get("eager_break") else "")
+                    label = f"`{target['key'].split(':')[-1]}`" + "".join(
+                        f" ({note})" for note in (routing.get("eager_break") and "eager break",
+                                                  routing.get("backends") and "routed on "
+                                                  + ", ".join(routing["backends"]["routed"]) + " only") if note)
                     by_mechanism[routing["mechanism"]].append(
                         label if routing["mechanism"] == "rewrite" else f"{label} ({routing['reason']})")
         if by_mechanism["rewrite"] or by_mechanism["alias"]:

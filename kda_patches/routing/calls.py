@@ -29,7 +29,7 @@ import torch
 
 from kda_patches.ledger import get_ledger
 from kda_patches.routing.alias import CallRoute, make_alias, make_flags_alias, tag_final
-from kda_patches.routing.proof import layer_name_of, report_bypass, require_plan, settle_route
+from kda_patches.routing.proof import layer_name_of, plan_free_by_backend, report_bypass, require_plan, settle_route
 from kda_patches.routing.seams import CLEAR_NATIVE, CLEAR_NONE, Argument, KVCacheSlot, MetadataField, Seam
 
 active_call = threading.local()
@@ -166,6 +166,8 @@ def route_call(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dic
         if metadata is None:  # decode-only, speculative-only or no forward context: untouched, uncounted
             return wrapped(*args, **kwargs)
     section = seam.section
+    if plan_free_by_backend(instance, section):
+        return wrapped(*args, **kwargs)
     get_ledger().count(section, "calls_seen")
     plan = require_plan(instance, section)
     state = read_state(seam, instance, args, kwargs)

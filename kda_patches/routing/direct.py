@@ -30,7 +30,13 @@ from kda_patches.routing.calls import (
     breakable_capture_phase,
     prefill_metadata,
 )
-from kda_patches.routing.proof import PLAN_ATTRIBUTE, layer_name_of, report_bypass, require_plan
+from kda_patches.routing.proof import (
+    PLAN_ATTRIBUTE,
+    layer_name_of,
+    plan_free_by_backend,
+    report_bypass,
+    require_plan,
+)
 from kda_patches.routing.seams import KVCacheSlot, Seam
 
 _getitem = torch.Tensor.__getitem__
@@ -272,7 +278,7 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
 
 def run_unroutable(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs: dict, state: Any) -> Any:
     """A call with no plan, no 4-D cache or inside a recording graph segment: refuse or report a prefill, run the
-    rest.
+    rest. A layer standing aside on its backend runs as written (counted ``calls_upstream``).
 
     Raises:
         PlanNotPublished: a prefill call (or any call of a seam that is not prefill-gated) without a plan.
@@ -280,6 +286,8 @@ def run_unroutable(seam: Seam, wrapped: Any, instance: Any, args: tuple, kwargs:
     if seam.prefill_gated and prefill_metadata(instance) is None:
         return wrapped(*args, **kwargs)  # decode-only, speculative-only or no forward context: untouched
     section = seam.section
+    if plan_free_by_backend(instance, section):
+        return wrapped(*args, **kwargs)
     get_ledger().count(section, "calls_seen")
     require_plan(instance, section)
     if not isinstance(state, torch.Tensor) or state.dim() != 4:

@@ -16,6 +16,8 @@ from kda_patches.ledger import get_ledger
 from kda_patches.routing.alias import CallRoute
 
 PLAN_ATTRIBUTE = "_kda_state_copy_plan"
+# set by the worker startup on a seam layer whose prefill backend the seam's BackendGate does not route: the reason
+STANDS_ASIDE_ATTRIBUTE = "_kda_state_copy_stands_aside"
 
 _warned: set[tuple[str, str, str]] = set()
 _logger = logging.getLogger("kda_patches")
@@ -53,6 +55,15 @@ def require_plan(layer: Any, section: str) -> Any:
             f"the worker through a patched runner, or set KDA_PATCHES_DISABLE={section} to run the fork's own "
             "state copy.")
     return plan
+
+
+def plan_free_by_backend(layer: Any, section: str) -> bool:
+    """Return whether ``layer`` (with no plan) stands aside on its prefill backend, counting the call
+    ``calls_upstream``: the fork's function then runs as written, both copies upstream's."""
+    if getattr(layer, PLAN_ATTRIBUTE, None) is None and getattr(layer, STANDS_ASIDE_ATTRIBUTE, None):
+        get_ledger().count(section, "calls_upstream")
+        return True
+    return False
 
 
 def report_bypass(section: str, layer_name: str, reason: str) -> None:

@@ -39,7 +39,7 @@ import torch
 from kda_patches.ledger import get_ledger
 from kda_patches.outermost import OutermostCall
 from kda_patches.routing.calls import read_argument
-from kda_patches.routing.proof import PLAN_ATTRIBUTE
+from kda_patches.routing.proof import PLAN_ATTRIBUTE, STANDS_ASIDE_ATTRIBUTE
 from kda_patches.routing.startup import find_layers, find_state, seam_of
 from kda_patches.state_copy.device import interpreter_active
 
@@ -77,7 +77,15 @@ def snapshot_published(runner: Any) -> dict[str, dict[str, Any]]:
 
 
 def describe_change(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """List what changed between two cache snapshots other than the row count (empty: a legal rebind)."""
+    """List what changed between two cache snapshots other than the row count (empty: a legal rebind).
+
+    A rebind to one row may also change the row stride (``.view(-1, H, V, K)`` of one page reports the payload):
+    its only valid row is 0, which no row stride moves.
+    """
+    strides = after["strides"]
+    if after["rows"] == 1 and strides[1:] == before["strides"][1:]:
+        strides = before["strides"]
+    after = {**after, "strides": strides}
     return [f"{key} {before[key]} -> {after[key]}" for key in ("device", "dtype", "inner", "strides", "data_ptr")
             if before[key] != after[key]]
 
@@ -112,7 +120,7 @@ def _revalidate(before: dict[str, dict[str, Any]], layers: Any) -> dict[str, tor
         if name in before:
             continue
         seam = seam_of(layer)
-        if seam is None:
+        if seam is None or getattr(layer, STANDS_ASIDE_ATTRIBUTE, None):  # no plan by design: its backend's copies
             continue
         state = find_state(name, layer, seam)
         if state.device.type == "cpu" and not interpreter_active():
@@ -128,14 +136,24 @@ def route_extend_kv_cache(wrapped: Any, args: tuple, kwargs: dict, section: str)
 
     Raises:
         RuntimeError: a rebound cache changed more than its row count, its plan refused it, or a seam layer has
-            no plan to republish (names the layer; nothing stays published).
+            no plan to republish (names the layer; nothing stays published). Whatever ``extend_kv_cache`` itself
+            raises propagates after every plan was withdrawn (some layers may already hold their new views).
     """
     if _outermost_extend.active:
         return wrapped(*args, **kwargs)
     runner = read_argument(args, kwargs, 0, "runner")
     before = snapshot_published(runner)
-    result, _ = _outermost_extend.run(wrapped, args, kwargs)
     ledger = get_ledger()
+    try:
+        result, _ = _outermost_extend.run(wrapped, args, kwargs)
+    except BaseException as error:  # some layers may be rebound already: none keeps a plan of the old caches
+        for other in find_layers(runner).values():
+            if getattr(other, PLAN_ATTRIBUTE, None) is not None:
+                setattr(other, PLAN_ATTRIBUTE, None)
+        ledger.count(section, "startups_failed")
+        ledger.set_fact(section, "rebind", {"ok": False, "layer": None, "error": f"extend_kv_cache raised "
+                                            f"{type(error).__name__}: {error}; every state-copy plan was withdrawn"})
+        raise
     layers = find_layers(runner)
     try:
         states = _revalidate(before, layers)

@@ -569,7 +569,8 @@ def predict_mechanism(definition: ast.AST, seam: Seam, qualname: str) -> dict[st
     Returns:
         ``{"mechanism": "rewrite", "replaced": [...]}`` or ``{"mechanism": "alias", "reason": ...}``, with
         ``"eager_break": <decorator name>`` where the definition carries a declared eager-break decorator
-        (:data:`EAGER_BREAK_WRAPPERS`: the seam is then reached through that decorator re-applied). Any other
+        (:data:`EAGER_BREAK_WRAPPERS`: the seam is then reached through that decorator re-applied), and
+        ``"backends"`` where the seam routes only some prefill backends (its ``BackendGate``). Any other
         decorator is read as returning the function itself (the live check decides the rest at wrap time).
     """
     import copy
@@ -577,7 +578,10 @@ def predict_mechanism(definition: ast.AST, seam: Seam, qualname: str) -> dict[st
     if not isinstance(definition, ast.FunctionDef):
         return {"mechanism": "alias", "reason": f"not rewritten: {qualname} is not a function definition"}
     breaks = sorted(set(EAGER_BREAK_WRAPPERS.values()) & {_decorator_name(node) for node in definition.decorator_list})
-    eager_break = {"eager_break": breaks[0]} if breaks else {}
+    eager_break: dict[str, Any] = {"eager_break": breaks[0]} if breaks else {}
+    if seam.backend is not None:
+        eager_break["backends"] = {"attribute": seam.backend.attribute, "routed": list(seam.backend.routed),
+                                   "stands_aside": seam.backend.reason}
     try:
         return {"mechanism": "rewrite", "replaced": plan_rewrite(copy.deepcopy(definition), seam, qualname),
                 **eager_break}

@@ -99,6 +99,41 @@ class FinalFrom:
         return f"FinalFrom({where}()[{self.index}])"
 
 
+class BackendGate:
+    """Which of a layer's prefill backends the seam routes: the others keep the fork's copies (stand aside).
+
+    A seam whose copies change owner with the layer's backend -- vLLM 0.34's Qwen ``_forward_core`` gathers
+    inside ``_forward_flashinfer_prefill`` on its FlashInfer branch but scatters in the seam itself -- routes only
+    where both copies are the seam's lines and routing was measured; a layer on any other backend gets no plan
+    and its calls run the fork's function as written (counted ``calls_upstream``), so one call's gather and
+    scatter never have two owners.
+
+    Attributes:
+        attribute: the layer attribute naming its backend (``gdn_prefill_backend``).
+        routed: the backend values the seam routes.
+        reason: why the others stand aside (status, conformance).
+    """
+
+    __slots__ = ("attribute", "reason", "routed")
+
+    def __init__(self, attribute: str, routed: tuple[str, ...], reason: str) -> None:
+        if not routed:
+            raise ValueError(f"backend gate on {attribute!r}: name at least one routed backend")
+        self.attribute = attribute
+        self.routed = tuple(routed)
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"BackendGate({self.attribute!r}, routed={self.routed!r})"
+
+    def stands_aside_on(self, layer: Any) -> str | None:
+        """Return why ``layer``'s backend is not routed (its value named), or None when it is."""
+        value = getattr(layer, self.attribute, None)
+        if value in self.routed:
+            return None
+        return f"{self.attribute}={value!r} (routed only on {', '.join(self.routed)}): {self.reason}"
+
+
 def capture_section(section: str) -> str:
     """Return the ledger section that counts ``section``'s calls made while a breakable capture records."""
     return f"{section}:capture"
@@ -127,16 +162,18 @@ class Seam:
         final: :class:`FinalFrom` (the folded final-state cast) or None.
         scatter_value_first: the scatter function takes ``(state, values, indices)`` (vLLM >= 0.34's
             ``scatter_states``), not ``(state, indices, values)``.
+        backend: a :class:`BackendGate` (the seam routes only some of the layer's prefill backends), or None.
     """
 
-    __slots__ = ("_at_capture", "cache_slot", "clear", "clear_function", "final", "flags", "gather_function",
-                 "indices", "name", "prefill_gated", "scatter_function", "scatter_value_first", "section", "state")
+    __slots__ = ("_at_capture", "backend", "cache_slot", "clear", "clear_function", "final", "flags",
+                 "gather_function", "indices", "name", "prefill_gated", "scatter_function", "scatter_value_first",
+                 "section", "state")
 
     def __init__(self, name: str, section: str, state: Argument | KVCacheSlot, indices: Any = None,
                  flags: Any = None, clear: str = CLEAR_NATIVE, clear_function: str | None = None,
                  gather_function: str | None = None, prefill_gated: bool = False, cache_slot: int = 1,
                  final: FinalFrom | None = None, scatter_function: str | None = None,
-                 scatter_value_first: bool = False) -> None:
+                 scatter_value_first: bool = False, backend: BackendGate | None = None) -> None:
         if clear not in _CLEARS:
             raise ValueError(f"seam {name!r}: clear must be one of {_CLEARS}, got {clear!r}")
         if (clear == CLEAR_FUNCTION) != (clear_function is not None):
@@ -167,6 +204,9 @@ class Seam:
         if final is not None and not isinstance(final, FinalFrom):
             raise TypeError(f"seam {name!r}: final must be a FinalFrom or None, got {final!r}")
         self.final = final
+        if backend is not None and not isinstance(backend, BackendGate):
+            raise TypeError(f"seam {name!r}: backend must be a BackendGate or None, got {backend!r}")
+        self.backend = backend
         self._at_capture: Seam | None = None
 
     def __repr__(self) -> str:
@@ -193,4 +233,7 @@ class Seam:
                 "gather_function": self.gather_function, "scatter_function": self.scatter_function,
                 "scatter_value_first": self.scatter_value_first,
                 "prefill_gated": self.prefill_gated,
-                "final": repr(self.final) if self.final is not None else None}
+                "final": repr(self.final) if self.final is not None else None,
+                "backend": None if self.backend is None else {
+                    "attribute": self.backend.attribute, "routed": list(self.backend.routed),
+                    "reason": self.backend.reason}}

@@ -14,7 +14,9 @@ allocated, reshaped and bound, before any warmup forward, graph capture or reque
    layers with the same layout share one compiled table whichever patch they belong to, and every plan
    is prepared and sealed before any binding exists;
 3. all bindings are published at once (``layer._kda_state_copy_plan``); each layer's plan facts go to
-   its seam's ledger section.
+   its seam's ledger section. A layer whose prefill backend its seam does not route (the seam's
+   :class:`~kda_patches.routing.seams.BackendGate`) gets no plan: it is marked standing aside, with the reason, and
+   its calls run the fork's function as written.
 
 Any failure publishes nothing and aborts startup with a ``RuntimeError`` naming the layer and the reason.
 The fork's own marker ``_requires_kda_state_copy`` (vllm-ascend >= 0.30) does NOT select a layer: such a
@@ -30,7 +32,7 @@ import torch
 
 from kda_patches.ledger import get_ledger
 from kda_patches.outermost import OutermostCall
-from kda_patches.routing.proof import PLAN_ATTRIBUTE
+from kda_patches.routing.proof import PLAN_ATTRIBUTE, STANDS_ASIDE_ATTRIBUTE
 from kda_patches.routing.seams import Seam
 
 _outermost_initialize = OutermostCall()
@@ -125,6 +127,28 @@ def record_cpu_layers(seams: Mapping[str, Seam], states: Mapping[str, torch.Tens
                 "through its own CPU kernels, not this seam); a seam call would be refused"})
 
 
+def mark_standing_aside(selected: Mapping[str, Any], seams: Mapping[str, Seam]) -> dict[str, Any]:
+    """Mark the layers whose prefill backend their seam does not route (:class:`~kda_patches.routing.seams.
+    BackendGate`): no plan, ``layer._kda_state_copy_stands_aside`` = the reason, a ``stands-aside`` fact per layer.
+
+    Returns:
+        The layers that do get a plan.
+    """
+    ledger = get_ledger()
+    routed = {}
+    for name, layer in selected.items():
+        seam = seams[name]
+        reason = seam.backend.stands_aside_on(layer) if seam.backend is not None else None
+        setattr(layer, STANDS_ASIDE_ATTRIBUTE, reason)
+        if reason is None:
+            routed[name] = layer
+        else:
+            ledger.set_fact(seam.section, name, {
+                "decision": "stands-aside", "seam": seam.name,
+                "backend": str(getattr(layer, seam.backend.attribute, None)), "reason": reason})
+    return routed
+
+
 def prepare_and_publish(runner: Any, section: str | None = None) -> dict[str, Any]:
     """Prepare, seal and publish the plans of every seam layer of ``runner``.
 
@@ -149,6 +173,7 @@ def prepare_and_publish(runner: Any, section: str | None = None) -> dict[str, An
     for layer in selected.values():  # their caches were just (re)bound: no stale binding may survive
         if getattr(layer, PLAN_ATTRIBUTE, None) is not None:
             setattr(layer, PLAN_ATTRIBUTE, None)
+    selected = mark_standing_aside(selected, seams)
     sections = sorted({seam.section for seam in seams.values()} | ({section} if section else set()))
     if not selected:
         for name in sections:

@@ -111,6 +111,19 @@ def cache_signature(state: torch.Tensor) -> tuple[Any, ...]:
             state.data_ptr() % ALIGNMENT)
 
 
+def serves_signature(prepared: tuple[Any, ...], state: torch.Tensor) -> bool:
+    """Return whether a plan prepared for ``prepared`` (a :func:`cache_signature`) addresses ``state`` correctly.
+
+    The signatures match, or ``state`` has one row and differs only in its row stride: the plan's row stride is a
+    compiled constant multiplied by the index, and the one valid index of a one-row cache is 0 (``.view(-1, H, V, K)``
+    of a one-page slice reports ``stride(0)`` = the payload, not the page).
+    """
+    found = cache_signature(state)
+    if found == prepared:
+        return True
+    return state.shape[0] == 1 and (*found[:3], (prepared[3][0], *found[3][1:]), found[4]) == prepared
+
+
 def describe_signature_change(prepared: tuple[Any, ...], found: tuple[Any, ...]) -> str:
     """Return what differs between two :func:`cache_signature` results, field by field (``"; "``-joined)."""
     return "; ".join(f"{name} {before} -> {after}"

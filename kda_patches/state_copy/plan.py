@@ -419,8 +419,9 @@ class StateCopyPlan:
     def check_cache(self, state: torch.Tensor, layer: str | None = None) -> None:
         """Re-validate the plan for ``state`` (a cache rebound after prepare) without compiling anything.
 
-        Accepts any row count ``shape[0]`` (the kernels take it per launch); everything else the compiled
-        variants depend on must be what they were prepared for.
+        Accepts any row count ``shape[0]`` (the kernels take it per launch), and any row stride for a one-row
+        cache (:func:`~kda_patches.state_copy.layout.serves_signature`); everything else the compiled variants
+        depend on must be what they were prepared for.
 
         Args:
             state: the rebound cache ``[N, H, V, K]``.
@@ -430,7 +431,7 @@ class StateCopyPlan:
                 stride, inner shape, dtype or device needs a plan prepared for it: restart the worker).
         """
         found = layout.cache_signature(state) if isinstance(state, torch.Tensor) and state.dim() == 4 else None
-        if found is None or found != self.signature:
+        if found is None or not layout.serves_signature(self.signature, state):
             change = (layout.describe_signature_change(self.signature, found) if found is not None else
                       f"not a [N, H, V, K] tensor: {type(state).__name__} "
                       f"{tuple(state.shape) if isinstance(state, torch.Tensor) else ''}")
@@ -450,8 +451,8 @@ class StateCopyPlan:
                    "initialization does this) before serving", layer)
         # any row count: the launch passes this cache's shape[0] as the kernels' bound
         if (state.dtype != self._dtype or (state.shape != self._shape and not self._other_rows(state))
-                or state.stride() != self._strides or state.device != self._device
-                or state.data_ptr() % 16 != self._alignment):
+                or (state.stride() != self._strides and not layout.serves_signature(self.signature, state))
+                or state.device != self._device or state.data_ptr() % 16 != self._alignment):
             found = layout.cache_signature(state) if state.dim() == 4 else f"shape {tuple(state.shape)}"
             change = layout.describe_signature_change(self.signature, found) if state.dim() == 4 else found
             refuse("signature", f"cache signature changed since prepare ({change}; only the row count may "

@@ -196,3 +196,130 @@ def test_rebind_without_published_plans_republishes_nothing(load_reference, comp
     fact = get_ledger().snapshot()["facts"]["kimi_prefill"]["rebind"]
     assert fact == {"ok": True, "layers": {}, "recompiled": False, "reason": rebind.NOTHING_PUBLISHED_REASON}
     assert compiles.count == 0 and all(layer.kv_cache[1].shape[0] == rows for layer in world.layers.values())
+
+
+def _one_row(world: kimi_workload.World):
+    """``extend_kv_cache`` stand-in: each state becomes its first row viewed as ``.view(-1, H, V, K)`` of one page
+    reports it -- ``stride(0)`` = the payload ``H * V * K``, not the page (same pointer, same inner strides)."""
+    def extend_kv_cache(runner, kv_cache_config, num_blocks):
+        for layer in world.layers.values():
+            cache = list(layer.kv_cache)
+            state = cache[1]
+            payload = state.shape[1] * state.shape[2] * state.shape[3]
+            cache[1] = state.as_strided((1, *state.shape[1:]), (payload, *state.stride()[1:]), state.storage_offset())
+            layer.kv_cache = tuple(cache) if isinstance(layer.kv_cache, tuple) else cache
+    return extend_kv_cache
+
+
+def test_a_rebind_to_one_row_with_the_payload_as_row_stride_is_republished(load_reference, compiles):
+    """A one-row view's row stride addresses nothing (its one valid index is 0): accepted where the pointer and
+    the inner strides hold, and the plan serves it exactly as the naive copy does."""
+    world = _started(load_reference)
+    before = {name: getattr(layer, PLAN_ATTRIBUTE) for name, layer in world.layers.items()}
+    assert all(layer.kv_cache[1].stride(0) != 2 * 8 * 8 for layer in world.layers.values())  # paged: a gap
+    compiles.count = 0
+    rebind.route_extend_kv_cache(_one_row(world), (world.runner, None, 1), {}, "kimi_prefill")
+    generator = torch.Generator().manual_seed(11)
+    for name, layer in world.layers.items():
+        binding, state = getattr(layer, PLAN_ATTRIBUTE), layer.kv_cache[1]
+        assert binding is before[name] and state.shape[0] == 1
+        indices, flags = torch.tensor([0, 1, -1, 0], dtype=torch.int32), torch.tensor([True, True, True, False])
+        assert torch.equal(_bits(binding.gather(state, indices, flags)), _bits(naive.gather_states(state, indices,
+                                                                                                    flags)))
+        raw = world.runner.raw_caches[name]
+        expected = raw.clone()
+        finals = torch.randn((2, *state.shape[1:]), generator=generator)
+        naive.scatter_states(expected.as_strided(state.shape, state.stride(), state.storage_offset()), finals,
+                             torch.tensor([0, 1]))
+        binding.scatter(state, finals, torch.tensor([0, 1], dtype=torch.int64))
+        assert torch.equal(_bits(raw), _bits(expected))
+    assert compiles.count == 0
+
+
+def test_a_one_row_rebind_that_changes_an_inner_stride_is_refused(load_reference, compiles):
+    """Only the row stride of a one-row view is free: an inner stride that changed still refuses the rebind."""
+    world = _started(load_reference)
+    changed = sorted(world.layers)[0]
+    layer = world.layers[changed]
+    state = layer.kv_cache[1]
+    shape, strides = (1, state.shape[1], state.shape[3], state.shape[2]), state.stride()
+    layer.kv_cache = (layer.kv_cache[0], state.as_strided(shape, (strides[0], strides[1], strides[3], strides[2]),
+                                                          state.storage_offset()), *layer.kv_cache[2:])
+    with pytest.raises(RuntimeError, match=changed.replace(".", r"\.") + ".*strides"):
+        rebind.route_extend_kv_cache(lambda *args: None, (world.runner, None, 1), {}, "kimi_prefill")
+    assert all(getattr(other, PLAN_ATTRIBUTE, None) is None for other in world.layers.values())
+
+
+def _retyped(world: kimi_workload.World, changed: str, change: str):
+    """``extend_kv_cache`` stand-in: layer ``changed`` gets its state as another dtype (same bytes), another inner
+    shape (same pages), or on another device; the others only fewer rows."""
+    def extend_kv_cache(runner, kv_cache_config, num_blocks):
+        for name, layer in world.layers.items():
+            state = layer.kv_cache[1][:-1]
+            if name == changed:
+                state = {"dtype": lambda: state.view(torch.int32),
+                         "inner": lambda: state.unflatten(-1, (2, state.shape[-1] // 2)).flatten(-3, -2),
+                         "device": lambda: torch.empty_like(state, device="meta")}[change]()
+            layer.kv_cache = (layer.kv_cache[0], state, *layer.kv_cache[2:])
+    return extend_kv_cache
+
+
+@pytest.mark.parametrize(("change", "named"), [("dtype", "dtype"), ("inner", "inner"), ("device", "device")])
+def test_a_rebind_that_changes_dtype_inner_shape_or_device_is_refused_naming_it(load_reference, compiles, change,
+                                                                                named):
+    world = _started(load_reference)
+    changed = sorted(world.layers)[1]
+    compiles.count = 0
+    with pytest.raises(RuntimeError, match=changed.replace(".", r"\.") + f".*{named}"):
+        rebind.route_extend_kv_cache(_retyped(world, changed, change), (world.runner, None, 0), {}, "kimi_prefill")
+    assert all(getattr(layer, PLAN_ATTRIBUTE, None) is None for layer in world.layers.values())
+    assert compiles.count == 0
+
+
+def test_extend_kv_cache_twice_republishes_the_same_plans_each_time(load_reference, compiles):
+    world = _started(load_reference)
+    before = {name: getattr(layer, PLAN_ATTRIBUTE) for name, layer in world.layers.items()}
+    rows = next(iter(world.layers.values())).kv_cache[1].shape[0]
+    compiles.count = 0
+    for new_rows in (rows - 3, rows - 5):
+        rebind.route_extend_kv_cache(_rebind(world, new_rows), (world.runner, None, new_rows), {}, "kimi_prefill")
+        assert all(getattr(layer, PLAN_ATTRIBUTE) is before[name] and layer.kv_cache[1].shape[0] == new_rows
+                   for name, layer in world.layers.items())
+        fact = get_ledger().snapshot()["facts"]["kimi_prefill"]["rebind"]
+        assert fact["ok"] and {entry["new_rows"] for entry in fact["layers"].values()} == {new_rows}
+    assert compiles.count == 0
+
+
+def test_extend_kv_cache_raising_midway_withdraws_every_plan(load_reference, compiles):
+    """The release's rebind fails after binding some layers: no layer keeps a plan (of old or new views)."""
+    world = _started(load_reference)
+    first = sorted(world.layers)[0]
+    rows = world.layers[first].kv_cache[1].shape[0] - 2
+
+    def extend_kv_cache(runner, kv_cache_config, num_blocks):
+        layer = world.layers[first]
+        layer.kv_cache = (layer.kv_cache[0], layer.kv_cache[1][:rows], *layer.kv_cache[2:])
+        raise MemoryError("cuMemMap failed")
+
+    with pytest.raises(MemoryError, match="cuMemMap"):
+        rebind.route_extend_kv_cache(extend_kv_cache, (world.runner, None, rows), {}, "kimi_prefill")
+    assert all(getattr(layer, PLAN_ATTRIBUTE, None) is None for layer in world.layers.values())
+    fact = get_ledger().snapshot()["facts"]["kimi_prefill"]["rebind"]
+    assert fact["ok"] is False and "MemoryError" in fact["error"] and "withdrawn" in fact["error"]
+
+
+def test_a_layer_standing_aside_on_its_backend_does_not_fail_the_rebind(load_reference, compiles):
+    """The same plan-less layer as in ``test_a_seam_layer_without_a_plan_before_the_rebind_fails_it``, but marked
+    standing aside by the startup (its backend keeps upstream's copies): the rebind republishes the others."""
+    from kda_patches.routing.proof import STANDS_ASIDE_ATTRIBUTE
+
+    world = _started(load_reference)
+    bare = sorted(world.layers)[0]
+    setattr(world.layers[bare], PLAN_ATTRIBUTE, None)
+    setattr(world.layers[bare], STANDS_ASIDE_ATTRIBUTE, "kda_prefill_backend='other': not routed")
+    other = sorted(world.layers)[1]
+    binding = getattr(world.layers[other], PLAN_ATTRIBUTE)
+    rows = world.layers[bare].kv_cache[1].shape[0] - 2
+    rebind.route_extend_kv_cache(_rebind(world, rows), (world.runner, None, rows), {}, "kimi_prefill")
+    assert getattr(world.layers[bare], PLAN_ATTRIBUTE, None) is None
+    assert getattr(world.layers[other], PLAN_ATTRIBUTE) is binding

@@ -68,6 +68,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return torch.cat(outs, dim=1).to(v.dtype), torch.stack(finals)
 
 
+def flashinfer_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, initial_state: torch.Tensor, output_final_state: bool,
+                                      cu_seqlens: Any = None, output: torch.Tensor | None = None, **unused: Any
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-in of FlashInfer's ``flashinfer.gdn_prefill.chunk_gated_delta_rule`` (the device kernel vLLM 0.34's
+    ``fi_chunk_gated_delta_rule`` calls): ``[T, H, D]`` inputs, ``g`` already exponentiated (its log goes to the
+    naive rule), the output written into ``output`` when given; ``(o [T, H, V], final [S, H, V, K] FP32)``."""
+    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g.log()[None], beta[None], initial_state,
+                                      cu_seqlens=cu_seqlens)
+    if output is not None:
+        output.copy_(o[0])
+        return output, final
+    return o[0], final
+
+
 def fused_post_conv_prep(conv_output: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                          dt_bias: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
                          apply_l2norm: bool = True, output_g_exp: bool = False) -> tuple[torch.Tensor, ...]:

@@ -22,6 +22,9 @@ equal the baseline's (NaN-poisoned gaps, offset and untouched conv state checked
 CUDA); the ``:breakable`` cases run each layer call under its ``BreakableCUDAGraphCapture`` (CUDA-graph calls stood
 in) and replay the capture: where the seam is routed, every replay is a routed, counted call and the capture-time
 run is routed and counted apart (``<section>:capture``) -- what a replay of the unwrapped function would miss.
+The ``:flashinfer`` cases put Qwen on 0.34's FlashInfer prefill backend (its released ``_forward_flashinfer_prefill``
+and ``fi_chunk_gated_delta_rule`` run; only FlashInfer's kernel is stood in): the gather is inside that branch, so
+the seam stands aside on it -- no plan, calls counted ``calls_upstream``, never half-routed, STRICT quiet.
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ CASES = ("qwen:float32:SD", "qwen:bfloat16:DS", "linear:float32:DS", "linear:bfl
          "k3:float32:SD", "k3:bfloat16:DS", "olmo:bfloat16:SD", "olmo:float32:DS",
          # each layer call captured under 0.34's own breakable CUDA graph (its default for both Kimi models on CUDA),
          # then replayed BREAK_REPLAYS times: the replays are the served calls, the capture-time run a dummy's
-         "k3:bfloat16:SD:breakable", "linear:float32:DS:breakable")
+         "k3:bfloat16:SD:breakable", "linear:float32:DS:breakable",
+         # Qwen on 0.34's FlashInfer prefill backend (`auto` on SM90): the released _forward_flashinfer_prefill gathers
+         # and the seam scatters -- the seam stands aside on that backend, both copies upstream's
+         "qwen:float32:SD:flashinfer", "qwen:bfloat16:DS:flashinfer")
 GATHER, SCATTER = "_gather_initial_states_kernel", "_scatter_states_kernel"
 # which layers each side routes through the overlay's plans
 ROUTED = {"baseline": (), "measured": ("qwen", "k3", "olmo"), "upstream": ("k3", "olmo"),
@@ -135,7 +141,13 @@ def test_patched_equals_baseline(runs: tuple, case: str, side: str) -> None:
     plans = patched["facts"][SECTION[kind]]
     assert patched["eager_break"] == (kind in EAGER_BREAKS), context  # the overlay keeps the release's decorator
     served = PREFILL_CALLS * served_per_call(case)
-    if kind in ROUTED[side]:
+    if kind in ROUTED[side] and case.endswith(":flashinfer"):  # wrapped, but no plan on this backend: upstream's
+        assert patched["wrapped"] != "function", context + "\nthe seam is not wrapped"
+        assert seen == {"calls_upstream": PREFILL_CALLS} and not captured, context + f"\nledger: {seen} {captured}"
+        assert all(fact["decision"] == "stands-aside" and "gdn_prefill_backend='flashinfer'" in fact["reason"]
+                   for fact in plans.values()), context + f"\n{plans}"
+        assert patched["launches"] == UPSTREAM_LAUNCHES[kind], context + f"\nlaunches {patched['launches']}"
+    elif kind in ROUTED[side]:
         assert patched["wrapped"] != "function", context + "\nthe seam is not wrapped"
         assert seen.get("calls_seen") == seen.get("calls_routed") == served, context + f"\nledger: {seen}"
         assert not seen.get("calls_bypassed"), context + f"\nledger: {seen}"

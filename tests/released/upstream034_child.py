@@ -57,13 +57,17 @@ class State:
         return {name: count for table in self.kernel_tables for name, count in table.items()}
 
 
-def parse_case(case: str) -> tuple[str, str, str, bool]:
-    """``"qwen:float32:SD"`` -> ``("qwen", "float32", "SD", False)``; a ``:breakable`` suffix -> True (each layer
-    call captured under the released breakable CUDA graph, then replayed)."""
+MODES = ("breakable", "flashinfer")
+
+
+def parse_case(case: str) -> tuple[str, str, str, str | None]:
+    """``"qwen:float32:SD"`` -> ``("qwen", "float32", "SD", None)``; a mode suffix names the mode: ``:breakable``
+    (each layer call captured under the released breakable CUDA graph, then replayed) or ``:flashinfer`` (a GDN
+    layer on the FlashInfer prefill backend)."""
     kind, dtype, layout, *mode = case.split(":")
-    if mode not in ([], ["breakable"]):
-        raise ValueError(f"case {case!r}: the only mode is ':breakable'")
-    return kind, dtype, layout, bool(mode)
+    if len(mode) > 1 or (mode and mode[0] not in MODES):
+        raise ValueError(f"case {case!r}: the modes are {MODES}")
+    return kind, dtype, layout, mode[0] if mode else None
 
 
 def setup(args: list[str], cases: list[str]) -> State:
@@ -108,20 +112,21 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
 
     import kda_patches
 
-    kind, cache_dtype, conv_layout, breakable = parse_case(case)
+    kind, cache_dtype, conv_layout, mode = parse_case(case)
     standins.set_conv_layout(conv_layout)
     _, class_name, method = standins.LAYERS[kind]
     cls = getattr(state.modules[kind], class_name)
     generator = torch.Generator().manual_seed(seed)
     first, state.cases_run = 2 * state.cases_run, state.cases_run + 1
     names = [f"model.layers.{first + i}.{standins.SUFFIX[kind]}" for i in range(2)]
-    layers = {name: standins.build_layer(kind, cls, name, generator) for name in names}
+    backend = "flashinfer" if mode == "flashinfer" else "triton"
+    layers = {name: standins.build_layer(kind, cls, name, generator, backend) for name in names}
     case_runner = state.runner_module.GPUModelRunner(layers, MAX_NUM_SEQS, seed)
     config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype),
                              CONV_WIDTH, conv_layout=conv_layout) for name in layers}
     launches_before = state.launched()
     case_runner.initialize_kv_cache(config, False, None, False)
-    invoke = standins.capture_and_replay(sys.modules[standins.BREAKABLE_MODULE]) if breakable else None
+    invoke = standins.capture_and_replay(sys.modules[standins.BREAKABLE_MODULE]) if mode == "breakable" else None
     outputs, snapshots = standins.run_batches(kind, layers, case_runner.raw_caches, generator, invoke)
     after, launches_after = kda_patches.get_ledger().snapshot(), state.launched()
     return {

@@ -104,8 +104,12 @@ _KIMI = {name: what for name, what in upstream_standins.STANDINS.items()
 STANDINS = {
     "qwen": {**{name: what for name, what in gdn_standins.STANDINS.items()
                 if not name.startswith(("vllm.v1.worker", "GDNAttentionMetadata"))}, **_GDN_METADATA,
-             "QwenGatedDeltaNetAttention.gdn_prefill_backend (layer attribute)": "'triton' (the chunk path, not "
-             "FlashInfer)",
+             "QwenGatedDeltaNetAttention.gdn_prefill_backend (layer attribute)": "'triton' (the chunk path), or "
+             "'flashinfer' in ':flashinfer' cases (the released _forward_flashinfer_prefill and "
+             "fi_chunk_gated_delta_rule run)",
+             "flashinfer.gdn_prefill.chunk_gated_delta_rule (':flashinfer' cases)": "fla-core "
+             "naive_recurrent_gated_delta_rule per sequence on log(g) (FlashInfer takes exp(g)); output written into "
+             "the given buffer",
              "vllm._aiter_ops.rocm_aiter_ops (Qwen file)": "are_gdn_triton_kernels_available / "
              "are_rdna_gdn_triton_kernels_available -> False (not ROCm), nothing else",
              **_GATHER, **_SCATTER, **_COMMON},
@@ -173,7 +177,8 @@ def extensible_module(root: pathlib.Path) -> types.ModuleType:
 
 def standin_modules() -> dict[str, dict[str, Any]]:
     """Return the stand-in import table of 0.34's executed files (module -> {name: object})."""
-    return {"vllm.triton_utils": triton_utils(), "vllm._aiter_ops": {"rocm_aiter_ops": RocmAiterOps}}
+    return {"vllm.triton_utils": triton_utils(), "vllm._aiter_ops": {"rocm_aiter_ops": RocmAiterOps},
+            "flashinfer.gdn_prefill": {"chunk_gated_delta_rule": gdn_standins.flashinfer_chunk_gated_delta_rule}}
 
 
 def install() -> None:
@@ -221,13 +226,15 @@ def capture_and_replay(breakable: Any) -> Any:
     return invoke
 
 
-def build_layer(kind: str, cls: type, name: str, generator: torch.Generator) -> torch.nn.Module:
-    """Return the release's layer class built as for 0.33 (only what the seam reads is set)."""
+def build_layer(kind: str, cls: type, name: str, generator: torch.Generator, backend: str = "triton"
+                ) -> torch.nn.Module:
+    """Return the release's layer class built as for 0.33 (only what the seam reads is set); ``backend`` is a GDN
+    layer's ``gdn_prefill_backend`` (``triton`` or ``flashinfer``)."""
     if kind in ("qwen", "olmo"):
         from upstream_gdn_layers import build_layer as build_gdn
 
         layer = build_gdn(cls, name, generator)
-        object.__setattr__(layer, "gdn_prefill_backend", "triton")
+        object.__setattr__(layer, "gdn_prefill_backend", backend)
         return layer
     from upstream_kimi_layers import build_layer as build_kimi
 

@@ -42,3 +42,23 @@ def test_the_status_line_counts_seams_by_routing_mechanism():
         "routing b:Ascend._forward_core": {"seam": "a", "mechanism": "alias", "reason": "not rewritten: ..."}}}}
     assert gdn_state_copy.format_status_line(snapshot) == (
         "gdn_state_copy: prefill calls seen 0, routed 0, bypassed 0; plans none published; seams by alias 1, rewrite 2")
+
+
+def test_a_backend_gate_routes_only_its_backends_and_status_names_the_others():
+    """:class:`BackendGate`: a layer whose backend attribute is one of ``routed`` gets None (routed); any other
+    value -- another backend, or none at all -- gets the reason naming the value; status lists such layers."""
+    from types import SimpleNamespace
+
+    from kda_patches.patches.kimi_prefill import format_status_line
+    from kda_patches.routing.seams import BackendGate
+
+    gate = BackendGate("gdn_prefill_backend", ("triton",), "the other branch gathers itself")
+    assert gate.stands_aside_on(SimpleNamespace(gdn_prefill_backend="triton")) is None
+    reason = gate.stands_aside_on(SimpleNamespace(gdn_prefill_backend="flashinfer"))
+    assert reason.startswith("gdn_prefill_backend='flashinfer' (routed only on triton)")
+    assert "gdn_prefill_backend=None" in gate.stands_aside_on(SimpleNamespace())
+    snapshot = {"counters": {"gdn_state_copy": {"calls_upstream": 4}},
+                "facts": {"gdn_state_copy": {f"model.layers.{i}.linear_attn": {
+                    "decision": "stands-aside", "backend": "flashinfer", "reason": reason} for i in range(2)}}}
+    line = format_status_line(snapshot, "gdn_state_copy")
+    assert "upstream 4" in line and "stands-aside on flashinfer=2 (model.layers.0.linear_attn…)" in line
