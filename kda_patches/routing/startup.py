@@ -127,6 +127,19 @@ def record_cpu_layers(seams: Mapping[str, Seam], states: Mapping[str, torch.Tens
                 "through its own CPU kernels, not this seam); a seam call would be refused"})
 
 
+# layer attributes in which the released layers name the prefill backend they picked (Kimi K3 / Qwen / Kimi Linear)
+PREFILL_BACKEND_ATTRIBUTES = ("kda_prefill_backend", "gdn_prefill_backend")
+
+
+def prefill_backend_of(layer: Any) -> str | None:
+    """Return the prefill backend the layer picked (its first :data:`PREFILL_BACKEND_ATTRIBUTES`), or None."""
+    for attribute in PREFILL_BACKEND_ATTRIBUTES:
+        value = getattr(layer, attribute, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
 def mark_standing_aside(selected: Mapping[str, Any], seams: Mapping[str, Seam]) -> dict[str, Any]:
     """Mark the layers whose prefill backend their seam does not route (:class:`~kda_patches.routing.seams.
     BackendGate`): no plan, ``layer._kda_state_copy_stands_aside`` = the reason, a ``stands-aside`` fact per layer.
@@ -214,7 +227,7 @@ def prepare_and_publish(runner: Any, section: str | None = None) -> dict[str, An
         ledger.set_fact(seam.section, name, {
             "decision": "overlay-plan", "seam": seam.name, "plan_kind": plans[name].kind,
             "cache_shape": list(states[name].shape), "cache_dtype": str(states[name].dtype).replace("torch.", ""),
-            "max_selected": max_num_seqs})
+            "max_selected": max_num_seqs, "prefill_backend": prefill_backend_of(selected[name])})
     for name in sections:
         ledger.set_fact(name, "startup", {"ok": True, "layers": sum(seams[layer].section == name for layer in selected),
                                           "max_num_seqs": max_num_seqs})

@@ -89,6 +89,9 @@ CHAIN_WHEELS: tuple[tuple[str, str], ...] = (
 # and the MoE op library (topk_softmax, moe_align_block_size, ...) only the MoE models need (Qwen3-Next)
 STABLE_LIBRARIES: Mapping[str, str] = {"core": "vllm/_C_stable_libtorch.abi3.so",
                                        "moe": "vllm/_moe_C_stable_libtorch.abi3.so"}
+# vLLM 0.34 also ships FlashKDA (Kimi K3's SM90+ prefill default, `kda_prefill_backend=auto`): 7.5 MB, 1.5 MB as xz;
+# stable ABI too -- every torch symbol it needs is one the core library needs (read with nm, 2026-12-07)
+STABLE_LIBRARIES_034: Mapping[str, str] = {**STABLE_LIBRARIES, "flashkda": "vllm/_flashkda_C.abi3.so"}
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class ReleaseCarry:
 RELEASES: dict[str, ReleaseCarry] = {release.version: release for release in (
     ReleaseCarry("0.33.0", CHAIN_WHEELS, STABLE_LIBRARIES,
                  "run: the wheels found by the layer check's dry run; H200 engine runs 1-4 (both libraries loaded)"),
-    ReleaseCarry("0.34.0", CHAIN_WHEELS, STABLE_LIBRARIES,
+    ReleaseCarry("0.34.0", CHAIN_WHEELS, STABLE_LIBRARIES_034,
                  "read, not yet run on the H200 (2026-12-03): its wheel's Requires-Dist for every carried package is "
                  "0.33.0's line; module-level imports followed from the engine's modules reach no third-party "
                  "package 0.33.0's did not (xgrammar and partial-json-parser no longer reached that way; kept); both "
@@ -481,11 +484,13 @@ def main(argv: list[str] | None = None) -> int:
                               help="also carry vLLM's MoE op library (Qwen3-Next; one more call)")
     carry_parser.add_argument("--with-ray", action="store_true",
                               help="also carry Ray and its missing dependencies (the Ray executor; two more calls)")
+    carry_parser.add_argument("--with-flashkda", action="store_true",
+                              help="also carry FlashKDA (vLLM >= 0.34: Kimi K3's default prefill backend on SM90+)")
     args = parser.parse_args(argv)
     release = release_of(args.vllm_version)
     if args.command == "carry":
-        manifest = carry(args.dest, args.python_version, ("core", "moe") if args.with_moe else ("core",),
-                         args.with_ray, release)
+        libraries = ("core", *(("moe",) if args.with_moe else ()), *(("flashkda",) if args.with_flashkda else ()))
+        manifest = carry(args.dest, args.python_version, libraries, args.with_ray, release)
         for run in range(1, manifest["runs"] + 1):
             pieces = [p for a in manifest["artifacts"].values() for p in a["pieces"] if p["run"] == run]
             folder = os.path.relpath(args.dest / "carry" / f"run{run}", ROOT)

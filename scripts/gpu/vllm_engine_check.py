@@ -140,6 +140,11 @@ MODELS = {
                             "Qwen3-Next MoE GDN hybrid (8 experts, top 2); its MoE layers call vLLM's MoE library",
                             libraries=(MOE_LIBRARY,), seam=QWEN_GDN_SEAM),
 }
+FLASHKDA_LIBRARY = "_flashkda_C.abi3.so"
+# what vLLM 0.34 picks by default on SM90 for a model, beyond the op library: Kimi K3's KDA prefill is FlashKDA
+# (`resolve_kda_prefill_backend`: head_dim 128, BF16, a bounded gate); its native fused decode is in the op library
+DEFAULT_BACKEND_LIBRARIES = {"kimi_k3": (FLASHKDA_LIBRARY,)}
+DEFAULT_PREFILL_BACKENDS = {"kimi_k3": "flashkda"}  # what a case at the defaults must find its layers running
 DEFAULT_RELEASE = "0.33.0"
 RELEASE_RUNNERS = {"0.34.0": ("v2",)}  # 0.34's Worker always builds the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1)
 
@@ -169,6 +174,15 @@ class Case:
     # with programmatic dependent launch, and the patched processes' ledgers must say every routed layer's plan did,
     # else the case proves nothing about PDL (or the default stopped choosing it)
     pdl: bool = False
+    # no backend argument at all (attention, GDN / KDA prefill and decode left to vLLM): the case runs what vLLM picks
+    # on this GPU, which needs the libraries it picks carried (:data:`DEFAULT_BACKEND_LIBRARIES`)
+    at_defaults: bool = False
+
+    @property
+    def libraries(self) -> tuple[str, ...]:
+        """vLLM compiled libraries (files in ``vllm/``) the case needs beyond the op library."""
+        extra = DEFAULT_BACKEND_LIBRARIES.get(self.model, ()) if self.at_defaults else ()
+        return (*MODELS[self.model].libraries, *extra)
 
     @property
     def profiles_memory(self) -> bool:
@@ -224,6 +238,15 @@ CASES = (
     Case("qwen3_next-v2-prefix-eager-034-overlay-pdl-NEGATIVE", "qwen3_next", "v2", True, True, release="0.34.0",
          extensible=True, gdn_ops="overlay", mutant="scatter-halved", pdl=True),
     Case("kimi_k3-v2-prefix-eager-034-pdl", "kimi_k3", "v2", True, True, release="0.34.0", extensible=True, pdl=True),
+    # issue 50: Kimi K3 as vLLM 0.34 serves it by default on SM90 -- no backend argument (FlashKDA prefill, native
+    # fused decode), not eager (torch.compile + breakable CUDA graphs, on by default for KimiLinearForCausalLM, whose
+    # _forward is an eager break: replays must run the routed call), prefix caching and the extensible cache on
+    Case("kimi_k3-v2-prefix-defaults-034", "kimi_k3", "v2", True, False, release="0.34.0", extensible=True,
+         at_defaults=True),
+    Case("kimi_k3-v2-prefix-defaults-034-NEGATIVE", "kimi_k3", "v2", True, False, release="0.34.0", extensible=True,
+         at_defaults=True, mutant="scatter-halved"),
+    # the same with the Triton prefill/decode backends forced (FlashKDA not carried): breakable graphs alone
+    Case("kimi_k3-v2-prefix-graphs-034", "kimi_k3", "v2", True, False, release="0.34.0", extensible=True),
 )
 # kda_patches.state_copy.errors.LEDGER_SECTION (the plans' per-layer facts), written out like STEP_TIMES_ENV: this
 # script's module level runs before kda_patches is importable; a test keeps the two equal
@@ -493,6 +516,8 @@ def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) ->
         # FLA's Triton chunk kernels: on SM90 "auto" picks FlashInfer's GDN prefill, which is not carried
         "additional_config": {"gdn_prefill_backend": "triton", "kda_prefill_backend": "triton",
                               "kda_decode_backend": "triton"}}
+    if case.at_defaults:
+        del params["attention_backend"], params["additional_config"]
     if case.kv_blocks:
         params.update(num_gpu_blocks_override=case.kv_blocks, max_model_len=PREEMPT_MAX_MODEL_LEN)
     if case.tp > 1:
@@ -504,6 +529,57 @@ def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) ->
     if case.jit_watch:
         params["jit_monitor_mode"] = "warn"
     return params
+
+
+# Every engine argument / environment variable a case may set that differs from vLLM's default, with why. "path":
+# it changes a code path users run by default (a backend, graph mode, cache mode) -- a case setting one is
+# labelled non-default; "workload": the shape of the tiny workload or the harness's need, not a path.
+OVERRIDES: dict[str, tuple[str, str]] = {
+    "attention_backend": ("path", "FlashAttention 3 (vllm_flash_attn/_vllm_fa3_C, 56 MB) is not carried: TRITON_ATTN"),
+    "additional_config": ("path", "Triton FLA prefill/decode forced: FlashInfer (0.34 pins flashinfer-python 0.7.3, "
+                          "absent from the registry) and, unless --with-flashkda, FlashKDA are not carried"),
+    "enforce_eager": ("path", "eager: no torch.compile, no CUDA graphs (the eager A/B of the seam)"),
+    "enable_prefix_caching": ("path", "the no-prefix-caching path of the V1 runner"),
+    "kv_cache_memory_bytes": ("path", "a fixed KV budget so cases share the GPU; it turns 0.34's extensible cache off"),
+    "num_gpu_blocks_override": ("path", "an 8-block cache that forces preemptions"),
+    "enable_extensible_kv_cache": ("path", "the extensible cache off: the plans bound once, no rebind"),
+    "tensor_parallel_size": ("workload", "the multi-GPU cases"),
+    "distributed_executor_backend": ("workload", "mp or Ray, named by the case"),
+    "jit_monitor_mode": ("workload", "warn: the JIT monitor reports compiles while serving (it changes no path)"),
+    "load_format": ("workload", "dummy, then seeded weights at a realistic scale (no download on the GPU machine)"),
+    "skip_tokenizer_init": ("workload", "token-id prompts: a random model has no tokenizer files"),
+    "gpu_memory_utilization": ("workload", "engines share the GPU"),
+    "max_model_len": ("workload", "the workload's prompts fit 2048 tokens"),
+    "max_num_seqs": ("workload", "16 requests at a time: small batches the tiny model fills"),
+    "max_num_batched_tokens": ("workload", "256: the long prompts prefill in chunks"),
+    "enable_chunked_prefill": ("workload", "stated (vLLM's default on)"),
+    "seed": ("workload", "stated"), "dtype": ("workload", "stated (the config's bfloat16)"),
+    "disable_log_stats": ("workload", "stated: the engine's stats give the preemption count"),
+    "VLLM_USE_FLASHINFER_SAMPLER": ("workload", "0: FlashInfer is not carried; vLLM's own sampler, which it falls "
+                                    "back to without FlashInfer anyway"),
+    "VLLM_KIMI_K3_GEMM_AR": ("workload", "0: the fused GEMM + all-reduce imports the CuTe DSL (not carried); one rank "
+                             "has nothing to reduce"),
+    "VLLM_ENABLE_GEMM_RS": ("workload", "0: as VLLM_KIMI_K3_GEMM_AR"),
+    "VLLM_USE_V2_MODEL_RUNNER": ("workload", "the case's runner (0.34 has only V2)"),
+}
+_ENGINE_DEFAULT = {"enforce_eager": False, "enable_prefix_caching": True, "enable_extensible_kv_cache": True,
+                   "enable_chunked_prefill": True}  # values equal to vLLM's own default are not overrides
+
+
+def case_overrides(case: Case, params: dict[str, Any], env: dict[str, str]) -> list[dict[str, Any]]:
+    """Return every engine argument and environment variable the case sets that differs from vLLM's default.
+
+    Each entry: ``{"name", "value", "kind" ("path" or "workload"), "why"}`` (:data:`OVERRIDES`). The workload's own
+    keys (model, prompts, sampling) are not engine arguments and are not listed.
+    """
+    found = []
+    for name, value in params.items():
+        if name in OVERRIDES and _ENGINE_DEFAULT.get(name, object()) != value:
+            found.append({"name": name, "value": value, "kind": OVERRIDES[name][0], "why": OVERRIDES[name][1]})
+    for name in sorted(OVERRIDES):
+        if name.startswith("VLLM_") and name in env and not (name == "VLLM_USE_V2_MODEL_RUNNER" and env[name] == "1"):
+            found.append({"name": name, "value": env[name], "kind": OVERRIDES[name][0], "why": OVERRIDES[name][1]})
+    return found
 
 
 def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, str]:
@@ -556,7 +632,7 @@ def runnable(cases: list[Case], site: pathlib.Path, gpus: int, version: str | No
     """
     ready, not_run = [], {}
     for case in cases:
-        missing = [file for file in MODELS[case.model].libraries if not gpu_harness.library_present(site, file)]
+        missing = [file for file in case.libraries if not gpu_harness.library_present(site, file)]
         if case.release != version:
             not_run[case.name] = (f"needs vLLM {case.release}'s bundle (vllm_bundle.py carry --vllm-version "
                                   f"{case.release}); vLLM {version} is unpacked")
@@ -566,8 +642,8 @@ def runnable(cases: list[Case], site: pathlib.Path, gpus: int, version: str | No
         elif case.executor == "ray" and not (site / "ray" / "__init__.py").is_file():
             not_run[case.name] = "Ray was not carried (vllm_bundle.py carry --with-ray)"
         elif missing:
-            not_run[case.name] = (f"vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe); "
-                                  f"{MODELS[case.model].note}")
+            not_run[case.name] = (f"vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe / "
+                                  f"--with-flashkda); {MODELS[case.model].note}")
         else:
             ready.append(case)
     return ready, not_run
@@ -603,6 +679,13 @@ def routed_and_seen(counters: dict[str, Any], patch: str) -> tuple[int, int]:
     """Return (calls_routed, calls_seen) of ``patch`` from a run's summed counters."""
     own = counters.get(patch, {})
     return int(own.get("calls_routed", 0)), int(own.get("calls_seen", 0))
+
+
+def layer_prefill_backends(ledgers: list[dict[str, Any]], patch: str) -> list[str]:
+    """Return the prefill backend every routed layer's plan fact names, across the patched processes (sorted)."""
+    return sorted(str(fact.get("prefill_backend")) for ledger in ledgers
+                  for fact in ((ledger.get("facts") or {}).get(patch) or {}).values()
+                  if isinstance(fact, dict) and "plan_kind" in fact)
 
 
 def patched_ledgers(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -648,8 +731,9 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
     with a small cache (``kv_blocks``) preempted at least once; with vLLM 0.34's extensible cache on, the routed
     patch republished its plans after the rebind (``rebinds > 0``), and with it off, never; a case that watches
     vLLM's JIT monitor (``jit_watch``) passes :func:`judge_jit`; a PDL case's plans were compiled with PDL
-    (:func:`plans_launched_with_pdl`). A scenario the case claims but did not produce is a
-    failure, never a pass.
+    (:func:`plans_launched_with_pdl`); a case at vLLM's defaults found its layers on the backend vLLM picks there
+    (:data:`DEFAULT_PREFILL_BACKENDS`); calls a breakable CUDA-graph capture ran (``<patch>:capture``) were all
+    routed. A scenario the case claims but did not produce is a failure, never a pass.
     """
     verdict = report.get("verdict", "error")
     patch = MODELS[case.model].patch
@@ -691,6 +775,17 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         if not launched:
             return False, why
         notes += f"; {why}"
+    if case.at_defaults and (wanted := DEFAULT_PREFILL_BACKENDS.get(case.model)):
+        ran = layer_prefill_backends(patched_ledgers(report), patch)
+        if set(ran) != {wanted}:
+            return False, f"at vLLM's defaults the layers should prefill with {wanted}, the ledgers say {ran}"
+        notes += f"; every routed layer prefilled with {wanted}"
+    captured = counters.get(f"{patch}:capture") or {}
+    if captured:  # breakable CUDA-graph capture's eager runs of dummy batches, routed and counted apart
+        if int(captured.get("calls_routed", 0)) != int(captured.get("calls_seen", 0)):
+            return False, (f"{patch} at graph capture routed {captured.get('calls_routed')} of "
+                           f"{captured.get('calls_seen')}")
+        notes += f"; at graph capture routed {captured.get('calls_routed', 0)} == seen {captured.get('calls_seen', 0)}"
     if case.stands_aside:
         return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen){notes}"
     return True, (f"{verdict}; {patch} routed {routed} == seen {seen}" + (f"; rebinds {rebinds}" if rebinds else "")
@@ -795,7 +890,8 @@ def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path],
     env = case_env(case, hook, site)
     env[ENV_RECORD_ENV] = str(work / "envs")
     started = time.perf_counter()
-    record: dict[str, Any] = {"case": asdict(case), "model_note": MODELS[case.model].note, "params": params}
+    record: dict[str, Any] = {"case": asdict(case), "model_note": MODELS[case.model].note, "params": params,
+                              "overrides": case_overrides(case, params, env)}
     try:
         done = subprocess.run(regress_argv(case, params, work), env=env, capture_output=True, text=True,
                               timeout=timeout_s, cwd=ROOT)
@@ -845,7 +941,9 @@ def engine_line(record: dict[str, Any]) -> str:
     errors = "; ".join(report.get("errors", []))[:400]
     startup = "/".join(str(record.get("engine_startup_s", {}).get(side)) for side in ("baseline", "baseline2",
                                                                                        "patched"))
-    return (f"ENGINE {case['name']}: {'PASS' if record['passed'] else 'FAIL'} ({record['why']}); prefix hit "
+    paths = [f"{item['name']}={item['value']}" for item in record.get("overrides", []) if item["kind"] == "path"]
+    label = f"[non-default: {', '.join(paths)}]" if paths else "[vLLM's defaults]"
+    return (f"ENGINE {case['name']} {label}: {'PASS' if record['passed'] else 'FAIL'} ({record['why']}); prefix hit "
             f"{hit} tokens; preemptions {stats.get('preemptions')}; wall s base/base2/patched {walls}; engine "
             f"start-up s {startup}" + (f"; errors: {errors}" if errors else ""))
 

@@ -256,10 +256,12 @@ def _retyped(world: kimi_workload.World, changed: str, change: str):
     def extend_kv_cache(runner, kv_cache_config, num_blocks):
         for name, layer in world.layers.items():
             state = layer.kv_cache[1][:-1]
-            if name == changed:
-                state = {"dtype": lambda: state.view(torch.int32),
-                         "inner": lambda: state.unflatten(-1, (2, state.shape[-1] // 2)).flatten(-3, -2),
-                         "device": lambda: torch.empty_like(state, device="meta")}[change]()
+            if name == changed and change == "dtype":
+                state = state.view(torch.int32)
+            elif name == changed and change == "inner":
+                state = state.unflatten(-1, (2, state.shape[-1] // 2)).flatten(-3, -2)
+            elif name == changed:
+                state = torch.empty_like(state, device="meta")
             layer.kv_cache = (layer.kv_cache[0], state, *layer.kv_cache[2:])
     return extend_kv_cache
 
