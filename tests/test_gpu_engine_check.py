@@ -672,3 +672,61 @@ def test_cases_that_profile_memory_run_alone_after_the_shared_wave():
     assert [([c.name for c in wave], workers) for wave, workers in waves] == [
         (["f0", "f1", "f2", "off"], 4), (["p0"], 1), (["p1"], 1)]
     assert module.schedule_cases(fixed, parallel=2) == [(fixed, 2)]
+
+
+# ---------------------------------------------------------------- issue 50: vLLM's defaults, breakable graphs
+
+def kimi_report(backends, captured=None):
+    """A passing Kimi K3 report whose patched ledger names each routed layer's prefill backend."""
+    ledger = {"facts": {"kimi_prefill": {f"model.layers.{i}.self_attn": {"plan_kind": "fused", "prefill_backend": b}
+                                         for i, b in enumerate(backends)}}}
+    totals = {"kimi_prefill": {"calls_routed": 9, "calls_seen": 9, "rebinds": 3}}
+    if captured is not None:
+        totals["kimi_prefill:capture"] = captured
+    return {"verdict": "equal", "patched_counter_totals": totals, "runs": {"patched": {"ledgers": [ledger]}}}
+
+
+def test_a_case_at_the_defaults_passes_only_on_the_backend_vllm_picks_there():
+    module = load_script()
+    at_defaults = case(module, model="kimi_k3", eager=False, release="0.34.0", extensible=True, at_defaults=True)
+    passed, why = module.judge_case(at_defaults, kimi_report(["flashkda"] * 3), passing_outputs(module))
+    assert passed and "prefilled with flashkda" in why
+    passed, why = module.judge_case(at_defaults, kimi_report(["flashkda", "triton", "flashkda"]),
+                                    passing_outputs(module))
+    assert not passed and "triton" in why
+    forced = case(module, model="kimi_k3", eager=False, release="0.34.0", extensible=True)
+    assert module.judge_case(forced, kimi_report(["triton"] * 3), passing_outputs(module))[0]  # no such claim
+
+
+def test_capture_time_calls_must_all_be_routed_and_are_named():
+    module = load_script()
+    graphs = case(module, model="kimi_k3", eager=False, release="0.34.0", extensible=True)
+    passed, why = module.judge_case(graphs, kimi_report(["triton"] * 3, {"calls_seen": 6, "calls_routed": 6}),
+                                    passing_outputs(module))
+    assert passed and "at graph capture routed 6 == seen 6" in why
+    passed, why = module.judge_case(graphs, kimi_report(["triton"] * 3, {"calls_seen": 6, "calls_routed": 5,
+                                                                         "calls_bypassed": 1}),
+                                    passing_outputs(module))
+    assert not passed and "graph capture routed 5 of 6" in why
+
+
+def test_a_case_at_the_defaults_sets_no_backend_and_its_line_says_so(tmp_path):
+    """Every argument a case sets that differs from vLLM's default is listed with why; only path arguments
+    (backends, eager, cache modes) label the ENGINE line non-default."""
+    module = load_script()
+    names = {c.name: c for c in module.CASES}
+    at_defaults, forced = names["kimi_k3-v2-prefix-defaults-034"], names["kimi_k3-v2-prefix-graphs-034"]
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    for current, paths in ((at_defaults, set()), (forced, {"attention_backend", "additional_config"}),
+                           (names["kimi_k3-v2-prefix-eager-034"], {"attention_backend", "additional_config",
+                                                                    "enforce_eager"})):
+        params = module.engine_params(current, tmp_path, tmp_path / "prompts.jsonl")
+        overrides = module.case_overrides(current, params, env)
+        assert {item["name"] for item in overrides if item["kind"] == "path"} == paths, current.name
+        assert all(item["why"] for item in overrides)
+        assert "VLLM_USE_FLASHINFER_SAMPLER" in {item["name"] for item in overrides}
+        record = {"case": {"name": current.name}, "report": {}, "outputs": {}, "passed": True, "why": "x",
+                  "overrides": overrides}
+        line = module.engine_line(record)
+        assert ("[vLLM's defaults]" in line) == (not paths) and all(f"{name}=" in line for name in paths)
+    assert module.FLASHKDA_LIBRARY in at_defaults.libraries and module.FLASHKDA_LIBRARY not in forced.libraries
