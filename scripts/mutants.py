@@ -172,6 +172,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "        pass\n",
            (f"{REWRITE_TESTS}::test_a_seam_under_vllms_eager_break_is_routed_at_capture_and_in_every_replay",),
            "E (routing)", "a breakable capture's eager run of a dummy batch is counted as a served prefill call"),
+    Mutant("pdl-auto-failure-aborts-startup", "kda_patches/state_copy/worker.py",
+           "                if pdl != PDL_WHERE_AVAILABLE:", "                if True:",
+           ("tests/state_copy/test_state_copy_worker.py::"
+            "test_a_pdl_plan_that_fails_under_auto_is_prepared_plain_and_says_why",),
+           "D (state_copy)", "KDA_PATCHES_PDL=auto: a PDL compile or scratch-launch failure stops the worker"),
     Mutant("qwen-034-flashinfer-half-routed", "kda_patches/patches/gdn_state_copy.py",
            "**_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE)", "**_UPSTREAM_OPS)",
            ("tests/released/test_upstream034_layers.py::test_patched_equals_baseline",),

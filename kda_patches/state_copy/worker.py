@@ -17,7 +17,7 @@ import torch
 from kda_patches.ledger import get_ledger
 from kda_patches.state_copy import ops as _ops  # noqa: F401  (registers the custom ops before any trace)
 from kda_patches.state_copy.casts import dtype_name, normalize_final_dtypes
-from kda_patches.state_copy.device import route_plan
+from kda_patches.state_copy.device import PDL_WHERE_AVAILABLE, route_plan
 from kda_patches.state_copy.errors import LEDGER_SECTION, LayoutError, refuse
 from kda_patches.state_copy.layout import cache_signature, describe_layout
 from kda_patches.state_copy.plan import PLAN_CLASSES, StateCopyPlan
@@ -137,6 +137,9 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
         pdl: programmatic dependent launch for the fused plans, as :meth:`StateCopyPlan.prepare` takes it:
             ``True``, ``False`` or ``"auto"`` (where the target has it: NVIDIA SM90+). Serving passes
             ``KDA_PATCHES_PDL``'s choice (:meth:`kda_patches.flags.Flags.pdl_request`; ``auto`` by default).
+            With ``auto``, a table whose PDL plan fails to prepare or seal (a compile, the scratch launch) is
+            prepared again with plain launches and its layers' facts say why (``pdl_dropped``); an explicit
+            ``True`` fails as any other preparation does.
     Returns:
         ``{layer_name: LayerStatePlan}``; layers with the same plan kind, cache signature and
         final-dtype set share one compiled plan. Nothing is published anywhere: the caller attaches
@@ -162,18 +165,36 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
                           []).append(name)
 
     plans: dict[tuple[Any, ...], StateCopyPlan] = {}
+    pdl_dropped: dict[tuple[Any, ...], str] = {}
     for key, names in groups.items():
+        first = names[0]
+
+        def prepare_sealed(with_pdl: bool | str, key: tuple[Any, ...] = key, first: str = first) -> StateCopyPlan:
+            stage = "prepare"
+            try:
+                plan = PLAN_CLASSES[key[0]].prepare(states[first], max_selected, layer=first,
+                                                    final_dtypes=finals[first], target=routes[first].target,
+                                                    pdl=with_pdl)
+                stage = "seal"
+                plan.seal()
+            except Exception as exc:
+                exc.kda_stage = stage
+                raise
+            return plan
+
         try:
-            plans[key] = PLAN_CLASSES[key[0]].prepare(states[names[0]], max_selected, layer=names[0],
-                                                      final_dtypes=finals[names[0]],
-                                                      target=routes[names[0]].target, pdl=pdl)
+            try:
+                plans[key] = prepare_sealed(pdl)
+            except Exception as exc:
+                if pdl != PDL_WHERE_AVAILABLE:  # PDL asked for explicitly (or off): its failure is the failure
+                    raise
+                # auto: PDL is an optimization the target offered; its compile or scratch launch failing must not
+                # cost the worker its startup -- plain launches, and the ledger says why
+                pdl_dropped[key] = (f"PDL plan failed at {exc.kda_stage} ({type(exc).__name__}: {exc}); prepared "
+                                    "with plain launches (KDA_PATCHES_PDL=auto)")
+                plans[key] = prepare_sealed(False)
         except Exception as exc:
-            raise _fail(names[0], exc, "prepare") from exc
-    for key, plan in plans.items():
-        try:
-            plan.seal()
-        except Exception as exc:
-            raise _fail(groups[key][0], exc, "seal") from exc
+            raise _fail(first, exc, getattr(exc, "kda_stage", "prepare")) from exc
 
     bindings = {name: LayerStatePlan(name, plans[key]) for key, names in groups.items() for name in names}
     ledger = get_ledger()
@@ -188,7 +209,7 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
                 "variants": len(described["variants"]), "launch_entry": described["launch_entry"],
                 "scatter_evict_first": described["scatter_evict_first"], "block": described["block"],
                 "block_limited_by": described["block_limited_by"], "memory_hints": described["memory_hints"],
-                "pdl": described["pdl"],
+                "pdl": described["pdl"], **({"pdl_dropped": pdl_dropped[key]} if key in pdl_dropped else {}),
                 "native_op": "never (KDA_PATCHES_FORCE_TRITON=1)" if force_triton else "none available"})
     ledger.count(LEDGER_SECTION, "tables_prepared", len(plans))
     ledger.set_fact(LEDGER_SECTION, "initialization", {"ok": True, "layers": len(bindings), "tables": len(plans)})

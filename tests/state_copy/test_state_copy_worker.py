@@ -88,6 +88,39 @@ def test_seal_failure_fails_startup(make_cache, monkeypatch):
         initialize({"a": cache.state}, 4)
 
 
+def _pdl_breaks(monkeypatch, stage: str) -> None:
+    """Make every plan asked for PDL (``auto`` or ``True``) fail at ``stage``; plain plans prepare as usual."""
+    plan_module = __import__("kda_patches.state_copy.plan", fromlist=["PLAN_CLASSES"])
+    for kind, cls in list(plan_module.PLAN_CLASSES.items()):
+        class Failing(cls):
+            @classmethod
+            def prepare(klass, *args, pdl=False, _base=cls, **kwargs):
+                plan = _base.prepare.__func__(klass, *args, pdl=pdl, **kwargs)
+                if pdl is not False and stage == "prepare":
+                    raise RuntimeError("ptxas: griddepcontrol unsupported (simulated)")
+                if pdl is not False:
+                    plan.seal = lambda: (_ for _ in ()).throw(RuntimeError("scratch launch failed (simulated)"))
+                return plan
+
+        monkeypatch.setitem(plan_module.PLAN_CLASSES, kind, Failing)
+
+
+@pytest.mark.parametrize("stage", ["prepare", "seal"])
+def test_a_pdl_plan_that_fails_under_auto_is_prepared_plain_and_says_why(make_cache, monkeypatch, stage):
+    """``KDA_PATCHES_PDL=auto`` (the default): PDL is the target's offer, so its failure falls back to plain
+    launches, recorded per layer; the same failure with PDL asked for explicitly fails the startup."""
+    cache = make_cache()
+    _pdl_breaks(monkeypatch, stage)
+    bindings = initialize({"a": cache.state}, 4, pdl="auto")
+    assert bindings["a"].plan.sealed and facts()["a"]["pdl"] is False
+    dropped = facts()["a"]["pdl_dropped"]
+    assert f"failed at {stage}" in dropped and "simulated" in dropped and "plain launches" in dropped
+    with pytest.raises(RuntimeError, match=rf"at {stage} for layer 'a'.*simulated"):
+        initialize({"a": cache.state}, 4, pdl=True)
+    plain = initialize({"a": cache.state}, 4, pdl=False)  # never asked: nothing dropped
+    assert plain["a"].plan.sealed and "pdl_dropped" not in facts()["a"]
+
+
 def test_two_workers_in_one_process_are_independent(make_cache, device):
     cache_a, cache_b = make_cache(seed=1), make_cache(seed=2)
     worker_a = initialize({"layer": cache_a.state}, 4)
