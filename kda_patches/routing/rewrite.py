@@ -618,7 +618,9 @@ def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, ke
 
     Called once when the registry wraps the function (``SeamWrapper.on_apply``); never raises: a refusal
     or an unexpected error leaves the seam on the routed alias, and the ledger fact
-    ``<seam section> / routing <key>`` says which mechanism runs and why. A refusal because a gather is not
+    ``<seam section> / routing <key>`` says which mechanism runs and why. ``KDA_PATCHES_ROUTING=alias`` is
+    refused (fact ``alias_refused``) on a seam that declares a scatter function: no alias routes it. A refusal
+    because a gather is not
     followed by the declared clear also puts ``original`` into ``unfolded``: its alias then gathers without the
     flags and the fork's own clear runs (fact ``clear_folded: false``).
 
@@ -636,7 +638,15 @@ def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, ke
     from kda_patches import current_flags, get_ledger
 
     fact: dict[str, Any]
-    if current_flags().routing == "alias":
+    alias_refused = None
+    if current_flags().routing == "alias" and seam.scatter_function is not None:
+        # no alias routes a declared scatter function (vLLM 0.34's scatter_states, vllm-ascend 0.30's
+        # scatter_ssm_states_): the alias would hand its RoutedCache to upstream's startup-warmed Triton ops -- a
+        # subclass they were not warmed for -- and report every call bypassed
+        alias_refused = (f"KDA_PATCHES_ROUTING=alias refused on this seam: no alias routes {seam.gather_function} / "
+                         f"{seam.scatter_function} (upstream's warmed ops would get the alias's tensor subclass and "
+                         "every call would be bypassed); routed by the rewritten twin instead")
+    if current_flags().routing == "alias" and alias_refused is None:
         fact = {"mechanism": "alias", "reason": "KDA_PATCHES_ROUTING=alias"}
     else:
         try:
@@ -651,6 +661,8 @@ def prepare_rewrite(rewrites: dict[Any, Any], unfolded: set[Any], seam: Seam, ke
         else:
             rewrites[original] = rewritten.function
             fact = {"mechanism": "rewrite", "replaced": rewritten.replaced}
+        if alias_refused is not None:
+            fact["alias_refused"] = alias_refused
     if fact["mechanism"] == "alias" and seam.scatter_function is not None:
         fact["warning"] = (f"no alias routes {seam.gather_function} / {seam.scatter_function}: every prefill call of "
                            "this seam runs the fork's kernels and is reported bypassed (raises under STRICT); "

@@ -624,3 +624,20 @@ def test_a_kernel_seam_on_the_alias_is_reported_bypassed_and_its_routing_fact_wa
     assert counts == {"calls_seen": 1, "calls_bypassed": 1}
     fact = mechanism("KernelCopies")
     assert fact["mechanism"] == "alias" and "reported bypassed" in fact["warning"], fact
+
+
+@pytest.mark.alias_mechanism
+def test_alias_routing_is_refused_only_where_no_alias_routes_the_declared_scatter_function(world, strict, routing):
+    """``KDA_PATCHES_ROUTING=alias`` on a seam declaring a scatter function (vLLM 0.34's ``scatter_states``): the
+    alias cannot route it (upstream's warmed ops would get its tensor subclass, every call bypassed), so the twin
+    routes it and the fact says alias was refused; a seam without one keeps the alias that was asked for."""
+    assert routing == "alias"
+    baseline, _, _, _ = kernel_outcome(world, False, torch.bfloat16, "store_cast")
+    patched, counts, _, ran = kernel_outcome(world, True, torch.bfloat16, "store_cast")
+    assert same(baseline, patched) and ran == {"gather": 0, "scatter": 0}
+    assert counts == {"calls_seen": 1, "calls_routed": 1, "casts_folded": 1}
+    fact = mechanism("KernelCopies")
+    assert fact["mechanism"] == "rewrite" and "KDA_PATCHES_ROUTING=alias refused" in fact["alias_refused"]
+    world("Valid", True)
+    fact = mechanism("Valid")
+    assert fact["mechanism"] == "alias" and "alias_refused" not in fact
