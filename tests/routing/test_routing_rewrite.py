@@ -615,9 +615,15 @@ def test_a_gather_function_seam_without_a_scatter_function_leaves_index_gathers_
         "scatter_rows call", "gather with the clear folded", "clear removed (folded into the gather)", "scatter"]
 
 
-@pytest.mark.alias_mechanism
-def test_a_kernel_seam_on_the_alias_is_reported_bypassed_and_its_routing_fact_warns(world, lenient):
-    """No alias routes the fork's kernel calls: on the alias every prefill runs them and is reported bypassed."""
+def test_a_kernel_seam_on_the_alias_is_reported_bypassed_and_its_routing_fact_warns(world, lenient, monkeypatch):
+    """No alias routes the fork's kernel calls: where the rewrite is refused (a release whose source is not the
+    declared shape, simulated here), every prefill runs them and is reported bypassed, and the fact warns."""
+    from kda_patches.routing import rewrite
+
+    def refused(original, seam):
+        raise RewriteRefused("simulated: the source is not the declared seam")
+
+    monkeypatch.setattr(rewrite, "build_twin", refused)
     baseline, _, _, _ = kernel_outcome(world, False, torch.bfloat16, "store_cast")
     patched, counts, plan, ran = kernel_outcome(world, True, torch.bfloat16, "store_cast")
     assert same(baseline, patched) and ran == {"gather": 1, "scatter": 1} and not plan.sources
