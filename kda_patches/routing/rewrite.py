@@ -1,7 +1,8 @@
 """Rewrite a seam's released function once, at apply time, so its state copy calls the plan directly.
 
 The routed alias (:mod:`kda_patches.routing.alias`) finds the fork's gather, clear, scatter and cast at run
-time through tensor subclasses, and pays for that in every call (~20 µs of host time on a GPU host). The
+time through tensor subclasses, and pays for that in every call (several times the twin's host time on a GPU
+host, ``docs/results/route-host-costs/``). The
 copy lines of a released seam are known statically: ``kda-patches conformance`` already checks their
 shapes. This module reads the function's source, finds exactly those lines, and compiles a twin of the
 function in which they call the call's :class:`~kda_patches.routing.direct.DirectRoute` instead:
