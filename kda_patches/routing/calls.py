@@ -218,8 +218,9 @@ def set_plain_attribute(target: Any, name: str, value: Any) -> None:
     """Set ``target.<name>``; straight into the instance ``__dict__`` when the attribute already lives there.
 
     For an ``nn.Module`` that is what ``Module.__setattr__`` ends up doing for a plain attribute (one that is
-    not a parameter, buffer or submodule), minus its per-call type checks (two per routed call, ~3 µs each on
-    a GPU host). Anything else (a property, a slot, a new attribute) goes through ``setattr``.
+    not a parameter, buffer or submodule), minus its per-call type checks (two per routed call, each a visible
+    share of the routed call's bookkeeping on a GPU host, ``docs/results/route-host-costs/``). Anything else (a
+    property, a slot, a new attribute) goes through ``setattr``.
     """
     namespace = getattr(target, "__dict__", None)
     if namespace is not None and name in namespace:
