@@ -19,6 +19,7 @@ def format_ledger(snapshot: dict) -> str:
     """Return a human-readable block for one process's ledger snapshot."""
     lines = [f"process {snapshot['pid']} ({snapshot.get('role') or 'unknown role'})"]
     lines.extend(f"  {line}" for line in format_switches(snapshot.get("switches", {})))
+    from kda_patches import measured
     from kda_patches.effects import NOT_IN_EFFECT, judge_effect
 
     for name, patch in sorted(snapshot.get("patches", {}).items()):
@@ -29,6 +30,7 @@ def format_ledger(snapshot: dict) -> str:
             lines.append(f"    effect in this process: {label} ({effect[1]})")
         for target, info in sorted(patch.get("targets", {}).items()):
             lines.append(f"    {info['state']:<15} {target}" + (f" - {info['reason']}" if info["reason"] else ""))
+            lines.extend(f"      {line}" for line in measured.target_lines(target, info["reason"]))
     lines.extend(f"  {line}" for line in patch_summaries(snapshot))
     for path, counters in sorted(snapshot.get("counters", {}).items()):
         rendered = ", ".join(f"{key}={value}" for key, value in sorted(counters.items()))
@@ -102,6 +104,9 @@ def command_status(args: argparse.Namespace) -> int:
         current_flags()
         snapshots = [get_ledger().snapshot()]
         report = {"ledgers": snapshots, "aggregate": aggregate_ledgers(snapshots)}
+    from kda_patches import measured
+
+    report["measured"] = measured.entries()
     if args.json:
         print(json.dumps(report, indent=1, sort_keys=True, default=str))
         return 0
@@ -110,7 +115,21 @@ def command_status(args: argparse.Namespace) -> int:
     if args.source:
         print(f"aggregate over {len(snapshots)} process(es): "
               f"{json.dumps(report['aggregate'], sort_keys=True)}")
+    print(format_measured(snapshots[0].get("switches", {}) if snapshots else {}))
     return 0
+
+
+def format_measured(switches: dict) -> str:
+    """Return the measured figures behind the switch choices (``kda_patches/measured.json``), one line each.
+
+    Args:
+        switches: the switches of the process whose choices are shown (a ledger's ``switches``).
+    """
+    from kda_patches import measured
+
+    lines = [f"measured behind the switch choices ({measured.TABLE.name}; each line: card, date, run, result):"]
+    lines.extend(f"  {line}" for line in measured.switch_lines(switches))
+    return "\n".join(lines)
 
 
 def command_doctor(args: argparse.Namespace) -> int:

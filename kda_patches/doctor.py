@@ -133,6 +133,9 @@ def collect_report() -> dict[str, Any]:
         }
     report["state_copy_seams"] = describe_seams()
     report["ledger"] = get_ledger().snapshot()["patches"]
+    from kda_patches import measured
+
+    report["measured"] = measured.switch_lines(flags.as_dict())
     return report
 
 
@@ -155,4 +158,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"patch {name} ({'enabled' if info['enabled'] else 'disabled'}):")
         for target, check in info["targets"].items():
             lines.append(f"  {'ok ' if check['resolves'] else '-- '} {target}: {check['reason']}")
+    if report.get("measured"):
+        lines.append("measured behind the switch choices (kda_patches/measured.json):")
+        lines.extend(f"  {line}" for line in report["measured"])
     return "\n".join(lines)

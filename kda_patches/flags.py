@@ -36,18 +36,19 @@ SWITCHES: dict[str, str] = {
     "those two calls through the overlay's sealed plan (needs KDA_PATCHES_ROUTING=rewrite; unverified on NPUs)",
     "KDA_PATCHES_GDN_OPS": "measured (default): on vLLM >=0.34, whose Qwen and Kimi Linear GDN prefill copies "
     "states with its own startup-warmed Triton ops (gather_initial_states / scatter_states), each of those seams "
-    "follows the H200 measurement of 0.34's own layer (docs/results/h200-vllm-layers run 18): Qwen is routed "
-    "through the overlay's sealed plan (at least as fast at 1-256 sequences), gdn_state_copy stands aside on Kimi "
-    "Linear (0.998-0.999x at 64-256); upstream: stand aside on both; overlay: route both (needs "
-    "KDA_PATCHES_ROUTING=rewrite). Kimi K3 and Olmo are routed either way",
+    "follows the measurement of 0.34's own layer (docs/results/h200-vllm-layers; rule: routed only where the plan "
+    "is at least as fast at every batch size): Qwen is routed through the overlay's sealed plan, gdn_state_copy "
+    "stands aside on Kimi Linear; upstream: stand aside on both; overlay: route both (needs "
+    "KDA_PATCHES_ROUTING=rewrite). Kimi K3 and Olmo are routed either way. Figures: kda-patches status",
     "KDA_PATCHES_ROUTING": "rewrite (default): a seam whose released source has exactly the declared copy lines "
     "runs a twin compiled at apply time that calls the plan directly; alias: every seam routes through the "
     "routed alias of its cache (tensor subclasses, more host time per call). Read when a seam is wrapped",
     "KDA_PATCHES_PDL": "auto (default): the fused state-copy plans compile with programmatic dependent launch "
     "where the target has it (NVIDIA SM90+) and launch plainly elsewhere; 1: ask for it everywhere (a target "
-    "without it drops it and records that in each layer's memory_hints); 0: plain kernels. bench peer (vLLM 0.34, "
-    "H100 and H200): at or below the plain plan in 71-72 of 72 graph-replay rows, equal in host time; engine on "
-    "0.34: Qwen3-Next EQUAL (H200 run 16), Kimi K3 EQUAL and the negative control DIFFERENT (H100 run 17)",
+    "without it drops it and records that in each layer's memory_hints); 0: plain kernels. The default follows "
+    "docs/results/bench-peer (rule: PDL plans at or below the plain plan's graph-replay time) and "
+    "docs/results/h200-vllm-engine (rule: vLLM 0.34's engine EQUAL with PDL plans and its negative control "
+    "DIFFERENT). Figures: kda-patches status",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
     "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
     "(default ~/.cache/kda-patches/releases); not read at activation",

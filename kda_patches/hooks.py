@@ -2,7 +2,7 @@
 
 Same contract as ``wrapt.register_post_import_hook`` (immediate call when the module is already
 imported; otherwise once, after the module body ran, before the importer gets it back), but in a
-few stdlib lines: importing wrapt costs 40-60 ms (it pulls in asyncio and importlib.metadata), and
+few stdlib lines: importing wrapt costs tens of milliseconds (it pulls in asyncio and importlib.metadata), and
 ``import kda_patches`` runs in every Python process of the environment. wrapt itself is imported
 only when a target module is imported, to build the wrappers.
 """

@@ -66,8 +66,9 @@ def add_graph_instances(parser: argparse.ArgumentParser) -> None:
     """Add ``--graph-instances`` (:func:`~kda_patches.bench.timing.replay_graphs`' ``instances``) to ``parser``."""
     parser.add_argument("--graph-instances", type=int, default=5,
                         help="captures of each call as a CUDA graph, each replayed in its own block of rounds "
-                             "(divides --trials; default 5): one capture's own offset (identical kernels read up to "
-                             "3.5-10.7 %% apart at 1-8 rows) is spread over every implementation")
+                             "(divides --trials; default 5): one capture's own offset (identical kernels read apart "
+                             "by several per cent at 1-8 rows, docs/results/launch-shape) is spread over every "
+                             "implementation")
 
 
 def add_gdn_parser(commands: argparse._SubParsersAction, name: str = "gdn-state-copy",

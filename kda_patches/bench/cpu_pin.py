@@ -1,7 +1,8 @@
 """Which host cores a benchmark runs on: parse a core list, pin a process tree to it, read the current core.
 
-On the H200 machine the same pure-Python loop took 19-42 ms round to round while the GPU's fixed work stayed within
-1 % (issue 26, run 7: ``scripts/gpu/drift_probe.py``), and vLLM's engine at a small model's scale is host-bound. An
+On the H200 machine the same pure-Python loop took up to about twice as long from one round to the next while the
+GPU's fixed work stayed steady (issue 26, ``scripts/gpu/drift_probe.py``; ``docs/results/h200-vllm-engine/``, the
+drift probe), and vLLM's engine at a small model's scale is host-bound. An
 engine A/B whose arms land on cores of different speed measures the cores. Pinning every arm's processes to the
 *same* cores (the arms of an interleaved run take turns, so they never compete) takes that out of the ratio; a
 child process inherits its parent's affinity, so vLLM's engine-core and worker processes follow.

@@ -1,7 +1,8 @@
 """Every arm's engine alive at once, their timed passes alternated: an engine A/B where the machine's drift cancels.
 
-On the H200 the same requests took 5.0-9.1 s per pass on one baseline engine over a few minutes, and the decode
-steps of three engines (CUDA-graph replays the overlay never touches) 1.97-2.97 ms each (issue 26, run 6): the
+On the H200 the same requests' pass on one baseline engine nearly doubled in time over a few minutes, and the decode
+steps of three engines (CUDA-graph replays the overlay never touches) varied by half as much again (issue 26;
+``docs/results/h200-vllm-engine/``, the bisection and profile): the
 machine drifts by more than the effect an arm-after-arm bisection (:func:`~kda_patches.bench.engine_repeat.run_arms`)
 tries to measure. Here each arm's process starts its engine once (one after the other: their memory profiling must
 not overlap), runs the batch once unmeasured, and then waits; every *cycle* runs one timed pass per arm in a shuffled

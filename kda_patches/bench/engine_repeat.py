@@ -1,7 +1,8 @@
 """One engine per process, the same batch of requests timed several times: many samples per device minute.
 
 serve-ab measures vLLM's own ``bench throughput``: one timed region per fresh process, and on the H200 a process
-spends ~60 s starting and stopping around a 3-16 s region, so an A/B of five rounds takes ten minutes and a
+spends several times longer starting and stopping than its timed region lasts (``docs/results/h200-vllm-engine/``),
+so an A/B of five rounds takes ten minutes and a
 bisection over patches (which one costs the time?) does not fit a session's device time. Here each process
 (an *arm*) starts one engine, runs the batch once unmeasured, then ``--repeats`` times measured; the arms differ
 only in their environment (``KDA_PATCHES=0``; ``KDA_PATCHES=1``; ``KDA_PATCHES=1`` with one patch disabled, ...).

@@ -167,7 +167,7 @@ def print_gdn_table(result: dict[str, Any]) -> None:
     for peer, verdict in result["summary"].get("peers", {}).items():
         behind = verdict.get("plan_behind", [])
         print(f"peer {peer}: peer/{reference} graph-replay time {verdict['graph_ratio_min']:.3f}-"
-              f"{verdict['graph_ratio_max']:.3f}x; {reference} ahead by >= 10 % in "
+              f"{verdict['graph_ratio_max']:.3f}x; {reference} ahead by >= {(PEER_LEAD - 1) * 100:.0f} % in "
               f"{len(verdict['plan_leads_by_10pct'])} rows, behind in {len(behind)}"
               + (": " + "; ".join(behind) if behind else ""))
     for name, check in result["summary"]["checks"].items():

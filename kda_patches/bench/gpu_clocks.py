@@ -1,7 +1,8 @@
 """GPU clocks, power, temperature and clock-event reasons during each timed pass, to tell a drifting machine from a
 slower engine.
 
-The same pass of the same requests can take 50% longer a few minutes later on the same H200: the GPU may have run
+The same pass of the same requests can take half as long again a few minutes later on the same H200
+(``docs/results/h200-vllm-engine/``): the GPU may have run
 at lower clocks (power cap, thermal slowdown) for part of the run. The benchmark parent starts one background
 ``nvidia-smi`` sampler for the whole run (:func:`start_sampler`), notes ``time.time()`` at each pass's start and
 end, stops the sampler (:func:`stop_sampler`), then summarizes the samples inside each pass's window
@@ -268,7 +269,8 @@ def summarize_window(samples: list[dict[str, Any]], start: float, end: float) ->
 
 def format_window(summary: dict[str, Any]) -> str:
     """Return one short line of a :func:`summarize_window` result, e.g.
-    ``sm 1980 MHz (1755-1980), 412 W, 61 C, throttled 12%``; ``?`` stands for a statistic without values, and an
+    ``sm MEDIAN MHz (MIN-MAX), POWER W, TEMP C, throttled FRACTION%`` (each a whole number); ``?`` stands for a
+    statistic without values, and an
     empty window gives ``no GPU clock samples``."""
     if not summary.get("count"):
         return "no GPU clock samples"

@@ -153,8 +153,9 @@ def graph_schedule(keys: list[Any], trials: int, instances: int,
 
     Every block captures every key anew, in an order of its own, and replays them in ``trials // instances``
     rounds of shuffled order. Why: one graph of a call carries an offset of its own into every replay of it
-    (identical kernels captured as separate graphs read a median 0.7-1.8 % and up to 3.5-10.7 % apart at one to
-    eight rows, H100 and H200, ``docs/results/launch-shape/``); samples from several captures spread that offset
+    (identical kernels captured as separate graphs read apart by as much as the differences being measured at one
+    to eight rows, H100 and H200, ``docs/results/launch-shape/``, "One capture's own offset"); samples from several
+    captures spread that offset
     over both sides of a comparison instead of handing it to one.
 
     Args:

@@ -3,8 +3,8 @@
 vllm-plugin-FL's ``AscendAttentionBackendImpl.forward`` (``vllm_fl/dispatch/backends/vendor/ascend/impl/
 attention.py``) guards its ``kv_cache = [i.contiguous() for i in kv_cache]`` with
 ``if attn_metadata != AscendAttentionState.DecodeOnly:`` — a metadata *object* compared with an enum member,
-always true, so every call copies each non-contiguous K/V cache (the hybrid re-stride makes them so): about
-1 ms per layer per step for a 340 MB cache, 16 layers ≈ 32 ms per step in the seed's profile. The fix compares
+always true, so every call copies each non-contiguous K/V cache (the hybrid re-stride makes them so): a whole
+cache copy per layer per step in the seed's profile (patches/README.md, ``fl_attention_state``). The fix compares
 ``attn_metadata.attn_state``.
 
 This record wraps that ``forward`` without changing what it does (the comparison sits inside the method; the

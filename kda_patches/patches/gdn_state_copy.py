@@ -30,10 +30,12 @@ Seams, per the released sources (``kda-patches conformance`` re-reads them):
 vLLM 0.34 (V2 runner only; ``extend_kv_cache`` re-validates and republishes the plans after the extensible KV
 cache's rebind, :mod:`kda_patches.routing.rebind`): Olmo is unchanged and routed; Qwen ``_forward_core`` and Kimi
 Linear ``_forward`` copy states with upstream's own startup-warmed Triton ops ``gather_initial_states`` /
-``scatter_states(state, src, indices)``. Each of those two seams follows the H200 measurement of 0.34's own layer
-(``KDA_PATCHES_GDN_OPS=measured``, the default): Qwen is routed through the plan (at least as fast at every batch
-size), the overlay stands aside on Kimi Linear (inert with the reason, conformance "stands down" on it: 0.998-0.999x
-at 64-256 sequences). ``upstream`` stands aside on both, ``overlay`` routes both (rewritten twin only:
+``scatter_states(state, src, indices)``. Each of those two seams follows the measurement of 0.34's own layer
+(``KDA_PATCHES_GDN_OPS=measured``, the default; ``docs/results/h200-vllm-layers``, rule: route only where the plan
+is at least as fast at every batch size, :data:`LAYER_RULE`): Qwen is routed through the plan, the overlay stands
+aside on Kimi Linear (inert with the reason, conformance "stands down" on it: the plan is not at least as fast at
+every batch size there). The figures are ``kda_patches/measured.json``'s (``kda-patches status`` prints them).
+``upstream`` stands aside on both, ``overlay`` routes both (rewritten twin only:
 ``QWEN_034_SEAM`` / ``KIMI_GDN_034_SEAM``). Qwen's FlashInfer prefill branch (0.34's ``auto`` on SM90) gathers
 inside ``_forward_flashinfer_prefill`` and scatters in the seam: the seam routes only layers on the Triton backend
 (:data:`QWEN_FLASHINFER_GATE`); a FlashInfer layer gets no plan and keeps both of upstream's copies (``stands-aside``
@@ -169,17 +171,20 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
 
 UPSTREAM_OPS_CHOSEN = ("vLLM >= 0.34 copies this seam's GDN states with its own startup-warmed Triton ops "
                        "gather_initial_states / scatter_states (flags and cast in one pass, PDL on SM90+)")
+# the rule that turns the measurement of 0.34's own layers into each seam's default (vllm_layers_check.py's
+# seam_default); the figures it read are kda_patches/measured.json's entries for these targets
+LAYER_RULE = ("per docs/results/h200-vllm-layers: a seam is routed by default only where the plan is at least as "
+              "fast in 0.34's own layer at every batch size (unpatched/patched per engine step >= 1.00 at 1, 8, 64 "
+              "and 256 sequences)")
 QWEN_034_STAND_ASIDE = (f"{UPSTREAM_OPS_CHOSEN}; KDA_PATCHES_GDN_OPS=upstream chose them, so the overlay stands "
                         "aside; the default (measured) and overlay route those two calls through the overlay's "
-                        "sealed plan (H200, 0.34's own Qwen layer, 20-40 rounds: unpatched/patched per engine step "
-                        "1.06-1.09x at 1-8 sequences, 1.000-1.003x at 64-256)")
-KIMI_GDN_034_STAND_ASIDE = (f"{UPSTREAM_OPS_CHOSEN}, and on the H200 the plan is not at least as fast in 0.34's own "
-                            "Kimi Linear layer at every batch size (unpatched/patched per engine step 1.04-1.08x at "
-                            "1-8 sequences, 0.998-0.999x at 64-256 with the FP32 cache), so the overlay stands aside "
-                            "(KDA_PATCHES_GDN_OPS=measured, the default, or upstream); KDA_PATCHES_GDN_OPS=overlay "
-                            "routes those two calls through the overlay's sealed plan")
-# which KDA_PATCHES_GDN_OPS values route each 0.34 seam: the default follows the H200 layer measurement
-# (docs/results/h200-vllm-layers run 18: vllm_layers_check.py's DEFAULT lines)
+                        f"sealed plan ({LAYER_RULE}, which Qwen's layer meets)")
+KIMI_GDN_034_STAND_ASIDE = (f"{UPSTREAM_OPS_CHOSEN}, and 0.34's own Kimi Linear layer does not meet the rule "
+                            f"({LAYER_RULE}), so the overlay stands aside (KDA_PATCHES_GDN_OPS=measured, the "
+                            "default, or upstream); KDA_PATCHES_GDN_OPS=overlay routes those two calls through the "
+                            "overlay's sealed plan")
+# which KDA_PATCHES_GDN_OPS values route each 0.34 seam: the default follows LAYER_RULE on the layer measurement
+# (docs/results/h200-vllm-layers: vllm_layers_check.py's DEFAULT lines)
 QWEN_034_ROUTED_BY = ("measured", "overlay")
 KIMI_GDN_034_ROUTED_BY = ("overlay",)
 _QWEN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(ssm_state, ...)",
@@ -191,8 +196,9 @@ _KIMI_GDN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recu
 def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
     """vLLM >= 0.34: Olmo (index copies) routed; Qwen and Kimi Linear (upstream's own ops) each when chosen.
 
-    ``KDA_PATCHES_GDN_OPS=measured`` (default) routes Qwen and leaves Kimi Linear to upstream's ops, as the H200
-    measurement of 0.34's own layers says (:data:`QWEN_034_ROUTED_BY`, :data:`KIMI_GDN_034_ROUTED_BY`).
+    ``KDA_PATCHES_GDN_OPS=measured`` (default) routes Qwen and leaves Kimi Linear to upstream's ops, as the
+    measurement of 0.34's own layers says by :data:`LAYER_RULE` (:data:`QWEN_034_ROUTED_BY`,
+    :data:`KIMI_GDN_034_ROUTED_BY`).
 
     One group: the members standing aside by choice are not members while they stand aside
     (:func:`kda_patches.verdicts.group_verdict`), so Olmo and the runner hooks apply without them; chosen, they

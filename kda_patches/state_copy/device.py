@@ -78,39 +78,37 @@ class TargetFacts:
             fused copies without a cast).
         tile_by_widest_item: a fused variant's tile holds the block's bytes of the widest dtype it reads or
             writes, not of the cache dtype: a scatter of FP32 final states into a 16-bit cache then moves half
-            the cache items per program (H200, ``scripts/gpu/launch_shape_probe.py``: a 2 KiB BF16 tile beside
-            the 4 KiB one closes most of the cast scatter's gap to vLLM 0.34's kernels at 1-4 rows and is
-            0-1.6 % faster at 64-256 rows). Set where it was measured (SM90+); elsewhere every variant of a
-            plan shares the cache dtype's tile.
+            the cache items per program (``scripts/gpu/launch_shape_probe.py``, ``docs/results/launch-shape/``: the
+            narrower tile closes most of the cast scatter's gap to vLLM 0.34's kernels at few rows and is no slower
+            at many). Set where it was measured (SM90+); elsewhere every variant of a plan shares the cache
+            dtype's tile.
         hardware_casts: ``"SRC->DST"`` pairs (e.g. ``"float32->bfloat16"``) whose folded cast a scatter may do with
             the compiler's own round-to-nearest-even conversion (:data:`~kda_patches.state_copy.casts.CAST_HARDWARE`)
             instead of the bit-pattern cast; the plan still proves it equal to torch at prepare and keeps the
             bit-pattern cast where it is not. Declared on SM90+ CUDA (:data:`SM90_HARDWARE_CASTS`).
         widened_scatter_warps: warps per program of a fused scatter whose tile was narrowed by
             ``tile_by_widest_item`` (finals wider than the cache), unless the plan was given ``num_warps``; None
-            keeps the plan's warps. Measured on SM90 (H100, ``scripts/gpu/launch_shape_probe.py``): BF16 <- FP32
-            scatters with 8 warps at 64-256 rows match vLLM 0.34's kernels where 4 warps trail by 1-1.5 %. On a
-            target that honours PDL it applies only to plans launched with PDL, as measured: launched plainly, 4
-            warps lead at 64-256 rows (Qwen: 1.8-2.6 % on the H100, ``bench peer`` runs 2 and 3; Qwen 5-7 % and Kimi
-            Linear 2-3 % on the H200, ``launch_shape_probe.py --launch plain``), where a layer's lead over
-            upstream's ops is 0.1 %, and trail at 1-8 rows, where the layer leads by 4-9 % on host time
-            (``docs/results/h200-vllm-layers/`` runs 18-19).
+            keeps the plan's warps. Measured on SM90 (``scripts/gpu/launch_shape_probe.py``,
+            ``docs/results/launch-shape/``; rule: the warp count that matches vLLM 0.34's kernels at 64-256 rows):
+            BF16 <- FP32 scatters with 8 warps match them where 4 warps trail. On a target that honours PDL it
+            applies only to plans launched with PDL, as measured: launched plainly, 4 warps lead at 64-256 rows
+            (``docs/results/bench-peer/``, ``launch_shape_probe.py --launch plain``) and trail at 1-8 rows, where the
+            layer's lead comes from host time (``docs/results/h200-vllm-layers/``).
         pinned_scatter_load: fused scatters read the packed row with a volatile load, so the compiler cannot sink
             it below the early exit it makes of the index-guarded store (``PIN_LOAD`` of
             :func:`~kda_patches.state_copy.kernels.copy_rows_kernel`). Declared on SM90+ CUDA, whose ptxas does that.
         bulk_scatter: the launch shape of many-row same-dtype scatters (:class:`BulkScatter`), unless the plan was
             given ``num_warps``; None: one shape for every row count. Measured on SM90 (H200 and H100,
-            ``scripts/gpu/launch_shape_probe.py``, ``docs/results/launch-shape/``): an FP32 scatter of 64-256 rows
-            with 8 warps, plain stores and the pinned load matches vLLM 0.34's kernels (1.000), where 4 warps with
-            ``evict_first`` (the better shape up to 8 rows) trail by 0.4-0.6 %.
+            ``scripts/gpu/launch_shape_probe.py``, ``docs/results/launch-shape/``; rule: the shape that matches vLLM
+            0.34's kernels at 64-256 rows): an FP32 scatter of 64-256 rows with 8 warps, plain stores and the pinned
+            load matches them, where 4 warps with ``evict_first`` (the better shape up to 8 rows) trail.
         gather_warps: cache dtype name (``"float32"`` ...) -> warps per program of the fused gathers of plans that
             launch as measured (with PDL on a target that honours it), unless the plan was given ``num_warps``;
             dtypes not listed keep the plan's warps. Measured on SM90 with five captures per implementation
-            (``docs/results/launch-shape/``, run 9, H100): FP32 gathers with 8 warps (vLLM 0.34's own shape, one
-            16-byte vector per thread) read 1.000-1.013 of upstream's kernels at 1-256 rows where 4 warps read
-            0.985-0.999; on the H200 (run 5) 8 warps read 1.000-1.016 and 4 warps 0.999-1.021. BF16 gathers
-            keep 4 warps: 5-23 % ahead of upstream at 8-256 rows with either, 4 warps up to 5 % ahead of 8
-            (Qwen3.6, 64 rows) and at most 0.4 % behind (Kimi Linear, 64-256 rows, H100).
+            (``docs/results/launch-shape/``; rule: the warp count at or above upstream's kernels at every row count):
+            FP32 gathers with 8 warps (vLLM 0.34's own shape, one 16-byte vector per thread) meet it at 1-256 rows
+            where 4 warps trail on the H100 (the H200 read both at parity with one capture each). BF16 gathers keep 4
+            warps: ahead of upstream at 8-256 rows with either, 4 warps at most marginally behind 8.
     """
 
     name: str

@@ -8,7 +8,7 @@ Two kernels, each serving both directions through the ``SCATTER`` constexpr:
   cache dtype (the cast folded in: :func:`~kda_patches.state_copy.casts.cast_bits`).
 - :func:`copy_row_bytes_kernel` (the fallback plan): the same semantics on raw bytes (any dtype),
   over a flat 1-D grid in which one row is split into ``TILES`` byte tiles, so that one row is
-  copied by many programs (a one-program-per-row loop is 4-8x slower).
+  copied by many programs (a one-program-per-row loop is several times slower).
 - :func:`scatter_cast_items_kernel` (the fallback plan's scatter when the final-state dtype differs
   from the cache dtype): the byte kernel's flat grid and masks, on typed items, with the folded cast.
 
@@ -48,8 +48,8 @@ reads the order). A volatile load must be issued on every path, so ``PIN_LOAD`` 
 Scalar row checks (the fused kernel): a program's row index, its validity and its safe row are scalars, and the
 store or load mask is one comparison of the int32 tile offsets with a scalar limit (the payload for a valid row,
 0 for an invalid one), so the per-item work is what upstream's unchecked kernels do plus one 32-bit comparison;
-the index is never broadcast to an int64 vector with a select and a multiply per item (H100, graph replay,
-upstream 0.34 / plan for a one-row FP32 scatter: 0.965 before, 1.005-1.012 after; ``docs/results/launch-shape/``).
+the index is never broadcast to an int64 vector with a select and a multiply per item (graph replay against
+upstream 0.34's kernels: the one-row FP32 scatter went from behind them to at parity; ``docs/results/launch-shape/``).
 The fallback kernels, which have no upstream counterpart to match, keep the vector form of
 :func:`selected_row_mask`.
 

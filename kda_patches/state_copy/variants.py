@@ -17,8 +17,8 @@ count follows the four pointers as the kernels' one runtime scalar (``num_rows``
 Where the Triton release's C launch entry has a known argument order (:data:`DIRECT_ENTRY_RELEASES`)
 and the kernel needs no global or profile scratch, a launch without launch hooks calls that entry
 itself and skips ``CudaLauncher.__call__`` (its two scratch allocations are no-ops then). On the H200 host
-that measured 0.5-1.6 µs less per launch in runs 7 and 9 (``docs/results/h200-gdn-state-copy``) and was
-within the host's spread in run 16: a small gain, not a reliable one. Launch hooks, any
+that measured a small saving per launch in some runs and none beyond the host's spread in others
+(``docs/results/h200-gdn-state-copy``): a small gain, not a reliable one. Launch hooks, any
 other release, and scratch-using kernels take the launcher. Either way the entry is proven on scratch
 at prepare, and :attr:`CompiledVariant.entry` names the one in use (plan description, ledger).
 """
