@@ -39,3 +39,10 @@ def test_every_section_states_switch_and_removal_condition():
     for name, text in readme_sections().items():
         for heading in ("**Why.**", "**How.**", "**Switch.**", "**Verified on.**", "**Remove when.**"):
             assert heading in text, f"{heading} missing from the {name} section"
+
+
+def test_no_run_by_run_narrative_in_the_patch_sections():
+    """Run-by-run figures live in the results READMEs (issue 52): a patch section names no run number."""
+    for name, text in readme_sections().items():
+        runs = re.findall(r"\bruns? \d+(?:[-–]\d+)?", text)
+        assert not runs, f"{name} section quotes {runs}: move the narrative to its docs/results README and link it"
