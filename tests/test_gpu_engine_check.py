@@ -379,8 +379,14 @@ def test_a_bisection_runs_the_shapes_requests_with_the_benchmarks_engine_setting
             option("--random-input-len"), option("--random-output-len"), option("--num-prompts"),
             option("--max-num-seqs"), 3)
         kwargs = engine_kwargs(child)
-        assert kwargs["attention_backend"] == "TRITON_ATTN" and kwargs["gpu_memory_utilization"] == 0.6
-        assert kwargs["additional_config"] == {"gdn_prefill_backend": "triton"}
+        assert kwargs["gpu_memory_utilization"] == 0.6
+        if shape in module.SHAPES_AT_DEFAULTS:  # no backend argument: vLLM picks, in both tools
+            assert "attention_backend" not in kwargs and "additional_config" not in kwargs
+            assert "--attention-backend" not in bench and "--additional-config" not in bench
+        else:
+            assert kwargs["attention_backend"] == "TRITON_ATTN"
+            assert kwargs["additional_config"] == {"gdn_prefill_backend": "triton"}
+            assert bench[bench.index("--attention-backend") + 1] == "TRITON_ATTN"
         if "--tensor-parallel-size" in bench:
             assert kwargs["tensor_parallel_size"] == option("--tensor-parallel-size")
     argv = module.bisect_argv("short", tmp_path, tmp_path / "b", ["patched"], 2, num_prompts=1024)

@@ -963,11 +963,27 @@ THROUGHPUT_SHAPES = {
     "long-tp2": (("--random-input-len", "2048", "--random-output-len", "64", "--num-prompts", "512",
                   "--max-num-seqs", "128", "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
                  "the long shape on two GPUs (issue 29): tensor parallel 2, mp executor"),
+    # issue 50: Kimi K3 as vLLM 0.34 serves it by default on SM90 (needs --with-flashkda): many short prefills
+    "kimi_k3-short-defaults": (("--random-input-len", "64", "--random-output-len", "32", "--num-prompts", "4096",
+                                "--max-num-seqs", "256"),
+                               "Kimi K3 (every layer KDA, 12 heads x 128) at vLLM 0.34's defaults: no backend argument "
+                               "(FlashKDA prefill, native decode), torch.compile + breakable CUDA graphs; 4096 "
+                               "requests of 64 prompt + 32 output tokens, 256 at a time"),
 }
+# the model a shape serves (default qwen3_5), and the shapes that set no backend argument (vLLM picks them)
+SHAPE_MODELS = {"kimi_k3-short-defaults": "kimi_k3"}
+SHAPES_AT_DEFAULTS = frozenset({"kimi_k3-short-defaults"})
 
 
-def write_bench_model(root: pathlib.Path) -> pathlib.Path:
-    """Write the throughput model: :data:`MODELS` ``qwen3_5`` with a word-level tokenizer (``vllm bench`` needs one).
+def shape_backend_args(shape: str) -> dict[str, Any]:
+    """The backend engine arguments a throughput shape forces (none for a shape at vLLM's defaults)."""
+    if shape in SHAPES_AT_DEFAULTS:
+        return {}
+    return {"attention_backend": "TRITON_ATTN", "additional_config": {"gdn_prefill_backend": "triton"}}
+
+
+def write_bench_model(root: pathlib.Path, model: str = "qwen3_5") -> pathlib.Path:
+    """Write a throughput model: :data:`MODELS` ``model`` with a word-level tokenizer (``vllm bench`` needs one).
 
     The vocabulary grows to :data:`BENCH_VOCAB`; the layers are the A/B model's.
     """
@@ -975,9 +991,9 @@ def write_bench_model(root: pathlib.Path) -> pathlib.Path:
         sys.path.insert(0, str(ROOT))
     from kda_patches.regress.tiny_model import build_tiny_tokenizer
 
-    path = root / "qwen3_5_bench"
+    path = root / f"{model}_bench"
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(dict(MODELS["qwen3_5"].config, vocab_size=BENCH_VOCAB)))
+    (path / "config.json").write_text(json.dumps(dict(MODELS[model].config, vocab_size=BENCH_VOCAB)))
     build_tiny_tokenizer(str(path), BENCH_VOCAB)
     return path
 
@@ -991,7 +1007,8 @@ def throughput_argv(shape: str, model_dir: pathlib.Path, rounds: int, out: pathl
     ``--time-budget`` when given, so a call ends between rounds, not inside one.
 
     vLLM's defaults otherwise (torch.compile and CUDA graphs on, prefix caching on), dummy weights (the output
-    length is fixed: the random dataset ignores EOS), the attention and GDN backends the carried code has; vLLM's
+    length is fixed: the random dataset ignores EOS), the attention and GDN backends the carried code has
+    (:func:`shape_backend_args`; none for a shape at vLLM's defaults); vLLM's
     benchmark module itself (``--entry module``: its CLI imports the API server's packages, which are not carried).
     """
     continuing = ["--resume"] if (out / "serve_ab.json").is_file() else ["--warmup"]
@@ -1001,7 +1018,8 @@ def throughput_argv(shape: str, model_dir: pathlib.Path, rounds: int, out: pathl
             "--model", str(model_dir),
             "--load-format", "dummy", "--dataset-name", "random", *THROUGHPUT_SHAPES[shape][0],
             "--max-model-len", "4096", "--seed", "0", "--gpu-memory-utilization", "0.6",
-            "--attention-backend", "TRITON_ATTN", "--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
+            *(item for name, value in shape_backend_args(shape).items()
+              for item in (f"--{name.replace('_', '-')}", value if isinstance(value, str) else json.dumps(value)))]
 
 
 # engine_repeat's arms for finding which patch costs engine time (baseline first and last is implied)
@@ -1048,8 +1066,9 @@ def bisect_argv(shape: str, model_dir: pathlib.Path, out: pathlib.Path, arms: li
             child += ["--engine-arg", f"{_REPEAT_ENGINE_ARGS[flag]}={setting}"]
         else:
             raise ValueError(f"shape {shape}: option {flag} has no engine_repeat counterpart")
-    child += ["--engine-arg", "gpu_memory_utilization=0.6", "--engine-arg", 'attention_backend="TRITON_ATTN"',
-              "--engine-arg", "additional_config=" + json.dumps({"gdn_prefill_backend": "triton"})]
+    child += ["--engine-arg", "gpu_memory_utilization=0.6",
+              *(item for name, value in shape_backend_args(shape).items()
+                for item in ("--engine-arg", f"{name}={json.dumps(value)}"))]
     mode = (["--interleave", str(interleave)] if interleave else []) + (["--cpus", cpus] if cpus else [])
     return [sys.executable, "-m", "kda_patches.bench.engine_repeat", "--out", str(out), *(["--profile"] * profile),
             *mode, *(item for arm in arms for item in ("--arm", arm)), "--", *child]
@@ -1069,9 +1088,16 @@ def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook:
     A shape that needs more GPUs than ``gpus`` is not run: its record says so (``exit_code`` None). Exit status 3
     is serve-ab stopping for ``time_budget_s`` between rounds: the same command continues it.
     """
-    if shape_gpus(shape) > gpus:
+    model = SHAPE_MODELS.get(shape, "qwen3_5")
+    needed = (*MODELS[model].libraries, *(DEFAULT_BACKEND_LIBRARIES.get(model, ()) if shape in SHAPES_AT_DEFAULTS
+                                          else ()))
+    missing = [file for file in needed if not gpu_harness.library_present(site, file)]
+    if shape_gpus(shape) > gpus or missing:
+        why = (f"not run: needs {shape_gpus(shape)} GPUs, this machine has {gpus}" if not missing else
+               f"not run: vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe / "
+               "--with-flashkda)")
         return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": None, "metrics": {},
-                "problems": [f"not run: needs {shape_gpus(shape)} GPUs, this machine has {gpus}"], "output_tail": ""}
+                "problems": [why], "output_tail": ""}
     target = out / f"throughput-{shape}"
     env = bench_env(f"throughput-{shape}", hook, site)
     done = subprocess.run(throughput_argv(shape, model_dir, rounds, target, time_budget_s), env=env,
@@ -1130,8 +1156,9 @@ def run_parent(args: argparse.Namespace) -> int:
         report["stood_in"] = gpu_harness.stood_in_record(library=False)
         report["plan"] = {c.name: regress_argv(c, engine_params(c, model_dirs[c.model], prompts[bool(c.kv_blocks)]),
                                                pathlib.Path("WORK")) for c in cases}
-        report["throughput_plan"] = {shape: throughput_argv(shape, out / "models" / "qwen3_5_bench", args.rounds,
-                                                            out / f"throughput-{shape}") for shape in THROUGHPUT_SHAPES}
+        report["throughput_plan"] = {
+            shape: throughput_argv(shape, out / "models" / f"{SHAPE_MODELS.get(shape, 'qwen3_5')}_bench", args.rounds,
+                                   out / f"throughput-{shape}") for shape in THROUGHPUT_SHAPES}
         report["peer_plan"] = peer_argv("VERSION", out / "peer.json")
         report["bisect_plan"] = {shape: bisect_argv(shape, out / "models" / "qwen3_5_bench", out / f"bisect-{shape}",
                                                     args.arms, args.repeats, args.num_prompts)
@@ -1160,17 +1187,18 @@ def run_parent(args: argparse.Namespace) -> int:
         target = out / f"bisect-{args.bisect}"
         env = bench_env(f"bisect-{args.bisect}", hook, site)
         env[STEP_TIMES_ENV] = "1"
-        argv = bisect_argv(args.bisect, write_bench_model(out / "models"), target, args.arms, args.repeats,
-                           args.num_prompts, args.profile, args.interleave, args.cpus)
+        model = write_bench_model(out / "models", SHAPE_MODELS.get(args.bisect, "qwen3_5"))
+        argv = bisect_argv(args.bisect, model, target, args.arms, args.repeats, args.num_prompts, args.profile,
+                           args.interleave, args.cpus)
         return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if args.throughput:
-        bench_model = write_bench_model(out / "models")
         report["throughput"] = []
         import torch
 
         started = time.monotonic()
         for shape in args.throughput:
             left = None if args.time_budget_s is None else args.time_budget_s - (time.monotonic() - started)
+            bench_model = write_bench_model(out / "models", SHAPE_MODELS.get(shape, "qwen3_5"))
             result = run_throughput(shape, out, bench_model, hook, site, args.rounds, torch.cuda.device_count(), left)
             report["throughput"].append(result)
             print(throughput_line(result), flush=True)
