@@ -24,7 +24,9 @@ in) and replay the capture: where the seam is routed, every replay is a routed, 
 run is routed and counted apart (``<section>:capture``) -- what a replay of the unwrapped function would miss.
 The ``:flashinfer`` cases put Qwen on 0.34's FlashInfer prefill backend (its released ``_forward_flashinfer_prefill``
 and ``fi_chunk_gated_delta_rule`` run; only FlashInfer's kernel is stood in): the gather is inside that branch, so
-the seam stands aside on it -- no plan, calls counted ``calls_upstream``, never half-routed, STRICT quiet.
+the seam stands aside on it -- no plan, calls counted ``calls_upstream``, never half-routed, STRICT quiet. The
+``:flashkda`` cases put Kimi K3 on FlashKDA (its released FlashKDA branch and ``_flashkda_prefill`` run; only
+``torch.ops._flashkda_C.fwd`` is stood in): its gather and scatter stand outside the branch and are routed.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ CASES = ("qwen:float32:SD", "qwen:bfloat16:DS", "linear:float32:DS", "linear:bfl
          "k3:bfloat16:SD:breakable", "linear:float32:DS:breakable",
          # Qwen on 0.34's FlashInfer prefill backend (`auto` on SM90): the released _forward_flashinfer_prefill gathers
          # and the seam scatters -- the seam stands aside on that backend, both copies upstream's
-         "qwen:float32:SD:flashinfer", "qwen:bfloat16:DS:flashinfer")
+         "qwen:float32:SD:flashinfer", "qwen:bfloat16:DS:flashinfer",
+         # Kimi K3 on FlashKDA (0.34's `auto` on SM90+): its copies stand outside the backend branch, routed as ever
+         "k3:bfloat16:DS:flashkda",)
 GATHER, SCATTER = "_gather_initial_states_kernel", "_scatter_states_kernel"
 # which layers each side routes through the overlay's plans
 ROUTED = {"baseline": (), "measured": ("qwen", "k3", "olmo"), "upstream": ("k3", "olmo"),

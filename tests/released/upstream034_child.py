@@ -57,13 +57,13 @@ class State:
         return {name: count for table in self.kernel_tables for name, count in table.items()}
 
 
-MODES = ("breakable", "flashinfer")
+MODES = ("breakable", "flashinfer", "flashkda")
 
 
 def parse_case(case: str) -> tuple[str, str, str, str | None]:
     """``"qwen:float32:SD"`` -> ``("qwen", "float32", "SD", None)``; a mode suffix names the mode: ``:breakable``
-    (each layer call captured under the released breakable CUDA graph, then replayed) or ``:flashinfer`` (a GDN
-    layer on the FlashInfer prefill backend)."""
+    (each layer call captured under the released breakable CUDA graph, then replayed), ``:flashinfer`` (a GDN
+    layer on the FlashInfer prefill backend) or ``:flashkda`` (Kimi K3 on FlashKDA, 0.34's SM90+ default)."""
     kind, dtype, layout, *mode = case.split(":")
     if len(mode) > 1 or (mode and mode[0] not in MODES):
         raise ValueError(f"case {case!r}: the modes are {MODES}")
@@ -99,6 +99,7 @@ def setup(args: list[str], cases: list[str]) -> State:
 
     standins.install()  # after the stack: the kernels' packages import release modules (Kimi's package: its layers)
     standins.install_breakable_standins(importlib.import_module(standins.BREAKABLE_MODULE))
+    standins.register_flashkda_op()
     modules = {kind: importlib.import_module(module) for kind, (module, _, _) in standins.LAYERS.items()}
     standins.install_layer_standins(modules)
     tables = [count_kernel_launches(importlib.import_module(module), (kernel,)) for module, kernel in standins.KERNELS]
@@ -119,8 +120,9 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     first, state.cases_run = 2 * state.cases_run, state.cases_run + 1
     names = [f"model.layers.{first + i}.{standins.SUFFIX[kind]}" for i in range(2)]
-    backend = "flashinfer" if mode == "flashinfer" else "triton"
-    layers = {name: standins.build_layer(kind, cls, name, generator, backend) for name in names}
+    backend = mode if mode in ("flashinfer", "flashkda") else "triton"
+    layers = {name: standins.build_layer(kind, cls, name, generator, backend, getattr(torch, cache_dtype))
+              for name in names}
     case_runner = state.runner_module.GPUModelRunner(layers, MAX_NUM_SEQS, seed)
     config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype),
                              CONV_WIDTH, conv_layout=conv_layout) for name in layers}

@@ -36,7 +36,7 @@ import torch
 import upstream_standins
 from ascend_standins import REAL as REAL_STDLIB
 from ascend_standins import triton_utils
-from batch_plan import run_forward_core_batches
+from batch_plan import HEAD_DIM, HEADS, run_forward_core_batches
 from release_loader import function_stubs
 from upstream_standins import set_conv_layout  # noqa: F401  (the 0.34 child sets it per case)
 
@@ -48,6 +48,7 @@ RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 RUNNER_FILE = "vllm/v1/worker/gpu/model_runner.py"
 EXTENSIBLE_MODULE = "vllm.v1.worker.extensible_kv_cache"  # extend_kv_cache: a member of 0.34's runner group
 EXTENSIBLE_FILE = "vllm/v1/worker/extensible_kv_cache.py"
+FLASHKDA_MODULE = "vllm._flashkda_C"  # Kimi K3's FlashKDA extension (0.34's SM90+ prefill default)
 BREAKABLE_MODULE = "vllm.compilation.breakable_cudagraph"  # eager_break_during_capture on Kimi K3 / Kimi Linear
 BREAK_REPLAYS = 2  # a ":breakable" case captures each layer call once, then replays it this many times
 # layer kind -> (module, class, seam method)
@@ -115,6 +116,13 @@ STANDINS = {
              **_GATHER, **_SCATTER, **_COMMON},
     "linear": {**_KIMI, **_GATHER, **_SCATTER, **_COMMON, **_BREAKABLE},
     "k3": {**_KIMI, **_GATHER, **_COMMON, **_BREAKABLE,
+           "torch.ops._flashkda_C.fwd (':flashkda' cases)": "FlashKDA's kernel: the same naive KDA recurrence as the "
+           "chunk_kda_with_fused_gate stand-in (lower-bound gate from A_log and dt_bias, sigmoid beta, L2-normalized "
+           "q/k), writing out and final_state; the released _flashkda_prefill and the FlashKDA branch of _forward run",
+           f"{FLASHKDA_MODULE} (':flashkda' cases)": "an empty module (importing the extension registers its ops)",
+           "vllm.v1.worker.workspace.current_workspace_manager": "hands out fresh zeroed CPU buffers per (shape, "
+           "dtype) (vLLM's manager calls torch.accelerator, absent on the CPU); the FlashKDA branch takes its buffers "
+           "from it",
            f"{KDA_CONV_MODULE} (release, not stood in)": "packed_causal_conv1d_supported declines CPU tensors: "
            "the stock per-part convolution (vLLM's CPU kernel) runs"},
     "olmo": {**{name: what for name, what in gdn_standins.STANDINS_OLMO.items() if not name.startswith("vllm.v1")},
@@ -178,6 +186,9 @@ def extensible_module(root: pathlib.Path) -> types.ModuleType:
 def standin_modules() -> dict[str, dict[str, Any]]:
     """Return the stand-in import table of 0.34's executed files (module -> {name: object})."""
     return {"vllm.triton_utils": triton_utils(), "vllm._aiter_ops": {"rocm_aiter_ops": RocmAiterOps},
+            FLASHKDA_MODULE: {"": types.ModuleType(FLASHKDA_MODULE)},
+            "vllm.v1.worker.workspace": {"current_workspace_manager": lambda: CPUWorkspace(),
+                                         "is_workspace_manager_initialized": lambda: True},
             "flashinfer.gdn_prefill": {"chunk_gated_delta_rule": gdn_standins.flashinfer_chunk_gated_delta_rule}}
 
 
@@ -205,6 +216,48 @@ class CPUGraph:
         pass
 
 
+class CPUWorkspace:
+    """Stand-in of vLLM's workspace manager: ``get_simultaneous(*(shape, dtype))`` -> fresh zeroed CPU tensors."""
+
+    def get_simultaneous(self, *shapes_and_dtypes: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+        return [torch.zeros(shape, dtype=dtype) for shape, dtype in shapes_and_dtypes]
+
+
+def register_flashkda_op() -> None:
+    """Define ``torch.ops._flashkda_C.fwd`` on the CPU: FlashKDA's kernel, stood in by the naive KDA recurrence the
+    ``chunk_kda_with_fused_gate`` stand-in computes (the rest of the FlashKDA branch is the release's)."""
+    if hasattr(torch.ops._flashkda_C, "fwd"):
+        return
+    library = torch.library.Library("_flashkda_C", "DEF")
+    library.define("fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) out, "
+                   "Tensor workspace, Tensor A_log, Tensor dt_bias, float lower_bound, Tensor initial_state, "
+                   "Tensor(b!) final_state, Tensor cu_seqlens, Tensor? checkpoint_state, "
+                   "Tensor? checkpoint_offsets) -> ()")
+
+    def fwd(q, k, v, g, beta, scale, out, workspace, A_log, dt_bias, lower_bound, initial_state, final_state,
+            cu_seqlens, checkpoint_state, checkpoint_offsets):
+        assert checkpoint_state is None, "FlashKDA checkpoints are not exercised here"
+        _, final = upstream_standins.chunk_kda_with_fused_gate(
+            q, k, v, g, beta, A_log, dt_bias.reshape(-1), scale=scale, initial_state=initial_state,
+            output_final_state=True, lower_bound=lower_bound, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+            out=out)
+        final_state[: final.shape[0]].copy_(final.to(final_state.dtype))
+
+    library.impl("fwd", fwd, "CPU")
+    register_flashkda_op.library = library  # keep the registration alive
+
+
+def flashkda_buffer_specs(layer: torch.nn.Module, state_dtype: torch.dtype) -> tuple:
+    """The ``_flashkda_buffer_specs`` the layer's ``__init__`` would set (not run): output, final and checkpoint
+    states, FlashKDA's workspace -- sized for the batch plan."""
+    from batch_plan import BATCHES, MAX_NUM_SEQS
+
+    tokens = max(sum(batch[2]) for batch in BATCHES)
+    heads, dim = HEADS, HEAD_DIM
+    return (((1, tokens, heads, dim), torch.bfloat16), ((MAX_NUM_SEQS, heads, dim, dim), state_dtype),
+            ((MAX_NUM_SEQS, heads, dim, dim), state_dtype), ((1 << 12,), torch.uint8))
+
+
 def install_breakable_standins(breakable: Any) -> None:
     """Stand in the CUDA-graph calls of the released ``breakable_cudagraph`` (and nothing else of it)."""
     torch.cuda.CUDAGraph = CPUGraph
@@ -226,10 +279,11 @@ def capture_and_replay(breakable: Any) -> Any:
     return invoke
 
 
-def build_layer(kind: str, cls: type, name: str, generator: torch.Generator, backend: str = "triton"
-                ) -> torch.nn.Module:
-    """Return the release's layer class built as for 0.33 (only what the seam reads is set); ``backend`` is a GDN
-    layer's ``gdn_prefill_backend`` (``triton`` or ``flashinfer``)."""
+def build_layer(kind: str, cls: type, name: str, generator: torch.Generator, backend: str = "triton",
+                state_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Return the release's layer class built as for 0.33 (only what the seam reads is set); ``backend`` is the
+    layer's prefill backend: a GDN layer's ``gdn_prefill_backend`` (``triton`` or ``flashinfer``), Kimi K3's
+    ``kda_prefill_backend`` (``triton`` or ``flashkda``, with the buffer specs its ``__init__`` would set)."""
     if kind in ("qwen", "olmo"):
         from upstream_gdn_layers import build_layer as build_gdn
 
@@ -238,7 +292,12 @@ def build_layer(kind: str, cls: type, name: str, generator: torch.Generator, bac
         return layer
     from upstream_kimi_layers import build_layer as build_kimi
 
-    return build_kimi(cls, name, generator)
+    layer = build_kimi(cls, name, generator)
+    if backend == "flashkda":
+        object.__setattr__(layer, "kda_prefill_backend", "flashkda")
+        object.__setattr__(layer, "_flashkda_buffer_specs", flashkda_buffer_specs(layer, state_dtype))
+        object.__setattr__(layer, "_checkpoint_exporter", None)
+    return layer
 
 
 def run_batches(kind: str, layers: dict, raw_caches: dict, generator: torch.Generator, invoke: Any = None
