@@ -258,6 +258,9 @@ class AscendStack:
         return self.tree.module(name)
 
     def has(self, module: str, name: str) -> bool:
+        """Whether the release ships ``module`` and it defines ``name``."""
+        if not self.tree.has_module(module):
+            return False
         lazy = self.tree.module(module)
         return isinstance(lazy, LazyModule) and lazy.defines(name)
 
@@ -356,6 +359,9 @@ class AscendStack:
         return self._platform
 
     def has_method(self, module: str, class_name: str, method: str, own: bool = False) -> bool:
+        """Whether the release class (or, unless ``own``, one of its release bases) defines ``method``."""
+        if not self.tree.has_module(module):
+            return False
         where = self.tree.find_method(module, class_name, method)
         return where is not None and (not own or where == (module, class_name))
 
@@ -555,16 +561,25 @@ def witness_text(witness: dict[str, Any], footprints: list[Footprint], storage_n
 
 
 def prove(config: Any, views: dict[str, Any]) -> tuple[str, str, int, int]:
-    """Run the checker on every storage: ``(verdict, detail, storages, views)``."""
-    storages = describe_views(config, views)
+    """Run the checker on every storage of ``views``: ``(verdict, detail, storages, views)``."""
+    return verdict_of(describe_views(config, views))
+
+
+def verdict_of(storages: dict[Any, tuple[int, list[Footprint]]]) -> tuple[str, str, int, int]:
+    """The case's verdict from every storage's footprints: ``(verdict, detail, storages, views)``.
+
+    ``overlap found`` (a witness: two block ids, or two layers of one group, share a byte) wins over ``out of
+    storage``, which wins over ``not checkable`` (the checker gave up); ``proven`` needs every storage accepted.
+    """
     cache = CheckerCache()
     verdicts = [(cache.check(footprints, nbytes), footprints, nbytes) for nbytes, footprints in storages.values()]
     num_views = sum(len(footprints) for _, footprints, _ in verdicts)
     for verdict, footprints, nbytes in verdicts:
-        if verdict.status == "rejected":
-            if verdict.witness is None:
-                return "out of storage", verdict.reason, len(storages), num_views
+        if verdict.status == "rejected" and verdict.witness is not None:
             return "overlap found", witness_text(verdict.witness, footprints, nbytes), len(storages), num_views
+    for verdict, _, _ in verdicts:
+        if verdict.status == "rejected":
+            return "out of storage", verdict.reason, len(storages), num_views
     for verdict, _, _ in verdicts:
         if verdict.status != "accepted":
             return "not checkable", f"checker: {verdict.reason}", len(storages), num_views
@@ -676,7 +691,7 @@ def render(rows: list[tuple[str, str, str, int, CaseResult]], bound: dict[tuple[
         "  Not checkable: " + ("; ".join(blocked_releases) if blocked_releases else "none") + " (reasons below).",
         "- **Command**: `python -m kda_patches.kv_layout.ascend_proof --write "
         "docs/results/ascend-kv-layout/README.md`",
-        "  (`--check` compares; `tests/kv_layout/test_ascend_layout_table.py` fails when this file drifts).",
+        "  (`--check` compares; `tests/ascend_layout/test_ascend_layout_table.py` fails when this file drifts).",
         "",
         "## Verdicts",
         "",

@@ -29,6 +29,7 @@ import ast
 import builtins
 import importlib
 import pathlib
+import re
 import symtable
 import sys
 import textwrap
@@ -37,6 +38,7 @@ from typing import Any
 
 REAL_TOP_LEVEL = frozenset(sys.stdlib_module_names) | {"torch", "numpy", "typing_extensions"}
 _FLAGS = __future__.annotations.compiler_flag
+_SUPER_CALL = re.compile(r"\bsuper\(\)\.(\w+)")
 
 
 class StoodInUse(RuntimeError):
@@ -226,7 +228,7 @@ class LazyModule(types.ModuleType):
             return True
         tree = self._kda["tree"]
         return not name.startswith("_") and any(
-            isinstance(source := tree.module(star), LazyModule) and source.defines(name) for star in self._kda["stars"])
+            (source := tree._source(star)) is not None and source.defines(name) for star in self._kda["stars"])
 
     def node_of(self, name: str) -> ast.stmt | None:
         entry = self._index().get(name)
@@ -251,8 +253,8 @@ class LazyModule(types.ModuleType):
         entry = self._index().get(attribute)
         if entry is None and not attribute.startswith("_"):
             for star in state["stars"]:
-                source = tree.module(star)
-                if isinstance(source, LazyModule) and source.defines(attribute):
+                source = tree._source(star)
+                if source is not None and source.defines(attribute):
                     entry = _Entry(module=star, attribute=attribute)
                     break
         if entry is None:
@@ -401,8 +403,9 @@ class ReleaseTree:
             self.record(module, "*", "standin")
         elif module.split(".")[0] in self.roots:
             found = self._file_of(module)
-            value = (LazyModule(self, module, found[0], found[1]) if found is not None
-                     else InertModule(f"{module} (absent from the release)", self))
+            if found is None:  # as a real import of a module the release does not ship (try/except fallbacks)
+                raise ModuleNotFoundError(f"No module named {module!r} in the release", name=module)
+            value = LazyModule(self, module, found[0], found[1])
         elif module.split(".")[0] in REAL_TOP_LEVEL:
             try:
                 value = importlib.import_module(module)
@@ -467,10 +470,17 @@ class ReleaseTree:
         """Return ``module.name`` (compiled from the release on first use)."""
         return self.import_value(module, name)
 
+    def _source(self, module: str) -> LazyModule | None:
+        """The release module ``module``, or None when it is not a file of the tree."""
+        if not self.has_module(module):
+            return None
+        lazy = self.module(module)
+        return lazy if isinstance(lazy, LazyModule) else None
+
     def base_names(self, module: str, class_name: str) -> list[tuple[str, str]]:
         """Return ``(module, class)`` of each base of a release class, following imports (release bases only)."""
-        lazy = self.module(module)
-        node = lazy.node_of(class_name) if isinstance(lazy, LazyModule) else None
+        lazy = self._source(module)
+        node = lazy.node_of(class_name) if lazy is not None else None
         if not isinstance(node, ast.ClassDef):
             return []
         found = []
@@ -489,8 +499,8 @@ class ReleaseTree:
     def _where(self, module: str, name: str) -> tuple[str, str] | None:
         """Follow imports of ``name`` in ``module`` to the module that defines it."""
         for _ in range(16):
-            lazy = self.module(module)
-            if not isinstance(lazy, LazyModule):
+            lazy = self._source(module)
+            if lazy is None:
                 return None
             entry = lazy._index().get(name)
             if entry is None:
@@ -500,7 +510,8 @@ class ReleaseTree:
             if entry.attribute is None:
                 return entry.module, ""
             module, name = entry.module, entry.attribute
-            if self.has_module(f"{module}.{name}") and not self.module(module).defines(name):
+            source = self._source(module)
+            if self.has_module(f"{module}.{name}") and (source is None or not source.defines(name)):
                 return f"{module}.{name}", ""
         return None
 
@@ -524,8 +535,8 @@ class ReleaseTree:
             if current in seen:
                 continue
             seen.add(current)
-            lazy = self.module(current[0])
-            if isinstance(lazy, LazyModule) and lazy.kda_method_source(current[1], method) is not None:
+            lazy = self._source(current[0])
+            if lazy is not None and lazy.kda_method_source(current[1], method) is not None:
                 return current
             stack[0:0] = self.base_names(*current)
         return None
@@ -540,6 +551,8 @@ class ReleaseTree:
         same way. ``extra`` adds attributes of ours (stood in; the caller records them).
         """
         own, inherited = [], {}
+        lazy = self.module(module)
+        assert isinstance(lazy, LazyModule)
         for method in methods:
             where = self.find_method(module, class_name, method)
             if where is None:
@@ -548,9 +561,15 @@ class ReleaseTree:
                 own.append(method)
             else:
                 inherited.setdefault(where, []).append(method)
+        for method in own:  # what ``super().name`` reaches must exist in the bases built here
+            for name in sorted(set(_SUPER_CALL.findall(lazy.kda_method_source(class_name, method)[0]))):
+                for base in self.base_names(module, class_name):
+                    where = self.find_method(*base, name)
+                    if where is not None:
+                        if name not in inherited.setdefault(where, []):
+                            inherited[where].append(name)
+                        break
         parents = tuple(self.partial_class(where[0], where[1], names) for where, names in inherited.items())
-        lazy = self.module(module)
-        assert isinstance(lazy, LazyModule)
         pieces = [(lazy.kda_method_source(class_name, m), m) for m in own]
         pieces += [piece for piece in lazy.kda_literal_attributes(class_name) if piece[1] not in own]
         pieces.sort(key=lambda item: item[0][1])
@@ -588,7 +607,7 @@ class ReleaseTree:
                 raise AttributeError(f"{class_name!r} object has no attribute {name!r} (nor does the release class)")
             holder = tree.partial_class(where[0], where[1], [name])
             setattr(type(instance), name, vars(holder)[name])
-            tree.record(where[0], f"{where[1]}.{name}", "release (on use)")
+            tree.bound[f"{where[0]}:{where[1]}.{name}"] = "release (on use)"
             return getattr(instance, name)
 
         lazy_seen: set[str] = set()
@@ -622,8 +641,9 @@ class ReleaseTree:
         return ran
 
     def report(self) -> dict[str, list[str]]:
-        """Return the recorded names by kind (``release``, ``standin``, ``inert``, ``broken``, ...)."""
+        """Return the recorded names by kind (``release``, ``release (on use)``, ``standin``, ``real``, ``inert``,
+        ``installed``)."""
         kinds: dict[str, list[str]] = {}
         for name, kind in sorted(self.bound.items()):
-            kinds.setdefault(kind.split(" ")[0], []).append(name)
+            kinds.setdefault("broken" if kind.startswith("broken") else kind, []).append(name)
         return kinds
