@@ -667,12 +667,32 @@ def render(rows: list[tuple[str, str, str, int, CaseResult]], bound: dict[tuple[
     counts: dict[str, int] = {}
     for *_, result in rows:
         counts[result.verdict] = counts.get(result.verdict, 0) + 1
-    overlaps = [(fork, vllm, model, tp, result) for fork, vllm, model, tp, result in rows
-                if result.verdict in ("overlap found", "out of storage")]
-    blocked = [(fork, vllm, model, tp, result) for fork, vllm, model, tp, result in rows
-               if result.verdict == "not checkable"]
-    overlap_releases = sorted({f"{fork} (vLLM {vllm}) {model}" for fork, vllm, model, _, _ in overlaps})
-    blocked_releases = sorted({f"{fork} + vLLM {vllm}" for fork, vllm, _, _, _ in blocked})
+    notes: dict[str, str] = {}  # detail -> label (W: witness, N: not checkable)
+    for *_, result in rows:
+        if result.detail and result.detail not in notes:
+            kind = "N" if result.verdict == "not checkable" else "W"
+            notes[result.detail] = f"{kind}{sum(label[0] == kind for label in notes.values()) + 1}"
+
+    def grouped(verdicts: tuple[str, ...]) -> str:
+        """``model[, model] at TP ... on release[, release] (labels)``, cases with the same TPs and labels merged."""
+        cases: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
+        for fork, vllm, model, tp, result in rows:
+            if result.verdict in verdicts:
+                tps, labels = cases.setdefault((f"{fork} + vLLM {vllm}", model), ([], []))
+                tps.append(str(tp))
+                if notes[result.detail] not in labels:
+                    labels.append(notes[result.detail])
+        merged: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
+        for (pairing, model), (tps, labels) in cases.items():
+            key = (", ".join(tps), ", ".join(labels))
+            pairings, models = merged.setdefault(key, ([], []))
+            if pairing not in pairings:
+                pairings.append(pairing)
+            if model not in models:
+                models.append(model)
+        return "; ".join(f"{', '.join(models)} at TP {tps} on {', '.join(pairings)} ({labels})"
+                         for (tps, labels), (pairings, models) in merged.items()) or "none"
+
     verdict_line = ", ".join(f"{count} {verdict}" for verdict, count in sorted(counts.items()))
     lines = [
         "# vllm-ascend 0.26-0.30: the fork's own KV-cache layouts of real models, proven on the CPU (issue 53)",
@@ -687,8 +707,8 @@ def render(rows: list[tuple[str, str, str, int, CaseResult]], bound: dict[tuple[
         "bound view",
         f"  checked by `kda_patches/kv_layout/checker.py` for block ids 0-{NUM_BLOCKS - 1}.",
         f"- **Newest verdict**: {date}, **CPU** (no device): {verdict_line} of {len(rows)} cases.",
-        "  Overlap: " + ("; ".join(overlap_releases) if overlap_releases else "none") + ".",
-        "  Not checkable: " + ("; ".join(blocked_releases) if blocked_releases else "none") + " (reasons below).",
+        f"  Overlap: {grouped(('overlap found', 'out of storage'))}.",
+        f"  Not checkable: {grouped(('not checkable',))}.",
         "- **Command**: `python -m kda_patches.kv_layout.ascend_proof --write "
         "docs/results/ascend-kv-layout/README.md`",
         "  (`--check` compares; `tests/ascend_layout/test_ascend_layout_table.py` fails when this file drifts).",
@@ -697,18 +717,18 @@ def render(rows: list[tuple[str, str, str, int, CaseResult]], bound: dict[tuple[
         "",
         "Block size in tokens as the release chose it; page = the largest group page in bytes; storages = raw "
         "allocations",
-        "the views live on; views = tensors bound to the layers (K and V, or each state, per layer).",
+        "the views live on; views = tensors bound to the layers (K and V, or each state, per layer). 0.29.0rc1 "
+        "runs twice: with",
+        "vLLM 0.28.0, the conformance matrix's pairing (`kda_patches.releases.matrix.PAIRED_VLLM`), and with vLLM "
+        "0.29.0, which its code",
+        "targets (its main-lane branches test `vllm_version_is(\"0.29.0\")`).",
         "",
         "| vllm-ascend | vLLM | model | TP | block size | page bytes | storages | views | verdict |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    notes: dict[str, str] = {}
     for fork, vllm, model, tp, result in rows:
         verdict = result.verdict
         if result.detail:
-            kind = "N" if verdict == "not checkable" else "W"
-            if result.detail not in notes:
-                notes[result.detail] = f"{kind}{sum(label[0] == kind for label in notes.values()) + 1}"
             verdict = f"{verdict} ({notes[result.detail]})"
         if result.verdict in ("overlap found", "out of storage"):
             verdict = f"**{verdict}**"
