@@ -78,9 +78,10 @@ STOOD_IN = {
     "layers": "Attention / MLAAttention / MambaBase objects without __init__: the attributes their constructor "
               "sets (heads per TP, head sizes, dtypes, backend); state layers' get_state_shape/get_state_dtype "
               "are the model class's classmethods (what the fork sizes pages from)",
-    "runner": "NPUModelRunner without __init__: device, configs, attn_groups (one per KV-cache group with the "
-              "fork's backend), use_hybrid_blocks, feature switches off (sparse, compress, DCP, KV offload, "
-              "KV transfer)",
+    "runner": "NPUModelRunner without __init__: device, configs, attn_groups (initialize_attn_backend: one per "
+              "KV-cache group, attention groups with the fork's backend, state groups with none -- their reshape "
+              "branch reads none), use_hybrid_blocks, feature switches off (sparse, compress, DCP, KV offload, "
+              "KV transfer); the layout resolution sees the attention backend's declared layouts only",
     "vllm.logger": "a standard-library logger",
     "CacheConfig": "only its DEFAULT_BLOCK_SIZE, read from the release's class (a pydantic config class)",
     "vllm_version_is": "answers for the paired vLLM release",
@@ -254,20 +255,12 @@ class AscendStack:
         return None
 
     # -- release pieces -------------------------------------------------------------------------------------
-    def module(self, name: str) -> Any:
-        return self.tree.module(name)
-
     def has(self, module: str, name: str) -> bool:
         """Whether the release ships ``module`` and it defines ``name``."""
         if not self.tree.has_module(module):
             return False
         lazy = self.tree.module(module)
         return isinstance(lazy, LazyModule) and lazy.defines(name)
-
-    def method(self, module: str, class_name: str, method: str) -> Any:
-        """The release's ``class_name.method`` compiled alone (inherited ones found along release bases)."""
-        built = self.tree.partial_class(module, class_name, [method])
-        return vars(built).get(method) or getattr(built, method)
 
     def layer_classes(self) -> dict[str, type]:
         """Attention / MLAAttention / MambaBase with only ``get_kv_cache_spec`` from the release (stood in as the
@@ -293,12 +286,12 @@ class AscendStack:
         return classes
 
     def model_class(self, architecture: str) -> type:
+        """The registered model class with the release's state shape / dtype classmethods."""
         where = _registered_model_class(self.tree, architecture)
         if where is None:
             raise LookupError(f"architecture {architecture} is registered neither by the fork nor by vLLM")
         return self.tree.partial_class(where[0], where[1], ["get_mamba_state_shape_from_config",
                                                              "get_mamba_state_dtype_from_config"])
-
 
     # -- stage 1: block size and page padding ----------------------------------------------------------------
     def backend_class(self, attention: str) -> type:
@@ -365,12 +358,9 @@ class AscendStack:
         where = self.tree.find_method(module, class_name, method)
         return where is not None and (not own or where == (module, class_name))
 
-
     # -- stage 2: layers and their specs ----------------------------------------------------------------------
     def build_layers(self, model: dict[str, Any], vllm_config: _VllmConfig) -> dict[str, Any]:
         """The model's cache layers as the runner's static forward context holds them (see STOOD_IN)."""
-        import torch
-
         classes = self.layer_classes()
         tree = self.tree
         backend = self.backend_class(model["attention"])
@@ -410,7 +400,6 @@ class AscendStack:
                     dtype=dtype)
             layers[name] = layer
         vllm_config.compilation_config.static_forward_context = layers
-        del torch
         return layers
 
     def build_runner(self, model: dict[str, Any], vllm_config: _VllmConfig) -> Any:
