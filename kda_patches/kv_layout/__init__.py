@@ -6,6 +6,10 @@
 - :mod:`kda_patches.kv_layout.decide`: per raw storage, compare upstream's layout with the proposal,
   record every verdict in the ledger and return the views to use.
 - :mod:`kda_patches.kv_layout.budget`: the KV budget reduction of the opt-in separate mode.
+- :mod:`kda_patches.kv_layout.ascend_proof`: vllm-ascend 0.26-0.30's own layouts of real models
+  (:mod:`~kda_patches.kv_layout.ascend_models`) executed from the release cache
+  (:mod:`~kda_patches.kv_layout.release_exec`) and proven with the checker; writes
+  ``docs/results/ascend-kv-layout/README.md``.
 
 Nothing here is imported by ``import kda_patches``; the patch imports these modules at wrap time.
 """
