@@ -48,7 +48,7 @@ CASES = ("qwen:float32:SD", "qwen:bfloat16:DS", "linear:float32:DS", "linear:bfl
          "k3:bfloat16:SD:breakable", "linear:float32:DS:breakable",
          # Qwen on 0.34's FlashInfer prefill backend (`auto` on SM90): the released _forward_flashinfer_prefill gathers
          # and the seam scatters -- the seam stands aside on that backend, both copies upstream's
-         "qwen:float32:SD:flashinfer", "qwen:bfloat16:DS:flashinfer",
+         "qwen:bfloat16:DS:flashinfer",
          # Kimi K3 on FlashKDA (0.34's `auto` on SM90+): its copies stand outside the backend branch, routed as ever
          "k3:bfloat16:DS:flashkda",)
 GATHER, SCATTER = "_gather_initial_states_kernel", "_scatter_states_kernel"
