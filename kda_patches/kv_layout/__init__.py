@@ -7,9 +7,13 @@
   record every verdict in the ledger and return the views to use.
 - :mod:`kda_patches.kv_layout.budget`: the KV budget reduction of the opt-in separate mode.
 - :mod:`kda_patches.kv_layout.ascend_proof`: vllm-ascend 0.26-0.30's own layouts of real models
-  (:mod:`~kda_patches.kv_layout.ascend_models`) executed from the release cache
-  (:mod:`~kda_patches.kv_layout.release_exec`) and proven with the checker; writes
-  ``docs/results/ascend-kv-layout/README.md``.
+  (:mod:`~kda_patches.kv_layout.ascend_models`) executed from the release cache and proven with the checker;
+  writes ``docs/results/ascend-kv-layout/README.md``. Its pieces: ``ascend_engine`` (stood-in engine objects),
+  ``ascend_sources`` (facts read from release text), ``ascend_stack`` (the release's KV-cache code executed),
+  ``ascend_verdict`` (views to a checker verdict), ``ascend_table`` (the README).
+- :mod:`kda_patches.kv_layout.release_exec`: released source files executed definition by definition
+  (``release_module``: one lazy release module; ``release_classes``: partial classes from release methods;
+  ``release_compile``: compiling at release line numbers).
 
 Nothing here is imported by ``import kda_patches``; the patch imports these modules at wrap time.
 """

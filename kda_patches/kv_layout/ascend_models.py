@@ -1,8 +1,8 @@
 """Real models' cache-relevant configuration, written as data, with where each number comes from.
 
 Only what sizes the KV cache is here: attention heads and head sizes, the linear-attention (GDN / KDA) state
-geometry, which layers are which, the dtypes. :mod:`kda_patches.kv_layout.ascend_proof` turns each dict into the
-``hf_config`` / ``hf_text_config`` objects the released code reads.
+geometry, which layers are which, the dtypes. :func:`kda_patches.kv_layout.ascend_engine.build_vllm_config` turns
+each dict into the ``hf_config`` / ``hf_text_config`` objects the released code reads.
 
 Sources (read 2026-12):
 

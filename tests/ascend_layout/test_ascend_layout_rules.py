@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kda_patches.kv_layout import ascend_proof, checker
-from kda_patches.kv_layout.ascend_proof import describe_views, prove, run_case, verdict_of
+from kda_patches.kv_layout import ascend_table, checker
+from kda_patches.kv_layout.ascend_verdict import describe_views, prove, run_case, verdict_of
 from kda_patches.kv_layout.checker import Footprint
 
 PAGE, BLOCKS = 64, 8
@@ -125,5 +125,5 @@ def test_release_code_that_stops_is_not_checkable_with_its_release_line(monkeypa
 
 
 def test_committed_readme_comparison_ignores_only_dates() -> None:
-    assert ascend_proof.same_but_date("x 2026-12-07 y", "x 2027-01-31 y")
-    assert not ascend_proof.same_but_date("x 2026-12-07 proven", "x 2026-12-07 overlap found")
+    assert ascend_table.same_but_date("x 2026-12-07 y", "x 2027-01-31 y")
+    assert not ascend_table.same_but_date("x 2026-12-07 proven", "x 2026-12-07 overlap found")

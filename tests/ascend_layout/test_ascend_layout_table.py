@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import pathlib
 
-from kda_patches.kv_layout import ascend_models, ascend_proof
+from kda_patches.kv_layout import ascend_models, ascend_proof, ascend_table
 
 README = pathlib.Path(__file__).resolve().parents[2] / "docs/results/ascend-kv-layout/README.md"
 
@@ -20,9 +20,9 @@ def test_committed_table_matches_a_fresh_run() -> None:
     assert [(fork, vllm, model, tp) for fork, vllm, model, tp, _ in rows] == [
         (fork, vllm, model, tp) for fork, vllm in ascend_proof.RELEASES for model in ascend_models.MODELS
         for tp in ascend_proof.TENSOR_PARALLEL]
-    fresh = ascend_proof.render(rows, bound, "2000-01-01")
+    fresh = ascend_table.render(rows, bound, "2000-01-01")
     committed = README.read_text(encoding="utf-8")
     diff = "".join(difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True), str(README), "fresh"))
-    assert ascend_proof.same_but_date(committed, fresh), (
+    assert ascend_table.same_but_date(committed, fresh), (
         "the committed table drifted from the released code's layouts; regenerate with "
         "`python -m kda_patches.kv_layout.ascend_proof --write docs/results/ascend-kv-layout/README.md`:\n" + diff)

@@ -15,7 +15,8 @@ import traceback
 
 import pytest
 
-from kda_patches.kv_layout.release_exec import ReleaseTree, StoodInUse, definition_time_names
+from kda_patches.kv_layout.release_compile import definition_time_names
+from kda_patches.kv_layout.release_exec import ReleaseTree, StoodInUse
 
 FILES = {
     "relpkg/__init__.py": "",
