@@ -136,20 +136,29 @@ def test_decode_only_and_context_free_calls_pass_through_uncounted(load_dummies,
     assert torch.equal(runner.raw[layer.prefix], snapshot)
 
 
+def run_under_capture(load_dummies, monkeypatch, capturing: bool, name: str) -> tuple:
+    """One prefill call while a breakable capture is current (``capturing``: its segment recording, else closed
+    for an eager break); return ``(equal to the unpatched run, requests' counters grown, capture counters grown,
+    layer)``."""
+    module = load_dummies()
+    base_outputs, base_raw, _ = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
+    capture = SimpleNamespace(_capturing=capturing)
+    fake = SimpleNamespace(BreakableCUDAGraphCapture=SimpleNamespace(current=lambda: capture))
+    monkeypatch.setitem(sys.modules, "vllm.compilation.breakable_cudagraph", fake)
+    module = load_dummies(record(name, ("NativeClearLayer",)))
+    before, captured_before = counters(GDN), counters(capture_section(GDN))
+    outputs, raw, layer = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
+    equal = torch.equal(outputs[0], base_outputs[0]) and torch.equal(raw, base_raw)
+    return equal, grew(before, GDN), grew(captured_before, capture_section(GDN)), layer
+
+
 def test_a_prefill_inside_a_recording_graph_segment_runs_as_written_and_is_reported(load_dummies, lenient,
                                                                                     monkeypatch):
     """A call recorded into a graph segment (not an eager break) replays without any wrapper: not routed."""
-    module = load_dummies()
-    base_outputs, base_raw, _ = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
-    capture = SimpleNamespace(_capturing=True)
-    fake = SimpleNamespace(BreakableCUDAGraphCapture=SimpleNamespace(current=lambda: capture))
-    monkeypatch.setitem(sys.modules, "vllm.compilation.breakable_cudagraph", fake)
-    module = load_dummies(record("routing_breakable", ("NativeClearLayer",)))
-    before, captured_before = counters(GDN), counters(capture_section(GDN))
-    outputs, raw, layer = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
-    assert torch.equal(outputs[0], base_outputs[0]) and torch.equal(raw, base_raw)
-    assert grew(before, GDN) == {"calls_seen": 1, "calls_routed": 0, "calls_bypassed": 1}
-    assert grew(captured_before, capture_section(GDN)) == {"calls_seen": 0, "calls_routed": 0, "calls_bypassed": 0}
+    equal, grown, captured, layer = run_under_capture(load_dummies, monkeypatch, True, "routing_breakable")
+    assert equal
+    assert grown == {"calls_seen": 1, "calls_routed": 0, "calls_bypassed": 1}
+    assert captured == {"calls_seen": 0, "calls_routed": 0, "calls_bypassed": 0}
     assert "graph segment was recording" in get_ledger().snapshot()["facts"][GDN]["last_bypass"]["reason"]
     assert layer.seen_state_types == [torch.Tensor]  # the fork's own function ran on the plain cache
 
@@ -157,17 +166,10 @@ def test_a_prefill_inside_a_recording_graph_segment_runs_as_written_and_is_repor
 def test_a_prefill_run_eagerly_at_capture_is_routed_and_counted_apart(load_dummies, strict, monkeypatch):
     """The eager run a breakable capture makes of a break (its segment closed) is a dummy batch: routed through
     the plan, counted in the capture section only -- ``calls_seen`` stays the requests' prefill calls."""
-    module = load_dummies()
-    base_outputs, base_raw, _ = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
-    capture = SimpleNamespace(_capturing=False)
-    fake = SimpleNamespace(BreakableCUDAGraphCapture=SimpleNamespace(current=lambda: capture))
-    monkeypatch.setitem(sys.modules, "vllm.compilation.breakable_cudagraph", fake)
-    module = load_dummies(record("routing_capture_eager", ("NativeClearLayer",)))
-    before, captured_before = counters(GDN), counters(capture_section(GDN))
-    outputs, raw, _ = run(module, "NativeClearLayer", torch.float32, torch.int32, calls=1)
-    assert torch.equal(outputs[0], base_outputs[0]) and torch.equal(raw, base_raw)
-    assert grew(before, GDN) == {"calls_seen": 0, "calls_routed": 0, "calls_bypassed": 0}
-    assert grew(captured_before, capture_section(GDN)) == {"calls_seen": 1, "calls_routed": 1, "calls_bypassed": 0}
+    equal, grown, captured, _ = run_under_capture(load_dummies, monkeypatch, False, "routing_capture_eager")
+    assert equal
+    assert grown == {"calls_seen": 0, "calls_routed": 0, "calls_bypassed": 0}
+    assert captured == {"calls_seen": 1, "calls_routed": 1, "calls_bypassed": 0}
 
 
 def test_breakable_capture_is_read_per_thread_from_vllms_own_capture_class():
