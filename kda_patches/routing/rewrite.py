@@ -579,15 +579,15 @@ def predict_mechanism(definition: ast.AST, seam: Seam, qualname: str) -> dict[st
     if not isinstance(definition, ast.FunctionDef):
         return {"mechanism": "alias", "reason": f"not rewritten: {qualname} is not a function definition"}
     breaks = sorted(set(EAGER_BREAK_WRAPPERS.values()) & {_decorator_name(node) for node in definition.decorator_list})
-    eager_break: dict[str, Any] = {"eager_break": breaks[0]} if breaks else {}
+    reached: dict[str, Any] = {"eager_break": breaks[0]} if breaks else {}  # how calls reach the seam
     if seam.backend is not None:
-        eager_break["backends"] = {"attribute": seam.backend.attribute, "routed": list(seam.backend.routed),
-                                   "stands_aside": seam.backend.reason}
+        reached["backends"] = {"attribute": seam.backend.attribute, "routed": list(seam.backend.routed),
+                               "stands_aside": seam.backend.reason}
     try:
         return {"mechanism": "rewrite", "replaced": plan_rewrite(copy.deepcopy(definition), seam, qualname),
-                **eager_break}
+                **reached}
     except RewriteRefused as refusal:
-        return {"mechanism": "alias", "reason": f"not rewritten: {refusal}", **eager_break}
+        return {"mechanism": "alias", "reason": f"not rewritten: {refusal}", **reached}
 
 
 def _decorator_name(node: ast.expr) -> str:
