@@ -94,6 +94,17 @@ def _fail(layer: str, exc: BaseException, stage: str) -> RuntimeError:
     return RuntimeError(message)
 
 
+def prepare_sealed(plan_class: type[StateCopyPlan], state: torch.Tensor, max_selected: int, layer: str,
+                   final_dtypes: tuple[torch.dtype, ...], target: Any, pdl: bool | str, stage: list[str]
+                   ) -> StateCopyPlan:
+    """Prepare and seal one table's plan; ``stage[0]`` names the step running (``prepare`` / ``seal``) if it raises."""
+    stage[0] = "prepare"
+    plan = plan_class.prepare(state, max_selected, layer=layer, final_dtypes=final_dtypes, target=target, pdl=pdl)
+    stage[0] = "seal"
+    plan.seal()
+    return plan
+
+
 def resolve_final_dtypes(states: Mapping[str, torch.Tensor], final_dtypes: FinalDtypes
                          ) -> dict[str, tuple[torch.dtype, ...]]:
     """Return each layer's final-state dtypes (deduplicated, in order) from ``initialize``'s argument.
@@ -168,33 +179,21 @@ def initialize(states: Mapping[str, torch.Tensor], max_selected: int, soc: int |
     pdl_dropped: dict[tuple[Any, ...], str] = {}
     for key, names in groups.items():
         first = names[0]
-
-        def prepare_sealed(with_pdl: bool | str, key: tuple[Any, ...] = key, first: str = first) -> StateCopyPlan:
-            stage = "prepare"
-            try:
-                plan = PLAN_CLASSES[key[0]].prepare(states[first], max_selected, layer=first,
-                                                    final_dtypes=finals[first], target=routes[first].target,
-                                                    pdl=with_pdl)
-                stage = "seal"
-                plan.seal()
-            except Exception as exc:
-                exc.kda_stage = stage
-                raise
-            return plan
-
+        stage = ["prepare"]  # where a failure happened: prepare_sealed moves it on
+        arguments = (PLAN_CLASSES[key[0]], states[first], max_selected, first, finals[first], routes[first].target)
         try:
             try:
-                plans[key] = prepare_sealed(pdl)
+                plans[key] = prepare_sealed(*arguments, pdl, stage)
             except Exception as exc:
                 if pdl != PDL_WHERE_AVAILABLE:  # PDL asked for explicitly (or off): its failure is the failure
                     raise
                 # auto: PDL is an optimization the target offered; its compile or scratch launch failing must not
                 # cost the worker its startup -- plain launches, and the ledger says why
-                pdl_dropped[key] = (f"PDL plan failed at {exc.kda_stage} ({type(exc).__name__}: {exc}); prepared "
+                pdl_dropped[key] = (f"PDL plan failed at {stage[0]} ({type(exc).__name__}: {exc}); prepared "
                                     "with plain launches (KDA_PATCHES_PDL=auto)")
-                plans[key] = prepare_sealed(False)
+                plans[key] = prepare_sealed(*arguments, False, stage)
         except Exception as exc:
-            raise _fail(first, exc, getattr(exc, "kda_stage", "prepare")) from exc
+            raise _fail(first, exc, stage[0]) from exc
 
     bindings = {name: LayerStatePlan(name, plans[key]) for key, names in groups.items() for name in names}
     ledger = get_ledger()
