@@ -55,11 +55,14 @@ from kda_patches.kv_layout.ascend_table import Row, render, same_but_date
 from kda_patches.kv_layout.ascend_verdict import run_case
 from kda_patches.releases.matrix import PAIRED_VLLM
 
-# (vllm-ascend, vLLM) pairs run. The conformance matrix pairs 0.29.0rc1 with vLLM 0.28.0
-# (kda_patches.releases.matrix.PAIRED_VLLM); that release's own code targets vLLM 0.29.0 (its main-lane branches
-# test vllm_version_is("0.29.0")), so both pairings are run and reported.
-RELEASES = tuple((fork, PAIRED_VLLM[fork]) for fork in ("0.26.0rc1", "0.27.1rc1", "0.28.0rc1", "0.29.0rc1"))
-RELEASES += (("0.29.0rc1", "0.29.0"), ("0.30.0rc1", PAIRED_VLLM["0.30.0rc1"]), ("0.30.0rc2", PAIRED_VLLM["0.30.0rc2"]))
+# (vllm-ascend, vLLM) pairs run: each release with the vLLM release its sdist names (Dockerfile ``ARG VLLM_TAG``,
+# ``.github/vllm-release-tag.commit``). That is the conformance pairing (kda_patches.releases.matrix.PAIRED_VLLM)
+# except for 0.29.0rc1, which names v0.29.0 where PAIRED_VLLM still says 0.28.0: paired
+# with 0.29.0 there, kimi_prefill and gdn_state_copy read as broken (their runner fingerprints of vLLM 0.27-0.29
+# predate 0.29's kv_cache_allocation_context), which their records must fix first.
+ASCEND_RELEASES = ("0.26.0rc1", "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2")
+SDIST_VLLM = {**PAIRED_VLLM, "0.29.0rc1": "0.29.0"}
+RELEASES = tuple((fork, SDIST_VLLM[fork]) for fork in ASCEND_RELEASES)
 TENSOR_PARALLEL = (1, 2, 4, 8)
 README = pathlib.Path("docs/results/ascend-kv-layout/README.md")  # the committed table, from the repository root
 

@@ -109,11 +109,11 @@ def render(rows: list[Row], bound: dict[tuple[str, str], dict[str, list[str]]], 
         "",
         "Block size in tokens as the release chose it; page = the largest group page in bytes; storages = raw "
         "allocations",
-        "the views live on; views = tensors bound to the layers (K and V, or each state, per layer). 0.29.0rc1 "
-        "runs twice: with",
-        "vLLM 0.28.0, the conformance matrix's pairing (`kda_patches.releases.matrix.PAIRED_VLLM`), and with vLLM "
-        "0.29.0, which its code",
-        "targets (its main-lane branches test `vllm_version_is(\"0.29.0\")`).",
+        "the views live on; views = tensors bound to the layers (K and V, or each state, per layer). Each release "
+        "runs with the",
+        "vLLM release its sdist names (Dockerfile `ARG VLLM_TAG`, `.github/vllm-release-tag.commit`): 0.29.0rc1 "
+        "with vLLM 0.29.0,",
+        "where the conformance matrix (`kda_patches.releases.matrix.PAIRED_VLLM`) still pairs it with vLLM 0.28.0.",
         "",
         "| vllm-ascend | vLLM | model | TP | block size | page bytes | storages | views | verdict |",
         "|---|---|---|---|---|---|---|---|---|",
