@@ -1,0 +1,7 @@
+"""No copy: the chunk-state kernel reads initial states from the cache and stores final states into it by index.
+
+- :mod:`~kda_patches.indexed_chunk.derive`: the indexed twin of the installed release's own chunk-state kernel,
+  derived from its source by declared edits (refused with the reason where the source is not the declared shape);
+- :mod:`~kda_patches.indexed_chunk.launch`: the host function that launches it in place of the release's
+  ``chunk_gated_delta_rule_fwd_h``, and its naive twin (gather, the release's function, scatter).
+"""

@@ -1,0 +1,312 @@
+"""Derive the indexed twin of a release's chunk-state kernel from its own source, by declared edits.
+
+The release's kernel (vLLM's vendored FLA ``chunk_gated_delta_rule_fwd_kernel_h_blockdim64``, which the Qwen,
+Olmo, Kimi Linear and Kimi K3 prefills all run) offsets a dense ``h0`` / ``ht`` by the packed row ``i_nh``, loads
+the initial state under ``USE_INITIAL_STATE`` and stores the final state in its epilogue under
+``STORE_FINAL_STATE``. The twin is that source with exactly these edits (:class:`KernelDeclaration` names the
+parts):
+
+1. the decorators are dropped: the twin is jitted here, under the release's own heuristics, without its autotuner
+   (an autotuner's timing runs would read and write the cache again, and it compiles while serving);
+2. four arguments follow the final state -- ``kda_rows`` (the sequences' cache rows), ``kda_flags`` (whether each
+   has an initial state), ``kda_num_rows`` and ``kda_row_stride`` (the cache's ``shape[0]`` and ``stride(0)`` in
+   items) -- and three constexprs end the list (``KDA_DST``, ``KDA_NAN_RULE``, ``KDA_NAN_BITS``: the exact FP32 to
+   cache-dtype cast of :func:`~kda_patches.state_copy.casts.cast_bits`);
+3. before the first offset, the sequence's row is read once: ``kda_valid`` (``0 <= row < num_rows``),
+   ``kda_read`` (valid and flagged) and ``kda_safe_row`` (the row where valid, else 0);
+4. each offset ``X = X + E`` of the initial and final state (the only statement of its ``if``, ``E`` naming the
+   packed row) becomes ``X = X + kda_safe_row * kda_row_stride + E'``, ``E'`` being ``E`` with the head index for
+   the packed row: the head's slice of the cache row, whose inner ``[H, V, K]`` is contiguous;
+5. the initial-state load block runs only ``if kda_read`` (otherwise the state stays the zeros it starts as), and the
+   final-state store block only ``if kda_valid``, each ``Y.to(P.dtype.element_ty)`` stored there becoming the
+   exact cast of ``Y`` to the cache dtype.
+
+Anything else in the source is kept as it is. A source that is not of this shape (a block missing or doubled, the
+state read or written elsewhere, a name of the twin's already taken, a non-literal ``jit`` keyword) is refused with
+:class:`DerivationRefused` naming the part, and nothing is built.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import linecache
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton
+
+from kda_patches.state_copy.casts import cast_bits
+
+TWIN_PREFIX = "kda_"
+ROW_ARGUMENTS = ("kda_rows", "kda_flags", "kda_num_rows", "kda_row_stride")
+CAST_CONSTEXPRS = ("KDA_DST", "KDA_NAN_RULE", "KDA_NAN_BITS")
+
+
+class DerivationRefused(Exception):
+    """The release's kernel source is not the declared shape; the message names the part and the release."""
+
+
+@dataclass(frozen=True)
+class KernelDeclaration:
+    """The names an indexed twin is derived by (data; the mechanism is shared by every release).
+
+    Attributes:
+        module: the kernel's module (its released file is read through the loaded module).
+        kernel: the kernel's name in that module (an autotuner, heuristics or jit object).
+        host: the module's host function the consumers call (``chunk_gated_delta_rule_fwd_h``).
+        initial, final: the kernel's initial- and final-state pointer arguments.
+        use_initial, store_final: the constexprs that guard their blocks.
+        packed_row, sequence, head: the kernel's packed ``sequence * H + head`` index and its two parts.
+        consumers: modules that call ``host`` by their own global name (where the route finds the call).
+    """
+
+    module: str
+    kernel: str
+    host: str
+    initial: str = "h0"
+    final: str = "ht"
+    use_initial: str = "USE_INITIAL_STATE"
+    store_final: str = "STORE_FINAL_STATE"
+    packed_row: str = "i_nh"
+    sequence: str = "i_n"
+    head: str = "i_h"
+    consumers: tuple[str, ...] = field(default=())
+
+
+@dataclass
+class DerivedKernel:
+    """An indexed twin and what it was derived from.
+
+    Attributes:
+        declaration: the declaration it follows.
+        host: the release's host function (the naive twin calls it; its signature binds a call's arguments).
+        jitted: the twin under the release's heuristics (launch with ``jitted[grid](**arguments)``).
+        arg_names: the twin's parameters, in order.
+        configs: the release autotuner's configs (``kwargs``, ``num_warps``, ``num_stages``), or ``[]``.
+        heuristics: the constexpr names the release's heuristics compute.
+        source: the twin's source text; ``source_sha256``: the release kernel's source digest.
+    """
+
+    declaration: KernelDeclaration
+    host: Any
+    jitted: Any
+    arg_names: list[str]
+    configs: list[dict[str, Any]]
+    heuristics: tuple[str, ...]
+    source: str
+    source_sha256: str
+
+
+def _refuse(declaration: KernelDeclaration, part: str, why: str) -> DerivationRefused:
+    return DerivationRefused(f"{declaration.module}.{declaration.kernel}: {part}: {why}; the indexed twin is not "
+                             "built (the seam keeps copying states through its plan)")
+
+
+def unwrap_kernel(kernel: Any) -> tuple[types.FunctionType, list[Any], dict[str, Any]]:
+    """Return ``(python function, autotune configs, heuristics values)`` of a release kernel object.
+
+    Args:
+        kernel: the module attribute: an ``Autotuner`` / ``Heuristics`` / ``JITFunction`` (or the interpreter's
+            function) chain, each holding the next in ``.fn``.
+    Returns:
+        The undecorated function, the autotuner's ``configs`` (``[]`` without one) and the heuristics' ``values``
+        (``{}`` without them).
+    """
+    configs: list[Any] = []
+    heuristics: dict[str, Any] = {}
+    current = kernel
+    for _ in range(8):
+        if isinstance(current, types.FunctionType):
+            return current, configs, heuristics
+        if hasattr(current, "configs") and not configs:
+            configs = list(current.configs)
+        if isinstance(getattr(current, "values", None), dict) and not heuristics:
+            heuristics = dict(current.values)
+        current = getattr(current, "fn", None)
+    raise TypeError(f"{kernel!r} is not a Triton kernel chain ending in a Python function")
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {child.id for child in ast.walk(node) if isinstance(child, ast.Name)}
+
+
+def _calls(node: ast.AST, attribute: str) -> list[ast.Call]:
+    return [child for child in ast.walk(node) if isinstance(child, ast.Call)
+            and isinstance(child.func, ast.Attribute) and child.func.attr == attribute]
+
+
+def _guarded_by(statement: ast.stmt, constexpr: str) -> bool:
+    return isinstance(statement, ast.If) and isinstance(statement.test, ast.Name) and statement.test.id == constexpr \
+        and not statement.orelse
+
+
+def _offset_of(statement: ast.If, pointer: str, packed_row: str) -> ast.expr | None:
+    """``E`` of an ``if GUARD: pointer = pointer + E`` block (E naming the packed row), else None."""
+    if len(statement.body) != 1 or not isinstance(assign := statement.body[0], ast.Assign):
+        return None
+    if len(assign.targets) != 1 or not (isinstance(assign.targets[0], ast.Name) and assign.targets[0].id == pointer):
+        return None
+    value = assign.value
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.left, ast.Name)
+            and value.left.id == pointer and packed_row in _names(value.right)):
+        return None
+    return value.right
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(self.new, node.ctx) if node.id == self.old else node
+
+
+def _exact_store_casts(block: ast.If, declaration: KernelDeclaration) -> None:
+    """Rewrite every ``tl.store(P, Y.to(P.dtype.element_ty), ...)`` of the store block to the exact cast."""
+    stores = _calls(block, "store")
+    if not stores:
+        raise _refuse(declaration, f"the {declaration.store_final} block", "stores nothing")
+    for store in stores:
+        value = store.args[1] if len(store.args) > 1 else None
+        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to"
+                and len(value.args) == 1 and not value.keywords
+                and ast.unparse(value.args[0]).endswith(".dtype.element_ty")):
+            raise _refuse(declaration, f"the {declaration.store_final} block",
+                          f"stores {ast.unparse(value) if value else 'nothing'} instead of a cast to the pointer's "
+                          "element type")
+        exact = ast.parse(f"kda_cast_bits(X, 0, KDA_DST, KDA_NAN_RULE, KDA_NAN_BITS).to({ast.unparse(value.args[0])},"
+                          " bitcast=True)", mode="eval").body
+        exact.func.value.args[0] = value.func.value
+        store.args[1] = exact
+
+
+def _jit_keywords(definition: ast.FunctionDef, declaration: KernelDeclaration) -> dict[str, Any]:
+    for decorator in definition.decorator_list:
+        if isinstance(decorator, ast.Call) and ast.unparse(decorator.func).split(".")[-1] == "jit":
+            try:
+                return {word.arg: ast.literal_eval(word.value) for word in decorator.keywords}
+            except ValueError as error:
+                raise _refuse(declaration, "the jit decorator", f"a keyword is not a literal ({error})") from None
+    return {}
+
+
+def edit_kernel_source(source: str, declaration: KernelDeclaration) -> tuple[ast.FunctionDef, dict[str, Any]]:
+    """Apply the declared edits to the kernel's source; return the twin's definition and its jit keywords.
+
+    Raises:
+        DerivationRefused: the source is not the declared shape (the message names the part).
+    """
+    module = ast.parse(source)
+    if len(module.body) != 1 or not isinstance(definition := module.body[0], ast.FunctionDef):
+        raise _refuse(declaration, "the source", "is not one function definition")
+    taken = sorted(name for name in _names(definition) | {a.arg for a in definition.args.args}
+                   if name.lower().startswith(TWIN_PREFIX))
+    if taken:
+        raise _refuse(declaration, "the twin's names", f"{taken} already appear in the source")
+    jit_keywords = _jit_keywords(definition, declaration)
+    definition.decorator_list = []
+    parameters = [a.arg for a in definition.args.args]
+    for pointer in (declaration.initial, declaration.final, declaration.packed_row):
+        if pointer == declaration.packed_row:
+            continue
+        if pointer not in parameters:
+            raise _refuse(declaration, "the parameters", f"no {pointer!r} argument")
+    offsets: dict[str, int] = {}
+    blocks: dict[str, list[int]] = {declaration.initial: [], declaration.final: []}
+    for position, statement in enumerate(definition.body):
+        for pointer, guard in ((declaration.initial, declaration.use_initial),
+                               (declaration.final, declaration.store_final)):
+            if not _guarded_by(statement, guard):
+                continue
+            offset = _offset_of(statement, pointer, declaration.packed_row)
+            if offset is not None:
+                if pointer in offsets:
+                    raise _refuse(declaration, f"the {pointer} offset", "appears twice")
+                offsets[pointer] = position
+                replaced = _Rename(declaration.packed_row, declaration.head).visit(offset)
+                statement.body[0].value = ast.parse(
+                    f"{pointer} + kda_safe_row * kda_row_stride + ({ast.unparse(replaced)})", mode="eval").body
+            elif pointer in _names(statement):
+                blocks[pointer].append(position)
+    for pointer in (declaration.initial, declaration.final):
+        if pointer not in offsets:
+            raise _refuse(declaration, f"the {pointer} offset", f"no `if GUARD: {pointer} = {pointer} + <packed row "
+                          f"{declaration.packed_row} offset>` block")
+        if len(blocks[pointer]) != 1:
+            raise _refuse(declaration, f"the {pointer} block", f"{len(blocks[pointer])} guarded blocks use it, "
+                          "expected exactly one")
+    load_at, store_at = blocks[declaration.initial][0], blocks[declaration.final][0]
+    if not _calls(definition.body[load_at], "load"):
+        raise _refuse(declaration, f"the {declaration.use_initial} block", "loads nothing")
+    _exact_store_casts(definition.body[store_at], declaration)
+    allowed = {offsets[declaration.initial], offsets[declaration.final], load_at, store_at}
+    for position, statement in enumerate(definition.body):
+        used = _names(statement) & {declaration.initial, declaration.final}
+        if used and position not in allowed:
+            raise _refuse(declaration, "the state pointers", f"{sorted(used)} used outside the declared blocks, at "
+                          f"`{ast.unparse(statement).splitlines()[0]}`")
+    for position, guard in ((load_at, "kda_read"), (store_at, "kda_valid")):
+        block = definition.body[position]
+        block.body = [ast.If(test=ast.Name(guard, ast.Load()), body=block.body, orelse=[])]
+    prelude = ast.parse(
+        f"kda_row = tl.load(kda_rows + {declaration.sequence}).to(tl.int64)\n"
+        "kda_valid = (kda_row >= 0) & (kda_row < kda_num_rows)\n"
+        f"kda_read = kda_valid & (tl.load(kda_flags + {declaration.sequence}).to(tl.int32) != 0)\n"
+        "kda_safe_row = tl.where(kda_valid, kda_row, 0)\n").body
+    first = min(offsets.values())
+    definition.body[first:first] = prelude
+    final_at = parameters.index(declaration.final) + 1
+    definition.args.args[final_at:final_at] = [ast.arg(name) for name in ROW_ARGUMENTS]
+    constexpr = ast.parse("tl.constexpr", mode="eval").body
+    definition.args.args.extend(ast.arg(name, annotation=constexpr) for name in CAST_CONSTEXPRS)
+    ast.fix_missing_locations(definition)
+    return definition, jit_keywords
+
+
+def _compile_twin(definition: ast.FunctionDef, namespace: dict[str, Any], filename: str) -> types.FunctionType:
+    text = ast.unparse(definition) + "\n"
+    # Triton reads a kernel's source through inspect: the twin's text is registered where inspect looks
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    exec(compile(text, filename, "exec"), namespace)
+    return namespace[definition.name]
+
+
+def derive_indexed_kernel(module: types.ModuleType, declaration: KernelDeclaration) -> DerivedKernel:
+    """Build the indexed twin of ``declaration.kernel`` in ``module`` (the release's loaded kernel module).
+
+    Args:
+        module: the loaded module holding the release's kernel.
+        declaration: the names of its parts.
+    Returns:
+        The :class:`DerivedKernel`.
+    Raises:
+        DerivationRefused: the kernel or its source is not the declared shape.
+    """
+    kernel = getattr(module, declaration.kernel, None)
+    host = getattr(module, declaration.host, None)
+    if kernel is None or not callable(host):
+        raise _refuse(declaration, "the module", f"has no {declaration.kernel} and {declaration.host}")
+    try:
+        function, configs, heuristics = unwrap_kernel(kernel)
+        source = inspect.getsource(function)
+    except (TypeError, OSError) as error:
+        raise _refuse(declaration, "the kernel object", str(error)) from None
+    dedented = inspect.cleandoc("\n" + source) if source.startswith((" ", "\t")) else source
+    definition, jit_keywords = edit_kernel_source(dedented, declaration)
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    namespace = dict(function.__globals__)
+    namespace["kda_cast_bits"] = cast_bits
+    filename = f"<kda_patches indexed twin of {declaration.module}.{declaration.kernel} {digest[:12]}>"
+    twin = _compile_twin(definition, namespace, filename)
+    twin.__module__ = "kda_patches.indexed_chunk.twins"
+    jitted = triton.jit(twin, **jit_keywords)
+    if heuristics:
+        jitted = triton.heuristics(heuristics)(jitted)
+    return DerivedKernel(declaration=declaration, host=host, jitted=jitted,
+                         arg_names=[a.arg for a in definition.args.args],
+                         configs=[{"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages}
+                                  for c in configs],
+                         heuristics=tuple(heuristics), source=ast.unparse(definition), source_sha256=digest)
