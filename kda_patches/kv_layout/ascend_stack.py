@@ -1,4 +1,4 @@
-"""One vllm-ascend release with its paired vLLM, whose KV-cache code runs on the CPU (``meta`` device).
+"""One vllm-ascend release with its paired vLLM, whose KV-cache code runs on the CPU (``meta`` device by default).
 
 :class:`AscendStack` serves the release pairing from the release cache
 (:class:`~kda_patches.kv_layout.release_exec.ReleaseTree`) and executes, stage by stage, the code that decides and
@@ -10,6 +10,7 @@ objects that code reads are the stand-ins of :mod:`kda_patches.kv_layout.ascend_
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,11 +38,20 @@ class AscendStack:
         fork_version: the vllm-ascend release (``0.30.0rc1``).
         vllm_version: the vLLM release run with it (default: the conformance pairing,
             :data:`kda_patches.releases.matrix.PAIRED_VLLM`).
+        device: where the runner allocates (``meta``: shapes, strides and offsets only; ``cpu``: real bytes, for
+            tests that write through the views).
+        num_blocks: the engine's ``num_gpu_blocks_override`` (the block ids the views address).
+        runner_class: builds the runner class from the release's partial ``NPUModelRunner`` (default: as is); a
+            test passes one that wraps a method with the overlay's wrapper.
     """
 
-    def __init__(self, fork_version: str, vllm_version: str | None = None) -> None:
+    def __init__(self, fork_version: str, vllm_version: str | None = None, device: str = "meta",
+                 num_blocks: int = NUM_BLOCKS, runner_class: Callable[[type], type] | None = None) -> None:
         self.fork_version = fork_version
         self.vllm_version = vllm_version or PAIRED_VLLM[fork_version]
+        self.device = device
+        self.num_blocks = num_blocks
+        self.runner_class = runner_class
         standins = {
             "vllm.logger:init_logger": ReleaseLogger,
             "vllm.logger:logger": ReleaseLogger("vllm"),
@@ -126,6 +136,7 @@ class AscendStack:
         """Run the release's config path: block size, Mamba page padding, Mamba block size (see the docstring)."""
         tree = self.tree
         vllm_config = build_vllm_config(model, tp)
+        vllm_config.cache_config.num_gpu_blocks_override = self.num_blocks
         if self.has_method("vllm.config.cache", "CacheConfig", "get_resolved_kv_cache_layout"):
             cache_class = tree.partial_class("vllm.config.cache", "CacheConfig", ["get_resolved_kv_cache_layout"])
             cache_config = object.__new__(cache_class)
@@ -218,12 +229,15 @@ class AscendStack:
 
         methods = [*RUNNER_METHODS, *(m for m in OPTIONAL_RUNNER_METHODS
                                       if self.tree.find_method(RUNNER, "NPUModelRunner", m) is not None)]
-        runner = object.__new__(self.tree.lazy_class(RUNNER, "NPUModelRunner", methods))
+        runner_class = self.tree.lazy_class(RUNNER, "NPUModelRunner", methods)
+        if self.runner_class is not None:
+            runner_class = self.runner_class(runner_class)
+        runner = object.__new__(runner_class)
         dtype = vllm_config.model_config.dtype
         runner.__dict__.update(
             vllm_config=vllm_config, model_config=vllm_config.model_config, cache_config=vllm_config.cache_config,
             compilation_config=vllm_config.compilation_config, parallel_config=vllm_config.parallel_config,
-            scheduler_config=vllm_config.scheduler_config, speculative_config=None, device=torch.device("meta"),
+            scheduler_config=vllm_config.scheduler_config, speculative_config=None, device=torch.device(self.device),
             dtype=dtype, kv_cache_dtype=dtype, block_size=vllm_config.cache_config.block_size, use_sparse=False,
             use_compress=False, use_dcp=False, use_cp=False, sparse_kv_offload_enabled=False,
             shared_kv_cache_layers={}, runner_only_attn_layers=set(), tp_rank=0, pcp_size=1, dcp_size=1,
@@ -249,7 +263,7 @@ class AscendStack:
             supported = [[layout.name for layout in backends_utils.get_supported_kv_cache_layouts([backend])]]
             backends_utils.resolve_kv_cache_layout(vllm_config, supported, list(specs.values()))
         page = max(spec.page_size_bytes for spec in specs.values())
-        available = NUM_BLOCKS * page * len(specs)
+        available = self.num_blocks * page * len(specs)
         return utils.get_kv_cache_configs(vllm_config, [specs], [available])[0]
 
     def attn_groups(self, model: dict[str, Any], config: Any) -> list[list[Any]]:

@@ -2,9 +2,9 @@
 
 :func:`describe_views` turns the views into :class:`~kda_patches.kv_layout.checker.Footprint` records per raw
 storage, :func:`verdict_of` runs :class:`~kda_patches.kv_layout.checker.CheckerCache` over each storage and ranks
-what it finds (``overlap found`` > ``out of storage`` > ``not checkable`` > ``proven``), :func:`witness_text`
-names an overlap's bytes, and :func:`run_case` executes one case on an
-:class:`~kda_patches.kv_layout.ascend_stack.AscendStack` and returns its :class:`CaseResult`.
+what it finds (``overlap found`` > ``out of storage`` > ``not checkable`` > ``proven``; :func:`ranked_verdict` also
+returns the overlap's witness), :func:`witness_text` names an overlap's bytes, and :func:`run_case` executes one case
+on an :class:`~kda_patches.kv_layout.ascend_stack.AscendStack` and returns its :class:`CaseResult`.
 """
 
 from __future__ import annotations
@@ -92,19 +92,31 @@ def verdict_of(storages: dict[Any, tuple[int, list[Footprint]]]) -> tuple[str, s
     ``overlap found`` (a witness: two block ids, or two layers of one group, share a byte) wins over ``out of
     storage``, which wins over ``not checkable`` (the checker gave up); ``proven`` needs every storage accepted.
     """
+    verdict, detail, _, num_storages, num_views = ranked_verdict(storages)
+    return verdict, detail, num_storages, num_views
+
+
+def ranked_verdict(storages: dict[Any, tuple[int, list[Footprint]]]
+                   ) -> tuple[str, str, tuple[dict[str, Any], list[Footprint]] | None, int, int]:
+    """:func:`verdict_of` with the overlap's witness and the footprints of its storage (None unless an overlap).
+
+    Returns:
+        ``(verdict, detail, (witness, footprints) or None, storages, views)``.
+    """
     cache = CheckerCache()
     verdicts = [(cache.check(footprints, nbytes), footprints, nbytes) for nbytes, footprints in storages.values()]
     num_views = sum(len(footprints) for _, footprints, _ in verdicts)
     for verdict, footprints, nbytes in verdicts:
         if verdict.status == "rejected" and verdict.witness is not None:
-            return "overlap found", witness_text(verdict.witness, footprints, nbytes), len(storages), num_views
+            return ("overlap found", witness_text(verdict.witness, footprints, nbytes), (verdict.witness, footprints),
+                    len(storages), num_views)
     for verdict, _, _ in verdicts:
         if verdict.status == "rejected":
-            return "out of storage", verdict.reason, len(storages), num_views
+            return "out of storage", verdict.reason, None, len(storages), num_views
     for verdict, _, _ in verdicts:
         if verdict.status != "accepted":
-            return "not checkable", f"checker: {verdict.reason}", len(storages), num_views
-    return "proven", "", len(storages), num_views
+            return "not checkable", f"checker: {verdict.reason}", None, len(storages), num_views
+    return "proven", "", None, len(storages), num_views
 
 
 def run_case(stack: AscendStack, model_name: str, tp: int) -> CaseResult:

@@ -26,8 +26,13 @@ Targets (ranges as the released sources show them; ``kda-patches conformance`` r
 - ``get_kv_cache_configs`` — only with ``KDA_PATCHES_KV_STATE_MODE=separate``: shrink the KV budget by the
   separate states' memory and stamp the reservation on the configs. ``vllm.v1.core.kv_cache_utils`` up to 0.32;
   ``vllm.v1.core.kv_cache_planning`` from 0.33 (a 4th parameter ``global_kv_cache_groups``, passed through).
-- vllm-ascend: ``NPUModelRunner._reshape_kv_cache_tensors`` 0.13 only; 0.26-0.30 are declared inert (the NPU
-  runner has its own reshape, which no adapter here describes).
+- vllm-ascend: ``NPUModelRunner._reshape_kv_cache_tensors`` 0.13 (the 0.13 adapter); 0.26-0.30
+  (``(self, kv_cache_config, kv_cache_raw_tensors)``, 0.30 ``+ kernel_block_sizes``): a read-only verifier
+  (:mod:`kda_patches.kv_layout.ascend_verify`): the fork's own views are proven with the checker as soon as the
+  reshape returns; proven, they are kept and the ledger says "upstream layout proven"; an overlap (or a view out of
+  its storage) refuses to start with the witness and the fix; not checkable keeps them with a WARNING (refused
+  under STRICT). The V1 runner only: the V2 runner (``VLLM_USE_V2_MODEL_RUNNER=1``) and the 310P runner do not call
+  this reshape and are not verified.
 
 Importing this module imports neither torch nor vLLM.
 """
@@ -47,6 +52,7 @@ LEDGER_PATH = "kv_cache_layout"
 RESHAPE_PARAMETERS = ("self", "kv_cache_config", "kv_cache_raw_tensors", "kernel_block_sizes")
 RESHAPE_026_PARAMETERS = ("self", "kv_cache_raw_tensors", "kernel_block_sizes")
 ASCEND_RESHAPE_PARAMETERS = ("self", "kv_cache_config", "kv_cache_raw_tensors")
+ASCEND_RESHAPE_030_PARAMETERS = (*ASCEND_RESHAPE_PARAMETERS, "kernel_block_sizes")
 UPDATE_HYBRID_PARAMETERS = ("self", "kv_caches")
 UPDATE_HYBRID_026_PARAMETERS = ("self", "kv_caches", "kernel_block_sizes")
 ALLOCATE_PARAMETERS = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
@@ -122,6 +128,40 @@ def wrap_update_hybrid_attention_mamba_layout(wrapped: Any, instance: Any, args:
     return result
 
 
+def _installed_release() -> str:
+    """``vllm-ascend X + vLLM Y`` as installed here (for the verifier's messages)."""
+    from kda_patches.registry import find_version
+
+    fork = find_version(PATCH.siblings(f"{_ASCEND_RUNNER}:NPUModelRunner._reshape_kv_cache_tensors")[0])
+    return f"vllm-ascend {fork or 'unknown'} + vLLM {find_version(PATCH.targets[0]) or 'unknown'}"
+
+
+def wrap_ascend_reshape_kv_cache_tensors(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """vllm-ascend 0.26-0.30: run the fork's reshape, then prove its views or refuse to start (read-only)."""
+    kv_caches = wrapped(*args, **kwargs)
+    from kda_patches import current_flags
+    from kda_patches.kv_layout.ascend_verify import model_name, verify
+
+    verify(_argument(args, kwargs, 0, "kv_cache_config"), kv_caches, _installed_release(), model_name(instance),
+           current_flags().strict)
+    return kv_caches
+
+
+def format_status_line(snapshot: dict[str, Any]) -> str:
+    """The one-line ``status`` summary: the vllm-ascend verifier's verdict, else the layout decisions by kind."""
+    facts = snapshot.get("facts", {}).get(LEDGER_PATH, {})
+    verifier = facts.get("ascend_layout")
+    if isinstance(verifier, dict):
+        from kda_patches.kv_layout.ascend_verify import status_line
+
+        return status_line(verifier)
+    summary = facts.get("summary")
+    if not isinstance(summary, dict):
+        return "kv_cache_layout: no KV cache laid out in this process"
+    decisions = ", ".join(f"{name} {count}" for name, count in sorted(summary.get("decisions", {}).items()))
+    return f"kv_cache_layout: {summary.get('mode')} mode, {summary.get('layers')} layers: {decisions or 'none'}"
+
+
 def wrap_allocate_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """0.3x era: after upstream allocates and views the pool, decide the state layouts."""
     kv_caches = wrapped(*args, **kwargs)
@@ -182,8 +222,6 @@ _EXTENSIBLE_INERT = ("vLLM 0.34's extensible KV cache (default on CUDA/ROCm) reb
                      "warmup in extend_kv_cache through create_kv_cache_views, not allocate_kv_cache, so a decided "
                      "dense or separate state layout would be replaced by upstream's at that rebind; no adapter for "
                      "the rebind yet (issue 27): the overlay leaves 0.34's layout alone")
-_ASCEND_INERT = ("no adapter for vllm-ascend's own NPU KV reshaping (NPUModelRunner._reshape_kv_cache_tensors "
-                 "0.26-0.30); the overlay leaves its layout alone")
 
 PATCH = Patch(
     name="kv_cache_layout",
@@ -209,8 +247,12 @@ PATCH = Patch(
         _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", wrap_reshape_kv_cache_tensors,
                 ASCEND_RESHAPE_PARAMETERS, stack="vllm-ascend", distribution="vllm-ascend", min_version="0.13",
                 max_version="0.14"),
-        _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", None, None, stack="vllm-ascend",
-                distribution="vllm-ascend", min_version="0.26", max_version="0.31", inert=_ASCEND_INERT),
+        _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", wrap_ascend_reshape_kv_cache_tensors,
+                ASCEND_RESHAPE_PARAMETERS, stack="vllm-ascend", distribution="vllm-ascend", min_version="0.26",
+                max_version="0.30"),
+        _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", wrap_ascend_reshape_kv_cache_tensors,
+                ASCEND_RESHAPE_030_PARAMETERS, stack="vllm-ascend", distribution="vllm-ascend", min_version="0.30",
+                max_version="0.31"),
         _target("vllm.v1.worker.utils", "allocate_kv_cache", wrap_allocate_kv_cache, ALLOCATE_PARAMETERS,
                 min_version="0.29", max_version="0.34", group="page-views-allocate"),
         _target(*_BIND, min_version="0.27", max_version="0.29", group="page-views-reshape"),
