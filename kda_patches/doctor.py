@@ -3,7 +3,9 @@
 Reports interpreter and package versions, the environment bootstrap (CANN discovery, OPP
 variables, preloads), the device backend, and for every patch target whether it resolves in the
 installed stack (module importable, attribute defined, version in range, signature fingerprint
-matching). Unlike ``status`` this imports torch and the target modules (vLLM, forks).
+matching), and the installed ``fla_npu`` (:func:`describe_fla_npu`: its version, and whether its state kernels
+take strides where vllm-ascend 0.30 needs them). Unlike ``status`` this imports torch and the target modules
+(vLLM, forks); ``fla_npu`` is read from its distribution metadata only, never imported.
 """
 
 from __future__ import annotations
@@ -28,6 +30,70 @@ def find_package_version(name: str) -> str | None:
     except Exception as error:  # report, do not crash the doctor
         return f"import failed: {type(error).__name__}: {error}"
     return str(getattr(module, "__version__", "installed (no __version__)"))
+
+
+# fla_npu (flash-linear-attention-npu): its AscendC RecurrentGatedDeltaRule and CausalConv1d read the state tensors'
+# strides since upstream commits e1f7a5d7 and bb310ef9 (2026-07-14, merged to main as a42e957f on 2026-07-16),
+# recurrent_kda since 833fb6d7 (2026-07-21); before them a page-strided state is addressed densely (seed 004 §2.3).
+# The stride handling is compiled (op_host tiling, aclnn): no Python attribute of the package changed with it, so only
+# the version can tell, and only where the release line was read: the v26.6.0 tag and branch lack those commits, as
+# do main's 0.1.0 builds (2026-07-01 to 07-05); main builds since are 26.7.0.dev0+main.<commit>, which the commit alone
+# decides. A build without the repository's scripts/ folder is 1.0.0 whatever its source.
+FLA_NPU_STRIDE_COMMITS = "e1f7a5d7 and bb310ef9 (state strides of RecurrentGatedDeltaRule, CausalConv1d), 833fb6d7 " \
+                         "(recurrent_kda)"
+FLA_NPU_WITHOUT_STRIDES = (((0, 1), (1, 0)), ((26,), (26, 7)))  # [low, high) public versions read to lack them
+FLA_NPU_DISTRIBUTIONS = ("flash-linear-attention-npu", "flash-linear-attention-npu-a2",
+                         "flash-linear-attention-npu-a3", "flash-linear-attention-npu-a5")
+
+
+def fla_npu_distribution() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed package that provides ``fla_npu``, from metadata only."""
+    from importlib import metadata
+
+    names = [*FLA_NPU_DISTRIBUTIONS, *metadata.packages_distributions().get("fla_npu", [])]
+    for name in dict.fromkeys(names):
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def fla_npu_stride_aware(version: str | None) -> str:
+    """Whether an ``fla_npu`` of ``version`` has stride-aware state kernels: ``yes``, ``no`` or why undetermined."""
+    if version is None:
+        return "cannot be determined: fla_npu is importable but no distribution metadata names its version"
+    public, _, local = version.partition("+")
+    release = registry.parse_version(public)
+    if any(low <= release < high for low, high in FLA_NPU_WITHOUT_STRIDES):
+        return (f"no: {public} predates the stride-aware state kernels (commits {FLA_NPU_STRIDE_COMMITS}); a "
+                "page-strided state is addressed densely")
+    build = f"a main build of {local.removeprefix('main.')}; " if local.startswith("main.") else ""
+    return (f"cannot be determined from Python: {build}the kernels read state strides since commits "
+            f"{FLA_NPU_STRIDE_COMMITS}, compiled code no Python attribute reflects; check that the build of "
+            f"{version} contains them")
+
+
+def describe_fla_npu(vllm_ascend: str | None) -> dict[str, Any]:
+    """The installed ``fla_npu``: version, stride-aware state kernels, and whether the installed fork needs them.
+
+    Args:
+        vllm_ascend: the installed vllm-ascend version (None: not installed).
+    """
+    if importlib.util.find_spec("fla_npu") is None:
+        found, stride_aware = None, "not installed"
+    else:
+        found = fla_npu_distribution()
+        stride_aware = fla_npu_stride_aware(found[1] if found else None)
+    if vllm_ascend is None or vllm_ascend.startswith("import failed"):
+        needed = "vllm-ascend not installed"
+    elif registry.parse_version(vllm_ascend) >= (0, 30):
+        needed = ("yes: vllm-ascend 0.30 binds GDN/KDA state views page-strided (stride(0) = the page; "
+                  "docs/results/ascend-kv-layout) and its fla_npu conv and recurrent kernels read them")
+    else:
+        needed = "no: vllm-ascend up to 0.29 binds dense per-state views (docs/results/ascend-kv-layout)"
+    return {"distribution": found[0] if found else None, "version": found[1] if found else None,
+            "stride_aware_state_kernels": stride_aware, "needed": needed}
 
 
 def check_target(target: registry.Target) -> dict[str, Any]:
@@ -126,6 +192,7 @@ def collect_report() -> dict[str, Any]:
         "device": describe_device(),
         "patches": {},
     }
+    report["fla_npu"] = describe_fla_npu(report["packages"]["vllm_ascend"])
     for name, patch in registry.all_patches().items():
         report["patches"][name] = {
             "enabled": flags.patch_enabled(name),
@@ -144,6 +211,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"kda-patches doctor ({report['note']})", f"python {report['python']} on {report['platform']}"]
     for name, version in report["packages"].items():
         lines.append(f"  {name:<12} {version or 'not installed'}")
+    fla = report["fla_npu"]
+    lines.append(f"  {'fla_npu':<12} {fla['version'] or 'not installed'}"
+                 + (f" ({fla['distribution']})" if fla["distribution"] else ""))
+    lines.append(f"    stride-aware state kernels: {fla['stride_aware_state_kernels']}; needed: {fla['needed']}")
     lines.append(f"device: {report['device']}")
     lines.append(f"bootstrap: {report['bootstrap']}")
     seams = report.get("state_copy_seams", {})
