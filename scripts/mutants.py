@@ -181,6 +181,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "**_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE)", "**_UPSTREAM_OPS)",
            ("tests/released/test_upstream034_layers.py::test_patched_equals_baseline",),
            "E (routing)", "Qwen's FlashInfer branch gathers upstream's way while the seam's scatter goes to the plan"),
+    # -- issue 53: the vllm-ascend verifier refuses an overlapping layout ---------------------------------------
+    Mutant("ascend-overlap-not-refused", "kda_patches/kv_layout/ascend_verify.py",
+           '    if verdict in REFUSED_VERDICTS:\n        return "refuse"\n',
+           '    if verdict == "out of storage":\n        return "refuse"\n',
+           ("tests/ascend_layout/test_ascend_verifier.py::"
+            "test_overlap_refuses_to_start_kimi_k3_on_030_naming_witness_and_fix",),
+           "B (kv_layout)", "vllm-ascend 0.30 + Kimi K3 starts with two requests' cache bytes colliding"),
     # -- issue 19: the rewritten twin's guards, and the alias's transpose tag -----------------------------
     Mutant("rewrite-fold-any-clear-value", REWRITE,
            "if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1 and _is_zero(statement.value)):",
