@@ -285,7 +285,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("row-mask-index-n-valid", KERNELS, VALID, INDEX_N_VALID, (GATHER_FIXED, SCATTER_FIXED),
            "D (state_copy)", "every kernel treats index == N as a valid row"),
     Mutant("plan-signature-check", "kda_patches/state_copy/plan.py",
-           "                or (state.stride() != self._strides and not layout.serves_signature(self.signature, state))\n",
+           "                or (state.stride() != self._strides"
+           " and not layout.serves_signature(self.signature, state))\n",
            "",
            ("tests/state_copy/test_state_copy_lifecycle.py::test_signature_change_refused",), "D (state_copy)",
            "a sealed plan launches on a cache whose strides changed since prepare"),
