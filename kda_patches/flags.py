@@ -49,6 +49,10 @@ SWITCHES: dict[str, str] = {
     "docs/results/bench-peer (rule: PDL plans at or below the plain plan's graph-replay time) and "
     "docs/results/h200-vllm-engine (rule: vLLM 0.34's engine EQUAL with PDL plans and its negative control "
     "DIFFERENT). Figures: kda-patches status",
+    "KDA_PATCHES_STATE_IO": "copy (default): a routed prefill gathers initial states and scatters final states "
+    "through the sealed plan; indexed: where a seam's chunk-state kernel has an indexed twin (derived at apply time "
+    "from the release's own kernel source), the kernel reads the initial states from the cache rows and stores the "
+    "final states into them -- no gather, no scatter. Not measured yet on a GPU, so not the default",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
     "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
     "(default ~/.cache/kda-patches/releases); not read at activation",
@@ -62,6 +66,7 @@ _KIMI_PLANS = ("fork", "overlay")
 _GDN_PLANS = ("fork", "overlay")
 _GDN_OPS = ("measured", "upstream", "overlay")
 _ROUTINGS = ("rewrite", "alias")
+_STATE_IOS = ("copy", "indexed")
 # what a plan's ``pdl`` argument is for each choice (kda_patches.state_copy.device.PDL_WHERE_AVAILABLE is "auto")
 _PDL_REQUESTS = {"auto": "auto", "on": True, "off": False}
 # every spelling KDA_PATCHES_PDL accepts -> its choice: auto, or any boolean spelling
@@ -78,19 +83,20 @@ class Flags:
 
     __slots__ = ("enabled", "disable", "only", "force_triton", "strict", "status_dir", "log_level",
                  "custom_opp", "preload", "kv_state_mode", "kimi_plan", "gdn_plan", "gdn_ops", "routing", "role",
-                 "pdl", "warnings")
+                 "pdl", "state_io", "warnings")
 
     def __init__(self, enabled: bool = True, disable: frozenset[str] = frozenset(),
                  only: frozenset[str] | None = None, force_triton: bool = False, strict: bool = False,
                  status_dir: str | None = None, log_level: str = "WARNING", custom_opp: tuple[str, ...] = (),
                  preload: tuple[str, ...] = (), kv_state_mode: str = "auto", role: str | None = None,
                  warnings: tuple[str, ...] = (), kimi_plan: str = "fork", routing: str = "rewrite",
-                 gdn_plan: str = "fork", gdn_ops: str = "measured", pdl: str = "auto") -> None:
+                 gdn_plan: str = "fork", gdn_ops: str = "measured", pdl: str = "auto",
+                 state_io: str = "copy") -> None:
         values = dict(enabled=enabled, disable=frozenset(disable), only=None if only is None else frozenset(only),
                       force_triton=force_triton, strict=strict, status_dir=status_dir, log_level=log_level,
                       custom_opp=tuple(custom_opp), preload=tuple(preload), kv_state_mode=kv_state_mode,
                       kimi_plan=kimi_plan, gdn_plan=gdn_plan, gdn_ops=gdn_ops, routing=routing, role=role,
-                      pdl=pdl, warnings=tuple(warnings))
+                      pdl=pdl, state_io=state_io, warnings=tuple(warnings))
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -144,6 +150,7 @@ class Flags:
             "KDA_PATCHES_ROUTING": self.routing,
             "KDA_PATCHES_ROLE": self.role,
             "KDA_PATCHES_PDL": self.pdl,
+            "KDA_PATCHES_STATE_IO": self.state_io,
         }
 
 
@@ -230,6 +237,10 @@ def parse_flags(environ: Mapping[str, str] | None = None,
     if routing not in _ROUTINGS:
         raise ValueError(f"KDA_PATCHES_ROUTING={env.get('KDA_PATCHES_ROUTING')!r} is not a mechanism; "
                          f"use one of {', '.join(_ROUTINGS)}")
+    state_io = (env.get("KDA_PATCHES_STATE_IO") or "copy").strip().lower()
+    if state_io not in _STATE_IOS:
+        raise ValueError(f"KDA_PATCHES_STATE_IO={env.get('KDA_PATCHES_STATE_IO')!r} is not a choice; "
+                         f"use one of {', '.join(_STATE_IOS)}")
 
     flags = Flags(
         enabled=parse_boolean("KDA_PATCHES", env.get("KDA_PATCHES"), True),
@@ -248,6 +259,7 @@ def parse_flags(environ: Mapping[str, str] | None = None,
         routing=routing,
         role=env.get("KDA_PATCHES_ROLE") or None,
         pdl=pdl,
+        state_io=state_io,
         warnings=tuple(warnings),
     )
     if warnings:

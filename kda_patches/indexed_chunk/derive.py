@@ -274,19 +274,21 @@ def _compile_twin(definition: ast.FunctionDef, namespace: dict[str, Any], filena
     return namespace[definition.name]
 
 
-def derive_indexed_kernel(module: types.ModuleType, declaration: KernelDeclaration) -> DerivedKernel:
+def derive_indexed_kernel(module: types.ModuleType, declaration: KernelDeclaration, host: Any = None
+                          ) -> DerivedKernel:
     """Build the indexed twin of ``declaration.kernel`` in ``module`` (the release's loaded kernel module).
 
     Args:
         module: the loaded module holding the release's kernel.
         declaration: the names of its parts.
+        host: the release's own host function (default: ``module``'s attribute, which may be a wrapper of it).
     Returns:
         The :class:`DerivedKernel`.
     Raises:
         DerivationRefused: the kernel or its source is not the declared shape.
     """
     kernel = getattr(module, declaration.kernel, None)
-    host = getattr(module, declaration.host, None)
+    host = host if host is not None else getattr(module, declaration.host, None)
     if kernel is None or not callable(host):
         raise _refuse(declaration, "the module", f"has no {declaration.kernel} and {declaration.host}")
     try:

@@ -71,11 +71,13 @@ from kda_patches.routing.seams import (
     CLEAR_NONE,
     BackendGate,
     FinalFrom,
+    IndexedChunk,
     KVCacheSlot,
     MetadataField,
     Seam,
 )
 from kda_patches.routing.wrappers import (
+    IndexedHostWrapper,
     RebindWrapper,
     SeamWrapper,
     StartupWrapper,
@@ -120,7 +122,14 @@ QWEN_FLASHINFER_GATE = BackendGate(
     "the FlashInfer branch gathers inside _forward_flashinfer_prefill (upstream's gather_initial_states) and the seam "
     "scatters after it, so routing the seam's scatter alone would give one call two owners; routing both copies on "
     "that backend is not measured (bench layers covers the Triton backend), so upstream keeps both")
-QWEN_034_SEAM = Seam("vLLM 0.34 Qwen GDN _forward_core", LEDGER_PATH, **_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE)
+# the chunk-state host function of vLLM's vendored FLA (every Triton GDN/KDA prefill reaches it), whose kernel has an
+# indexed twin under KDA_PATCHES_STATE_IO=indexed (kda_patches.indexed_chunk)
+FLA_CHUNK_STATE = IndexedChunk("vllm.third_party.flash_linear_attention.ops.chunk_delta_h",
+                               "chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
+FLA_CHUNK_STATE_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output_final_state", "chunk_size",
+                              "save_new_value", "cu_seqlens", "chunk_indices", "chunk_offsets", "use_exp2")
+QWEN_034_SEAM = Seam("vLLM 0.34 Qwen GDN _forward_core", LEDGER_PATH, **_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE,
+                     indexed=FLA_CHUNK_STATE)
 KIMI_GDN_034_SEAM = Seam("vLLM 0.34 Kimi Linear GDN _forward", LEDGER_PATH, **_UPSTREAM_OPS)
 ASCEND_FUSED_CHUNK = "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"
 # 0.27-0.29: the same seam, plus the fused variant's chunk as the final state's source (the folded cast)
@@ -135,6 +144,7 @@ wrap_ascend_fold_forward_core = SeamWrapper(ASCEND_FOLD_SEAM)
 wrap_ascend_030_forward_core = SeamWrapper(ASCEND_030_SEAM)
 wrap_qwen_034_forward_core = SeamWrapper(QWEN_034_SEAM)
 wrap_kimi_gdn_034_forward = SeamWrapper(KIMI_GDN_034_SEAM)
+wrap_fla_chunk_state = IndexedHostWrapper(FLA_CHUNK_STATE)
 wrap_initialize_kv_cache = StartupWrapper(LEDGER_PATH)
 wrap_extend_kv_cache = RebindWrapper(LEDGER_PATH)
 
@@ -193,6 +203,11 @@ _KIMI_GDN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recu
                         "scatter:scatter_states(recurrent_state, ...)")
 
 
+STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy (the default): routed prefills copy their states through the sealed "
+                 "plan; KDA_PATCHES_STATE_IO=indexed wraps this host function so the Qwen seam's chunk kernel reads "
+                 "and stores the cache rows itself (an indexed twin derived from the release's kernel source)")
+
+
 def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
     """vLLM >= 0.34: Olmo (index copies) routed; Qwen and Kimi Linear (upstream's own ops) each when chosen.
 
@@ -213,11 +228,14 @@ def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
         (f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_034_forward_core,
          FORWARD_CORE_PARAMETERS, _QWEN_034_SHAPES),), chosen_by=("gdn_ops", QWEN_034_ROUTED_BY),
         stands_aside=QWEN_034_STAND_ASIDE)
+    indexed = Target(FLA_CHUNK_STATE.module, FLA_CHUNK_STATE.host, wrap_fla_chunk_state, "vllm", "vllm", low, high,
+                     FLA_CHUNK_STATE_PARAMETERS, qwen[0].group, inert=STATE_IO_COPY,
+                     chosen_by=("state_io", ("indexed",)))
     kimi_linear = era("vllm", low, high, (
         (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_034_forward,
          KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_034_SHAPES),), chosen_by=("gdn_ops", KIMI_GDN_034_ROUTED_BY),
         stands_aside=KIMI_GDN_034_STAND_ASIDE)
-    return (*plain, *qwen, *kimi_linear)
+    return (*plain, *qwen, indexed, *kimi_linear)
 
 
 def _ascend_era(low: str, high: str) -> tuple[Target, ...]:

@@ -219,6 +219,21 @@ def read_cache(seam: Seam, layer: Any, args: tuple, kwargs: dict) -> Any:
     return args[where.position] if len(args) > where.position else kwargs.get(where.name)
 
 
+_indexed: Any = None  # kda_patches.indexed_chunk.route, imported when a seam with an indexed twin is first routed
+
+
+def indexed_route(key: str, plan: Any, state: torch.Tensor) -> DirectRoute:
+    """Return the :class:`~kda_patches.indexed_chunk.route.IndexedRoute` of a seam whose host function ``key`` has
+    an indexed twin in this process (``KDA_PATCHES_STATE_IO=indexed`` wrapped it), else the copy route."""
+    global _indexed
+    if _indexed is None:
+        from kda_patches.indexed_chunk import route as module  # deferred: imports triton
+
+        _indexed = module
+    derived = _indexed.READY.get(key)
+    return DirectRoute(plan, state) if derived is None else _indexed.IndexedRoute(plan, state, derived)
+
+
 def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Run one call of a rewritten seam function: the twin with this call's :class:`DirectRoute`.
 
@@ -256,7 +271,8 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
     if plan is None or not isinstance(state, torch.Tensor) or state.dim() != 4 or (
             phase == CAPTURE_RECORDING and seam.prefill_gated):
         return run_unroutable(seam, wrapped, instance, args, kwargs, state)
-    route = DirectRoute(plan, state)
+    indexed = seam.indexed
+    route = DirectRoute(plan, state) if indexed is None else indexed_route(indexed.key, plan, state)
     active.route = route
     try:
         result = twin(route, instance, *args, **kwargs)
@@ -267,7 +283,10 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
         raise
     active.route = None
     if route.gathers == 1 and route.scatters == 1:
-        get_ledger().count_routed(seam.section, route.casts_folded)
+        ledger = get_ledger()
+        ledger.count_routed(seam.section, route.casts_folded)
+        if getattr(route, "consumed", False):
+            ledger.count(seam.section, "calls_indexed")
         return result
     if not (route.gathers or route.scatters) and seam.prefill_gated and prefill_metadata(instance) is None:
         return result  # decode-only, speculative-only or no forward context: the copy lines did not run

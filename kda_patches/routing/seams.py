@@ -134,6 +134,32 @@ class BackendGate:
         return f"{self.attribute}={value!r} (routed only on {', '.join(self.routed)}): {self.reason}"
 
 
+class IndexedChunk:
+    """A seam's chunk-state kernel that has an indexed twin (``KDA_PATCHES_STATE_IO=indexed``,
+    :mod:`kda_patches.indexed_chunk`): the kernel reads the initial states from the cache rows and stores the final
+    states into them, so the seam's gather and scatter copy nothing.
+
+    Attributes:
+        module: the module that defines the release's chunk-state host function and its kernel.
+        host: the host function the seam's chunk call reaches (``chunk_gated_delta_rule_fwd_h``); its wrapper
+            derives the twin when it is applied and launches it inside a routed call.
+        kernel: the kernel's name in ``module``.
+    """
+
+    __slots__ = ("host", "kernel", "module")
+
+    def __init__(self, module: str, host: str, kernel: str) -> None:
+        self.module, self.host, self.kernel = module, host, kernel
+
+    @property
+    def key(self) -> str:
+        """``module:host``, the key the wrapped host function is registered under."""
+        return f"{self.module}:{self.host}"
+
+    def __repr__(self) -> str:
+        return f"IndexedChunk({self.key!r}, kernel={self.kernel!r})"
+
+
 def capture_section(section: str) -> str:
     """Return the ledger section that counts ``section``'s calls made while a breakable capture records."""
     return f"{section}:capture"
@@ -163,17 +189,19 @@ class Seam:
         scatter_value_first: the scatter function takes ``(state, values, indices)`` (vLLM >= 0.34's
             ``scatter_states``), not ``(state, indices, values)``.
         backend: a :class:`BackendGate` (the seam routes only some of the layer's prefill backends), or None.
+        indexed: the :class:`IndexedChunk` the seam's chunk call reaches, or None (its states are always copied).
     """
 
     __slots__ = ("_at_capture", "backend", "cache_slot", "clear", "clear_function", "final", "flags",
-                 "gather_function", "indices", "name", "prefill_gated", "scatter_function", "scatter_value_first",
-                 "section", "state")
+                 "gather_function", "indexed", "indices", "name", "prefill_gated", "scatter_function",
+                 "scatter_value_first", "section", "state")
 
     def __init__(self, name: str, section: str, state: Argument | KVCacheSlot, indices: Any = None,
                  flags: Any = None, clear: str = CLEAR_NATIVE, clear_function: str | None = None,
                  gather_function: str | None = None, prefill_gated: bool = False, cache_slot: int = 1,
                  final: FinalFrom | None = None, scatter_function: str | None = None,
-                 scatter_value_first: bool = False, backend: BackendGate | None = None) -> None:
+                 scatter_value_first: bool = False, backend: BackendGate | None = None,
+                 indexed: IndexedChunk | None = None) -> None:
         if clear not in _CLEARS:
             raise ValueError(f"seam {name!r}: clear must be one of {_CLEARS}, got {clear!r}")
         if (clear == CLEAR_FUNCTION) != (clear_function is not None):
@@ -207,6 +235,9 @@ class Seam:
         if backend is not None and not isinstance(backend, BackendGate):
             raise TypeError(f"seam {name!r}: backend must be a BackendGate or None, got {backend!r}")
         self.backend = backend
+        if indexed is not None and not isinstance(indexed, IndexedChunk):
+            raise TypeError(f"seam {name!r}: indexed must be an IndexedChunk or None, got {indexed!r}")
+        self.indexed = indexed
         self._at_capture: Seam | None = None
 
     def __repr__(self) -> str:
@@ -236,4 +267,5 @@ class Seam:
                 "final": repr(self.final) if self.final is not None else None,
                 "backend": None if self.backend is None else {
                     "attribute": self.backend.attribute, "routed": list(self.backend.routed),
-                    "reason": self.backend.reason}}
+                    "reason": self.backend.reason},
+                "indexed": None if self.indexed is None else self.indexed.key}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import types
 
-from kda_patches.routing.seams import Seam
+from kda_patches.routing.seams import IndexedChunk, Seam
 
 TYPE_CHECKING = False  # typing costs ~8 ms at import; annotations are strings here
 if TYPE_CHECKING:
@@ -137,6 +137,41 @@ class FinalWrapper:
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         return (_calls or _load_calls()).route_final(wrapped, args, kwargs)
+
+
+class IndexedHostWrapper:
+    """wrapt wrapper of a release's chunk-state host function (``Seam.indexed``, ``KDA_PATCHES_STATE_IO=indexed``).
+
+    When the registry wraps it, :meth:`on_apply` derives the indexed twin of its module's kernel
+    (:func:`kda_patches.indexed_chunk.route.prepare_host`); inside a routed call whose gather bound the cache rows
+    the call runs the twin, every other call runs the release's function
+    (:func:`~kda_patches.indexed_chunk.route.route_host`).
+    """
+
+    __slots__ = ("indexed",)
+
+    def __init__(self, indexed: IndexedChunk) -> None:
+        self.indexed = indexed
+
+    def __repr__(self) -> str:
+        return f"IndexedHostWrapper({self.indexed.key!r})"
+
+    def on_apply(self, key: str, original: Any) -> str:
+        """Derive the twin of ``original``'s module kernel; return ``indexed`` or ``copy`` (refused)."""
+        from kda_patches.indexed_chunk.route import prepare_host  # deferred: imports torch and triton
+
+        return prepare_host(self.indexed.key, original, self.indexed.kernel)
+
+    def on_revert(self, key: str, original: Any) -> None:
+        """Forget the twin (its wrapper was removed)."""
+        from kda_patches.indexed_chunk.route import forget_host
+
+        forget_host(self.indexed.key)
+
+    def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        from kda_patches.indexed_chunk.route import route_host  # deferred; a sys.modules hit after the first call
+
+        return route_host(wrapped, args, kwargs)
 
 
 class StartupWrapper:

@@ -5,11 +5,7 @@ package name per release, so two releases load side by side and nothing shadows 
 resolve as on a device with Triton: relative ones to the same release's files, ``vllm.triton_utils`` to the real
 ``triton`` (vLLM's CPU build disables it), everything else to what is installed.
 
-Interpreter fixes (:func:`fix_for_interpreter`), declared, on the loaded kernel module only; the compiled kernels
-need none: ``range`` yields Triton int32 scalars (the interpreter's loop index is a Python int, and the kernel calls
-``.to`` on it), ``exp`` / ``exp2`` call ``tl.exp`` / ``tl.exp2`` at run time (``op.py`` binds the builtins before
-the interpreter patches them), and the release autotuner keeps the one config the twin is launched with (the
-interpreter cannot time configs; the config is the twin's, so both sides run the same launch).
+The interpreter fixes are :mod:`fla_interpreter`'s (tests/released), applied by the tests to the modules they run.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import sys
 import types
 from typing import Any
 
-import numpy as np
 import triton
 import triton.language as tl
 
@@ -71,22 +66,3 @@ def load_fla_module(version: str, stem: str) -> types.ModuleType:
     modules[stem] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _interpreter_range(*bounds: Any) -> Any:
-    values = [int(b.handle.data.item()) if hasattr(b, "handle") else int(b) for b in bounds]
-    from triton.runtime.interpreter import TensorHandle
-
-    for index in range(*values):
-        yield tl.core.tensor(TensorHandle(np.array([index], dtype=np.int32), tl.int32), tl.int32)
-
-
-def fix_for_interpreter(module: types.ModuleType, kernel: str, config: dict[str, Any]) -> None:
-    """Apply the module docstring's interpreter fixes to ``module`` (before the twin is derived from it)."""
-    module.__dict__.update(range=_interpreter_range, exp=lambda x: tl.exp(x), exp2=lambda x: tl.exp2(x))
-    chain = getattr(module, kernel)
-    while chain is not None and not hasattr(chain, "configs"):
-        chain = getattr(chain, "fn", None)
-    if chain is not None:
-        chain.configs = [triton.Config(dict(config["kwargs"]), num_warps=config["num_warps"],
-                                       num_stages=config["num_stages"])]

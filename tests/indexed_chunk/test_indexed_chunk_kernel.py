@@ -8,6 +8,7 @@ Every cache byte is compared bit for bit (NaN-poisoned rows, row padding include
 
 from __future__ import annotations
 
+import fla_interpreter
 import fla_release
 import pytest
 import torch
@@ -30,7 +31,7 @@ _derived: dict[str, object] = {}
 def derived_for(version: str):
     if version not in _derived:
         module = fla_release.load_fla_module(version, "chunk_delta_h")
-        fla_release.fix_for_interpreter(module, KERNEL, DEFAULT_CONFIG)
+        fla_interpreter.fix_for_interpreter(module, DEFAULT_CONFIG)
         _derived[version] = derive_indexed_kernel(module, KernelDeclaration(
             module=module.__name__, kernel=KERNEL, host="chunk_gated_delta_rule_fwd_h"))
     return _derived[version]

@@ -133,7 +133,8 @@ def triton_utils() -> dict[str, Any]:
     import triton
     import triton.language as tl
 
-    return {"HAS_TRITON": True, "triton": triton, "tl": tl}
+    return {"HAS_TRITON": True, "triton": triton, "tl": tl,
+            "tldevice": getattr(getattr(tl, "extra", None), "libdevice", None)}
 
 
 def standin_modules(version: str) -> dict[str, dict[str, Any]]:

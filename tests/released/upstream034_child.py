@@ -57,13 +57,14 @@ class State:
         return {name: count for table in self.kernel_tables for name, count in table.items()}
 
 
-MODES = ("breakable", "flashinfer", "flashkda")
+MODES = ("breakable", "flashinfer", "flashkda", "indexed")
 
 
 def parse_case(case: str) -> tuple[str, str, str, str | None]:
     """``"qwen:float32:SD"`` -> ``("qwen", "float32", "SD", None)``; a mode suffix names the mode: ``:breakable``
     (each layer call captured under the released breakable CUDA graph, then replayed), ``:flashinfer`` (a GDN
-    layer on the FlashInfer prefill backend) or ``:flashkda`` (Kimi K3 on FlashKDA, 0.34's SM90+ default)."""
+    layer on the FlashInfer prefill backend), ``:flashkda`` (Kimi K3 on FlashKDA, 0.34's SM90+ default) or
+    ``:indexed`` (Qwen's chunk call reaching the release's own FLA chunk rule, run by the interpreter)."""
     kind, dtype, layout, *mode = case.split(":")
     if len(mode) > 1 or (mode and mode[0] not in MODES):
         raise ValueError(f"case {case!r}: the modes are {MODES}")
@@ -86,7 +87,9 @@ def setup(args: list[str], cases: list[str]) -> State:
     runner = make_runner_module(root / standins.RUNNER_FILE, standins.RUNNER_MODULE, "GPUModelRunner")
     early = sorted(set(standins.RELEASE_MODULES) & set(sys.modules))
     assert not early, f"installed modules already imported under release names (would shadow the release): {early}"
-    stack = ReleaseStack(root, "", RELEASE, standins.RELEASE_MODULES, real=standins.REAL, absent_inert=True,
+    indexed = any(parse_case(case)[3] == "indexed" for case in cases)
+    release_modules = (*standins.RELEASE_MODULES, *(standins.FLA_MODULES if indexed else ()))
+    stack = ReleaseStack(root, "", RELEASE, release_modules, real=standins.REAL, absent_inert=True,
                          standins=standins.standin_modules(), lifted=standins.LIFTED,
                          modules={standins.RUNNER_MODULE: runner,
                                   standins.EXTENSIBLE_MODULE: standins.extensible_module(root)}).install()
@@ -95,6 +98,11 @@ def setup(args: list[str], cases: list[str]) -> State:
     # runner without `extensible`, no extensible_kv_cache module); imported, they are read live -- the release's
     runner_module = importlib.import_module(standins.RUNNER_MODULE)
     importlib.import_module(standins.EXTENSIBLE_MODULE)
+    if indexed:  # fixed before the overlay wraps them: the indexed twin is derived from the module as it then is
+        from fla_interpreter import fix_for_interpreter
+
+        for module in standins.FLA_MODULES:  # each autotuner keeps its first config (BV=32, the twin's block)
+            fix_for_interpreter(importlib.import_module(module))
     import kda_patches  # noqa: F401  (activated here, late: see above)
 
     standins.install()  # after the stack: the kernels' packages import release modules (Kimi's package: its layers)
@@ -123,6 +131,10 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
     backend = mode if mode in ("flashinfer", "flashkda") else "triton"
     layers = {name: standins.build_layer(kind, cls, name, generator, backend, getattr(torch, cache_dtype))
               for name in names}
+    if mode == "indexed":
+        rule = standins.released_chunk_rule(sys.modules[f"{standins.FLA_OPS}.chunk"])
+        for layer in layers.values():
+            object.__setattr__(layer, "chunk_gated_delta_rule", rule)
     case_runner = state.runner_module.GPUModelRunner(layers, MAX_NUM_SEQS, seed)
     config = {name: PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype),
                              CONV_WIDTH, conv_layout=conv_layout) for name in layers}

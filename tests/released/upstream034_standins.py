@@ -59,6 +59,13 @@ LAYERS = {"qwen": (gdn_standins.QWEN_MODULE, "QwenGatedDeltaNetAttention", "_for
 SUFFIX = {"qwen": "linear_attn", "olmo": "linear_attn", "linear": "self_attn", "k3": "self_attn"}
 SECTION = {"qwen": "gdn_state_copy", "olmo": "gdn_state_copy", "linear": "gdn_state_copy", "k3": "kimi_prefill"}
 KERNELS = ((GATHER_MODULE, "_gather_initial_states_kernel"), (SCATTER_MODULE, "_scatter_states_kernel"))
+# ':indexed' cases: vLLM's vendored FLA chunk rule executed from the release (its Triton kernels by the interpreter,
+# with fla_interpreter's fixes), the Qwen layer's chunk call reaching it, so KDA_PATCHES_STATE_IO=indexed has the
+# release's own chunk-state kernel to derive its twin from
+FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
+FLA_MODULES = tuple(f"{FLA_OPS}.{stem}" for stem in (
+    "chunk", "chunk_delta_h", "chunk_o", "chunk_scaled_dot_kkt", "cumsum", "index", "l2norm", "op", "solve_tril",
+    "utils", "wy_fast"))
 RELEASE_MODULES = (*(module for module, _, _ in LAYERS.values()), GATHER_MODULE, SCATTER_MODULE,
                    "vllm.model_executor.warmup.jit_warmup", "vllm.model_executor.warmup.jit_warmup_triton_helper",
                    KDA_CONV_MODULE, BREAKABLE_MODULE)
@@ -111,6 +118,9 @@ STANDINS = {
              "flashinfer.gdn_prefill.chunk_gated_delta_rule (':flashinfer' cases)": "fla-core "
              "naive_recurrent_gated_delta_rule per sequence on log(g) (FlashInfer takes exp(g)); output written into "
              "the given buffer",
+             "QwenGatedDeltaNetAttention.chunk_gated_delta_rule (':indexed' cases)": "the release's FLA "
+             "chunk_gated_delta_rule (executed; its Triton kernels by the interpreter with fla_interpreter's fixes: "
+             "int32 loop indices, exp/exp2 looked up at run time, one autotune config)",
              "vllm._aiter_ops.rocm_aiter_ops (Qwen file)": "are_gdn_triton_kernels_available / "
              "are_rdna_gdn_triton_kernels_available -> False (not ROCm), nothing else",
              **_GATHER, **_SCATTER, **_COMMON},
@@ -196,6 +206,17 @@ def install() -> None:
     """Put the device-kernel stand-ins at the module-level names the layer files import (before importing them)."""
     gdn_standins.install_upstream()
     upstream_standins.install(gather=False)  # 0.34's own gather_initial_states is executed
+
+
+def released_chunk_rule(chunk_module: Any) -> Any:
+    """The Qwen layer's ``chunk_gated_delta_rule`` attribute for ':indexed' cases: the release's FLA
+    ``chunk_gated_delta_rule`` itself (the CustomOp's Triton branch minus its ROCm-only ``aiter_prefill_metadata``)."""
+    rule = chunk_module.chunk_gated_delta_rule
+
+    def chunk_gated_delta_rule(*args: Any, aiter_prefill_metadata: Any = None, **kwargs: Any) -> Any:
+        return rule(*args, **kwargs)
+
+    return chunk_gated_delta_rule
 
 
 def install_layer_standins(modules: dict[str, Any]) -> None:

@@ -1,0 +1,69 @@
+"""No copy on vLLM 0.34.0's own Qwen GDN layer: ``KDA_PATCHES_STATE_IO=indexed`` against ``KDA_PATCHES=0``, on the CPU.
+
+:mod:`upstream034_child` (tests/released) twice, ``:indexed`` cases only: the Qwen layer's chunk call reaches the
+release's own vendored FLA ``chunk_gated_delta_rule`` (executed, its Triton kernels by the interpreter), so
+
+- ``baseline`` (``KDA_PATCHES=0``, STRICT): upstream's ``gather_initial_states`` copies the initial states out,
+  the release's chunk-state kernel reads and writes dense states, ``scatter_states`` copies the final states back;
+- ``indexed`` (``KDA_PATCHES=1``, STRICT, ``KDA_PATCHES_STATE_IO=indexed``): the seam is routed, its gather only
+  binds the rows, and the indexed twin -- derived when the overlay wrapped the release's ``chunk_delta_h`` -- reads
+  and stores the cache rows itself: no state copy at all.
+
+Per case (FP32 cache with the SD conv layout, BF16 with DS), through the shared batch plan (fresh prefills, mixed
+decode + prefill with cached states, decode-only, continued prefills; INT32 and INT64 indices): the outputs and
+every byte of every page equal the baseline's (NaN-poisoned gaps checked), every prefill call is routed *and*
+indexed, and upstream's copy kernels never launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import released_ab
+import torch
+from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
+from runner_standin import PageSpec, poison_problems
+
+RELEASE = "0.34.0"
+CASES = ("qwen:float32:SD:indexed", "qwen:bfloat16:DS:indexed")
+SIDES = (("baseline", released_ab.Side(False)),
+         ("indexed", released_ab.Side(True, (("KDA_PATCHES_STATE_IO", "indexed"),))))
+HOST_KEY = "vllm.third_party.flash_linear_attention.ops.chunk_delta_h:chunk_gated_delta_rule_fwd_h"
+COPY_KERNELS = ("_gather_initial_states_kernel", "_scatter_states_kernel")
+
+
+@pytest.fixture(scope="module")
+def runs() -> released_ab.BatchRun:
+    from kda_patches.releases.fetch import release_dir
+
+    batch = released_ab.Batch(f"vLLM {RELEASE}'s Qwen layer, no copy (upstream034_child.py)", "upstream034_child.py",
+                              (str(release_dir("vllm", RELEASE)),), CASES, SIDES)
+    return released_ab.run_batch(batch)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_indexed_equals_baseline_and_copies_nothing(runs: released_ab.BatchRun, case: str) -> None:
+    _, cache_dtype, conv_layout, _ = case.split(":")
+    baseline, indexed = runs.case(case, "baseline"), runs.case(case, "indexed")
+    context = f"{runs.context(case)}\nstatus:\n{indexed['status']}"
+    problems = released_ab.compare_runs(baseline, indexed)
+    assert not problems, context + "\n" + "\n".join(problems)
+    spec = PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout=conv_layout)
+    for run in (baseline, indexed):
+        for name, raw in run["snapshots"][-1].items():
+            assert not poison_problems(raw, spec, conv_rows=range(BLOCKS)), context + f"\n{name}"
+    assert baseline["launches"] == {kernel: PREFILL_CALLS for kernel in COPY_KERNELS}, context  # upstream copied
+    assert indexed["launches"] == {kernel: 0 for kernel in COPY_KERNELS}, context + f"\n{indexed['launches']}"
+    seen = indexed["counters"].get("gdn_state_copy", {})
+    assert seen.get("calls_seen") == seen.get("calls_routed") == seen.get("calls_indexed") == PREFILL_CALLS, (
+        context + f"\nledger: {seen}")
+    assert not seen.get("calls_bypassed"), context + f"\nledger: {seen}"
+
+
+def test_the_twin_is_in_the_ledger(runs: released_ab.BatchRun) -> None:
+    """The indexed side records that the twin was derived from the release's kernel; the baseline wraps nothing."""
+    indexed = runs.process("indexed")["ledger"]
+    fact = indexed["facts"]["indexed_chunk"][HOST_KEY]
+    assert fact["decision"] == "indexed" and fact["kernel"].endswith("chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
+    target = indexed["patches"]["gdn_state_copy"]["targets"][HOST_KEY]
+    assert target["state"] == "applied", target
+    assert runs.process("baseline")["ledger"]["patches"]["gdn_state_copy"]["state"] == "disabled"
