@@ -160,7 +160,28 @@ CHOSEN_TARGET_ALWAYS_LIVE = Mutant(
     ("tests/test_registry.py::test_a_target_chosen_by_a_switch_is_wrapped_only_when_chosen",), "G (gdn_plan)",
     "a target chosen by a switch (vllm-ascend 0.30 GDN) is wrapped although the fork does the job")
 
+INDEXED_DERIVE = "kda_patches/indexed_chunk/derive.py"
+INDEXED_KERNEL_TESTS = "tests/indexed_chunk/test_indexed_chunk_kernel.py"
+INDEXED_ROUTE_TESTS = "tests/indexed_chunk/test_indexed_route.py"
+
+
 MUTANTS: tuple[Mutant, ...] = (
+    # -- issue 51: no copy -- the indexed twin reads flagged rows only, stores valid rows only, never fails open --
+    Mutant("indexed-read-ignores-the-flag", INDEXED_DERIVE,
+           '        f"kda_read = kda_valid & (tl.load(kda_flags + {declaration.sequence}).to(tl.int32) != 0)\\n"\n',
+           '        "kda_read = kda_valid\\n"\n',
+           (f"{INDEXED_KERNEL_TESTS}::test_flag_decides_the_read",), "F (indexed_chunk)",
+           "a sequence without a cached state starts from whatever its cache row holds"),
+    Mutant("indexed-store-to-invalid-rows", INDEXED_DERIVE,
+           '    for position, guard in ((load_at, "kda_read"), (store_at, "kda_valid")):\n',
+           '    for position, guard in ((load_at, "kda_read"), (store_at, "True")):\n',
+           (f"{INDEXED_KERNEL_TESTS}::test_twin_equals_gather_release_scatter",), "F (indexed_chunk)",
+           "a padded (-1) or out-of-range row's final state is stored into cache row 0"),
+    Mutant("indexed-scatter-without-the-twin", "kda_patches/indexed_chunk/route.py",
+           "        if not self.consumed:\n",
+           "        if False:\n",
+           (f"{INDEXED_ROUTE_TESTS}::test_a_scatter_whose_binding_was_never_consumed_fails_closed",),
+           "F (indexed_chunk)", "a bound prefill whose chunk call never read the cache rows is counted routed"),
     # -- issue 50: breakable CUDA graphs replay the routed call, and capture-time dummy batches are counted apart --
     Mutant("eager-break-replays-the-unwrapped-function", "kda_patches/routing/wrappers.py",
            "        self.breaks[original] = found.decorator(self.routed_entry(found.inner))\n",

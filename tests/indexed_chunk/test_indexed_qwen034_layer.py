@@ -66,4 +66,7 @@ def test_the_twin_is_in_the_ledger(runs: released_ab.BatchRun) -> None:
     assert fact["decision"] == "indexed" and fact["kernel"].endswith("chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
     target = indexed["patches"]["gdn_state_copy"]["targets"][HOST_KEY]
     assert target["state"] == "applied", target
+    assert indexed["switches"]["KDA_PATCHES_STATE_IO"] == "indexed"
+    line = next(line for line in runs.process("indexed")["status"].splitlines() if "gdn_state_copy: prefill" in line)
+    assert f"routed {len(CASES) * PREFILL_CALLS}" in line and f"indexed {len(CASES) * PREFILL_CALLS}" in line, line
     assert runs.process("baseline")["ledger"]["patches"]["gdn_state_copy"]["state"] == "disabled"

@@ -1,0 +1,128 @@
+"""The indexed route's rules, each decided by one call: what binds, what still copies, what fails closed.
+
+The chunk call is the release's own (vLLM 0.34's vendored FLA ``chunk_gated_delta_rule_fwd_h``, interpreter); the
+plan is a recording double (the plan's own behaviour is tested in tests/state_copy): only whether the route handed
+it a copy is decided here.
+"""
+
+from __future__ import annotations
+
+import fla_interpreter
+import fla_release
+import pytest
+import torch
+
+from kda_patches.indexed_chunk import route as indexed
+from kda_patches.indexed_chunk.derive import KernelDeclaration, derive_indexed_kernel
+from kda_patches.indexed_chunk.launch import naive_indexed_fwd_h
+from kda_patches.routing import direct
+from kda_patches.routing.calls import active_call
+
+KERNEL = "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
+HEADS, KEY_HEADS, DIM = 2, 1, 32
+
+
+class RecordingPlan:
+    """Records every copy it is handed (gathers give rows of ones)."""
+
+    final_dtypes = (torch.float32,)
+
+    def __init__(self) -> None:
+        self.copies: list[str] = []
+
+    def gather(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
+        self.copies.append("gather")
+        return torch.ones(indices.shape[0], *state.shape[1:], dtype=state.dtype)
+
+    def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor) -> None:
+        self.copies.append("scatter")
+
+
+@pytest.fixture(scope="module")
+def derived():
+    module = fla_release.load_fla_module("0.34.0", "chunk_delta_h")
+    fla_interpreter.fix_for_interpreter(module)
+    return derive_indexed_kernel(module, KernelDeclaration(module=module.__name__, kernel=KERNEL,
+                                                           host="chunk_gated_delta_rule_fwd_h"))
+
+
+@pytest.fixture(autouse=True)
+def clean_call_state():
+    direct._checked_pair = (None, None, None)
+    active_call.route = None
+    yield
+    direct._checked_pair = (None, None, None)
+    active_call.route = None
+
+
+def chunk_arguments(generator: torch.Generator, lengths: list[int]) -> dict:
+    tokens = sum(lengths)
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return {"k": (torch.randn(1, tokens, KEY_HEADS, DIM, generator=generator) * 0.1).bfloat16(),
+            "w": (torch.randn(1, tokens, HEADS, DIM, generator=generator) * 0.1).bfloat16(),
+            "u": torch.randn(1, tokens, HEADS, DIM, generator=generator).bfloat16(),
+            "g": -torch.rand(1, tokens, HEADS, generator=generator).cumsum(1) * 0.05,
+            "initial_state": None, "output_final_state": True, "cu_seqlens": bounds}
+
+
+def bound_route(derived, generator: torch.Generator, rows: list[int], flags: list[bool]):
+    state = torch.randn(5, HEADS, DIM, DIM, generator=generator)
+    route = indexed.IndexedRoute(RecordingPlan(), state, derived)
+    indices, folded = torch.tensor(rows), torch.tensor(flags)
+    assert route.gather(state, indices, folded) is None
+    return route, state, indices, folded
+
+
+def test_a_foldable_gather_binds_and_copies_nothing(derived) -> None:
+    route, _, indices, _ = bound_route(derived, torch.Generator().manual_seed(1), [3, 0], [True, False])
+    assert route.rows is indices and route.gathers == 1 and route.plan.copies == []
+
+
+def test_flags_the_plan_cannot_fold_are_copied_through_the_plan(derived) -> None:
+    state = torch.randn(5, HEADS, DIM, DIM)
+    route = indexed.IndexedRoute(RecordingPlan(), state, derived)
+    packed = route.gather(state, torch.tensor([3, 0]), torch.tensor([1, 0]))  # int64 flags: not foldable
+    assert packed is not None and route.rows is None and route.plan.copies == ["gather"]
+
+
+def test_the_chunk_call_runs_the_twin_on_the_bound_rows(derived) -> None:
+    """Inside the bound call the host runs the twin: the cache rows hold what gather, release, scatter give."""
+    generator = torch.Generator().manual_seed(2)
+    route, state, indices, flags = bound_route(derived, generator, [3, 0], [True, False])
+    arguments = chunk_arguments(generator, [5, 2])
+    expected = state.clone()
+    reference = naive_indexed_fwd_h(derived, expected, indices, flags, **{
+        key: value for key, value in arguments.items() if key not in ("initial_state", "output_final_state")})
+    active_call.route = route
+    h, _, final = indexed.route_host(derived.host, (), arguments)
+    assert route.consumed and final is None and torch.equal(h, reference[0])
+    assert torch.equal(state, expected)
+    route.scatter_function_value_first(lambda *_: pytest.fail("upstream's scatter ran"), state, None, indices)
+    assert route.scatters == 1 and route.problem() is None and route.plan.copies == []
+
+
+def test_a_chunk_call_with_its_own_initial_state_runs_the_release(derived) -> None:
+    generator = torch.Generator().manual_seed(3)
+    route, state, _, _ = bound_route(derived, generator, [3, 0], [True, True])
+    arguments = chunk_arguments(generator, [5, 2])
+    arguments["initial_state"] = torch.zeros(2, HEADS, DIM, DIM)
+    before = state.clone()
+    active_call.route = route
+    _, _, final = indexed.route_host(derived.host, (), arguments)
+    assert final is not None and not route.consumed and torch.equal(state, before)
+
+
+def test_a_scatter_whose_binding_was_never_consumed_fails_closed(derived) -> None:
+    route, state, indices, _ = bound_route(derived, torch.Generator().manual_seed(4), [3, 0], [True, True])
+    with pytest.raises(indexed.IndexedStateLost, match="did not run the indexed twin"):
+        route.scatter_function_value_first(lambda *_: None, state, None, indices)
+    assert route.scatters == 0
+
+
+def test_a_scatter_to_other_rows_fails_closed(derived) -> None:
+    generator = torch.Generator().manual_seed(5)
+    route, state, _, _ = bound_route(derived, generator, [3, 0], [True, True])
+    active_call.route = route
+    indexed.route_host(derived.host, (), chunk_arguments(generator, [5, 2]))
+    with pytest.raises(indexed.IndexedStateLost, match="other rows"):
+        route.scatter_function_value_first(lambda *_: None, state, None, torch.tensor([3, 0]))
