@@ -56,13 +56,9 @@ from kda_patches.kv_layout.ascend_verdict import run_case
 from kda_patches.releases.matrix import PAIRED_VLLM
 
 # (vllm-ascend, vLLM) pairs run: each release with the vLLM release its sdist names (Dockerfile ``ARG VLLM_TAG``,
-# ``.github/vllm-release-tag.commit``). That is the conformance pairing (kda_patches.releases.matrix.PAIRED_VLLM)
-# except for 0.29.0rc1, which names v0.29.0 where PAIRED_VLLM still says 0.28.0: paired
-# with 0.29.0 there, kimi_prefill and gdn_state_copy read as broken (their runner fingerprints of vLLM 0.27-0.29
-# predate 0.29's kv_cache_allocation_context), which their records must fix first.
+# ``.github/vllm-release-tag.commit``), the conformance pairing kda_patches.releases.matrix.PAIRED_VLLM.
 ASCEND_RELEASES = ("0.26.0rc1", "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2")
-SDIST_VLLM = {**PAIRED_VLLM, "0.29.0rc1": "0.29.0"}
-RELEASES = tuple((fork, SDIST_VLLM[fork]) for fork in ASCEND_RELEASES)
+RELEASES = tuple((fork, PAIRED_VLLM[fork]) for fork in ASCEND_RELEASES)
 TENSOR_PARALLEL = (1, 2, 4, 8)
 README = pathlib.Path("docs/results/ascend-kv-layout/README.md")  # the committed table, from the repository root
 

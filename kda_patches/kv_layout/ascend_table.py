@@ -111,9 +111,8 @@ def render(rows: list[Row], bound: dict[tuple[str, str], dict[str, list[str]]], 
         "allocations",
         "the views live on; views = tensors bound to the layers (K and V, or each state, per layer). Each release "
         "runs with the",
-        "vLLM release its sdist names (Dockerfile `ARG VLLM_TAG`, `.github/vllm-release-tag.commit`): 0.29.0rc1 "
-        "with vLLM 0.29.0,",
-        "where the conformance matrix (`kda_patches.releases.matrix.PAIRED_VLLM`) still pairs it with vLLM 0.28.0.",
+        "vLLM release its sdist names (Dockerfile `ARG VLLM_TAG`, `.github/vllm-release-tag.commit`), the pairing",
+        "the conformance matrix reads (`kda_patches.releases.matrix.PAIRED_VLLM`).",
         "",
         "| vllm-ascend | vLLM | model | TP | block size | page bytes | storages | views | verdict |",
         "|---|---|---|---|---|---|---|---|---|",

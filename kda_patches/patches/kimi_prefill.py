@@ -17,8 +17,9 @@ Targets, per the released sources (``kda-patches conformance`` re-reads them):
   the overlay's plan into the fork's seam (:mod:`kda_patches.routing.fork_native`; unverified on NPUs);
 - upstream vLLM >= 0.27: ``KimiK3DeltaAttention._forward`` (prefill-gated), the ``gather_initial_states``
   name its module calls, and ``GPUModelRunner.initialize_kv_cache`` of V1 (``(self, kv_cache_config,
-  is_profiling)`` before 0.30, ``+ kv_cache_allocation_context`` from 0.30) and V2 (``(self,
-  kv_cache_config)`` before 0.30, the 4-parameter form from 0.30) -- one group; vLLM 0.34 (V2 runner only,
+  is_profiling)`` before 0.29, ``+ kv_cache_allocation_context`` from 0.29) and V2 (``(self,
+  kv_cache_config)`` before 0.29, the 4-parameter form from 0.29; one sibling per signature inside the
+  0.27-0.29 era, :mod:`kda_patches.routing.eras`) -- one group; vLLM 0.34 (V2 runner only,
   ``+ extensible``, and ``extend_kv_cache``, after which the plans are re-validated and republished:
   :mod:`kda_patches.routing.rebind`): upstream gathers through its own ``gather_initial_states`` there but still
   scatters by index assignment, so the seam is routed as before.
@@ -166,7 +167,8 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
         seams by rewrite 1``; calls a breakable CUDA-graph capture ran (dummy batches) follow as ``at graph
         capture seen N, routed N, bypassed N`` when there were any; layers where the fork keeps its own plan
         show as ``fork-native:fused=4 (…)``, layers whose prefill backend the seam does not route as ``stands-aside
-        on flashinfer=N (…)`` (their calls: ``upstream N``);
+        on flashinfer=N (…)`` (their calls: ``upstream N``); routed calls whose chunk kernel read and stored the
+        cache rows itself (``KDA_PATCHES_STATE_IO=indexed``) as ``indexed N``;
         the last part counts the wrapped seam functions by routing mechanism (facts ``routing <target>``).
     """
     counters = snapshot.get("counters", {}).get(section, {})
@@ -183,7 +185,7 @@ def format_status_line(snapshot: dict[str, Any], section: str = LEDGER_PATH) -> 
                       for kind, layers in sorted(kinds.items())) or "none published"
     line = (f"{section}: prefill calls seen {counters.get('calls_seen', 0)}, routed "
             f"{counters.get('calls_routed', 0)}, bypassed {counters.get('calls_bypassed', 0)}")
-    for extra in ("calls_refused", "calls_failed", "calls_upstream"):
+    for extra in ("calls_refused", "calls_failed", "calls_upstream", "calls_indexed"):
         if counters.get(extra):
             line += f", {extra.split('_')[1]} {counters[extra]}"
     for extra in ("casts_folded", "casts_materialized"):  # the final-state cast inside the scatter, or not

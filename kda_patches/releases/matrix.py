@@ -14,10 +14,14 @@ import re
 from kda_patches.releases.conformance import Release, Stack, check_stack
 from kda_patches.releases.fetch import normalize_dist, release_dir
 
-DEFAULT_VLLM = ("0.13.0", "0.26.0", "0.27.1", "0.28.0", "0.30.0", "0.32.0", "0.33.0", "0.34.0")
+# one release of every vLLM minor from 0.26 on (a signature can change in any minor: 0.29 changed the runners'
+# initialize_kv_cache inside an era the records had split at 0.30, and no stack read 0.29 alone), and 0.13
+DEFAULT_VLLM = ("0.13.0", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+CONTIGUOUS_FROM = "0.26.0"
 DEFAULT_ASCEND = ("0.26.0rc1", "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2")
+# the vLLM release each sdist names (Dockerfile ``ARG VLLM_TAG``, ``.github/vllm-release-tag.commit``)
 PAIRED_VLLM: dict[str, str] = {"0.26.0rc1": "0.26.0", "0.27.1rc1": "0.27.1", "0.28.0rc1": "0.28.0",
-                               "0.29.0rc1": "0.28.0", "0.30.0rc1": "0.30.0", "0.30.0rc2": "0.30.0"}
+                               "0.29.0rc1": "0.29.0", "0.30.0rc1": "0.30.0", "0.30.0rc2": "0.30.0"}
 MATRIX_PATH = "patches/SUPPORT_MATRIX.md"
 _SPEC = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*==\s*([0-9][0-9A-Za-z.+!_-]*)\s*$")
 

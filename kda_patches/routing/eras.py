@@ -2,9 +2,11 @@
 
 Both state-copy records (``kimi_prefill``, ``gdn_state_copy``) declare their targets per release era: a seam,
 the copy functions its module calls and the model runners' ``initialize_kv_cache`` hooks, applied together or
-not at all (:func:`era`). The runners' signatures change between releases; :func:`upstream_runners` and
-:func:`ascend_runners` give each era's members with that era's fingerprint. Standard library only: the
-records build these at ``import kda_patches``.
+not at all (:func:`era`). The runners' signatures change between releases, and not always where an era starts
+(vLLM 0.29 added ``kv_cache_allocation_context`` inside the 0.27-0.29 era of the seams): they are data, one
+table per runner module with the release span of each signature (:data:`UPSTREAM_RUNNER_SIGNATURES`,
+:data:`ASCEND_RUNNER_SIGNATURES`), and :func:`upstream_runners` / :func:`ascend_runners` give an era one member
+per signature, each kept to its span. Standard library only: the records build these at ``import kda_patches``.
 """
 
 from __future__ import annotations
@@ -25,11 +27,38 @@ EXTEND_KV_CACHE_PARAMETERS = ("runner", "kv_cache_config", "num_blocks")
 ASCEND_RUNNER_PARAMETERS = ("self", "kv_cache_config")
 ASCEND_RUNNER_PARAMETERS_028 = ("self", "kv_cache_config", "kv_cache_allocation_context")
 NPU_RUNNER_MODULES = ("vllm_ascend.worker.model_runner_v1", "vllm_ascend.worker.v2.model_runner")
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+# ``initialize_kv_cache`` fingerprints per runner module: (first release, first release without it, parameters),
+# None = open; read from the released sources (tests/releases/test_runner_signatures.py re-reads every release).
+# vLLM 0.29 gave both runners is_profiling and kv_cache_allocation_context; 0.34 dropped the V1 runner's module and
+# gave the V2 one extensible.
+UPSTREAM_RUNNER_SIGNATURES: dict[str, tuple[tuple[str | None, str | None, tuple[str, ...]], ...]] = {
+    V1_RUNNER_MODULE: ((None, "0.29", VLLM_RUNNER_PARAMETERS_027), ("0.29", "0.34", VLLM_RUNNER_PARAMETERS)),
+    V2_RUNNER_MODULE: ((None, "0.29", VLLM_V2_RUNNER_PARAMETERS_027), ("0.29", "0.34", VLLM_RUNNER_PARAMETERS),
+                       ("0.34", None, VLLM_V2_RUNNER_PARAMETERS_034)),
+}
+# vllm-ascend 0.28 gave both NPU runners kv_cache_allocation_context
+ASCEND_RUNNER_SIGNATURES: tuple[tuple[str | None, str | None, tuple[str, ...]], ...] = (
+    (None, "0.28", ASCEND_RUNNER_PARAMETERS), ("0.28", None, ASCEND_RUNNER_PARAMETERS_028))
 
 
 def release_tuple(version: str) -> tuple[int, ...]:
     """Return ``"0.27"`` / ``"0.27.1"`` as ``(0, 27)`` / ``(0, 27, 1)`` (era bounds are plain releases)."""
     return tuple(int(part) for part in version.split("."))
+
+
+def _later(first: str | None, second: str | None) -> str | None:
+    """The later of two lower bounds (None: open)."""
+    return second if first is None or (second is not None and release_tuple(second) > release_tuple(first)) \
+        else first
+
+
+def _earlier(first: str | None, second: str | None) -> str | None:
+    """The earlier of two upper bounds (None: open)."""
+    return second if first is None or (second is not None and release_tuple(second) < release_tuple(first)) \
+        else first
 
 
 def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], ...],
@@ -40,54 +69,66 @@ def era(distribution: str, low: str, high: str, members: tuple[tuple[Any, ...], 
     A release era is one group (named ``<distribution>-<low>``): its members -- a seam, the copy functions
     its module calls, the startup hooks -- are applied together or not at all. A key that changes between
     eras (a runner's signature, the Kimi class name) has one sibling per era, each in that era's group.
+    A member may carry its own release span (a sixth item ``(from, to)``, None open): it is declared for the
+    part of the era inside that span only, and not at all when the two do not meet -- so a runner whose
+    signature changes inside an era is one sibling per signature, each in the era's group.
 
     Args:
         distribution: ``vllm`` or ``vllm-ascend`` (also the stack label).
         low, high: the era's version range.
-        members: ``(module, qualname, wrapper, parameters, shapes)`` per target.
+        members: ``(module, qualname, wrapper, parameters, shapes)`` per target, optionally ``+ (span,)``.
         chosen_by, stands_aside: an era the user opts into (``Target.chosen_by``): every member is inert with
             the ``stands_aside`` text unless the switch has the chosen value.
     Returns:
         The era's targets, in the order given.
     """
-    return tuple(Target(module, qualname, wrapper, distribution, distribution, low, high, parameters,
-                        f"{distribution}-{low}", shapes, inert=stands_aside, chosen_by=chosen_by)
-                 for module, qualname, wrapper, parameters, shapes in members)
+    targets = []
+    for module, qualname, wrapper, parameters, shapes, *span in members:
+        first, last = (_later(low, span[0][0]), _earlier(high, span[0][1])) if span else (low, high)
+        if first is not None and last is not None and release_tuple(first) >= release_tuple(last):
+            continue  # the member's span and the era do not meet
+        targets.append(Target(module, qualname, wrapper, distribution, distribution, first, last, parameters,
+                              f"{distribution}-{low}", shapes, inert=stands_aside, chosen_by=chosen_by))
+    return tuple(targets)
+
+
+def _runner_members(module: str, cls: str, wrapper: Any,
+                    signatures: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
+    return tuple((module, f"{cls}.initialize_kv_cache", wrapper, parameters, (), (first, last))
+                 for first, last, parameters in signatures)
 
 
 def upstream_runners(wrapper: Any, low: str, rebind: Any = None) -> tuple[tuple[Any, ...], ...]:
-    """Return the era members for vLLM's runner hooks (signatures by era).
+    """Return the era members for vLLM's runner hooks, one per signature (:data:`UPSTREAM_RUNNER_SIGNATURES`).
 
     Before 0.34: V1 and V2 ``GPUModelRunner.initialize_kv_cache``. From 0.34 the V1 runner is gone (its module
     is not shipped, so it is no member: not drift) and the V2 runner's hook gained ``extensible``; the
     extensible KV cache rebinds every layer after warmup through the module-level ``extend_kv_cache``
     (imported by name in ``gpu_worker``; the registry rebinds that alias), whose ``rebind`` wrapper is a member.
+    :func:`era` keeps each signature's member to the part of the era its span covers.
 
     Args:
         wrapper: the startup wrapper of the record.
-        low: the era's lowest release (vLLM < 0.30 has the older signatures).
+        low: the era's lowest release.
         rebind: the record's ``extend_kv_cache`` wrapper (required from 0.34).
     """
     if release_tuple(low) >= (0, 34):
         if rebind is None:
             raise ValueError(f"a vLLM >= 0.34 era ({low}) needs the extend_kv_cache wrapper (rebind=)")
-        return (("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
-                 VLLM_V2_RUNNER_PARAMETERS_034, ()),
+        return (*_runner_members(V2_RUNNER_MODULE, "GPUModelRunner", wrapper,
+                                 UPSTREAM_RUNNER_SIGNATURES[V2_RUNNER_MODULE]),
                 ("vllm.v1.worker.extensible_kv_cache", "extend_kv_cache", rebind, EXTEND_KV_CACHE_PARAMETERS, ()))
-    old = release_tuple(low) < (0, 30)
-    return (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
-             VLLM_RUNNER_PARAMETERS_027 if old else VLLM_RUNNER_PARAMETERS, ()),
-            ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.initialize_kv_cache", wrapper,
-             VLLM_V2_RUNNER_PARAMETERS_027 if old else VLLM_RUNNER_PARAMETERS, ()))
+    return tuple(member for module, signatures in UPSTREAM_RUNNER_SIGNATURES.items()
+                 for member in _runner_members(module, "GPUModelRunner", wrapper, signatures))
 
 
 def ascend_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:
-    """Return the era members for vllm-ascend's V1/V2 ``NPUModelRunner.initialize_kv_cache`` (signature by era).
+    """Return the era members for vllm-ascend's V1/V2 ``NPUModelRunner.initialize_kv_cache``, one per signature
+    (:data:`ASCEND_RUNNER_SIGNATURES`; :func:`era` keeps each to its span).
 
     Args:
         wrapper: the startup wrapper of the record.
-        low: the era's lowest release (vllm-ascend >= 0.28 passes ``kv_cache_allocation_context``).
+        low: the era's lowest release (unused: the spans decide; kept for the records' calls).
     """
-    parameters = ASCEND_RUNNER_PARAMETERS if release_tuple(low) < (0, 28) else ASCEND_RUNNER_PARAMETERS_028
-    return tuple((module, "NPUModelRunner.initialize_kv_cache", wrapper, parameters, ())
-                 for module in NPU_RUNNER_MODULES)
+    return tuple(member for module in NPU_RUNNER_MODULES
+                 for member in _runner_members(module, "NPUModelRunner", wrapper, ASCEND_RUNNER_SIGNATURES))
