@@ -736,3 +736,24 @@ def test_a_case_at_the_defaults_sets_no_backend_and_its_line_says_so(tmp_path):
         line = module.engine_line(record)
         assert ("[vLLM's defaults]" in line) == (not paths) and all(f"{name}=" in line for name in paths)
     assert module.FLASHKDA_LIBRARY in at_defaults.libraries and module.FLASHKDA_LIBRARY not in forced.libraries
+
+
+def test_a_no_copy_case_passes_only_when_every_routed_call_was_indexed():
+    module = load_script()
+    indexed = case(module, state_io="indexed")
+    totals = {"calls_routed": 6, "calls_seen": 6}
+    short = {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {**totals, "calls_indexed": 5}}}
+    full = {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {**totals, "calls_indexed": 6}}}
+    assert not module.judge_case(indexed, short, passing_outputs(module))[0]
+    passed, why = module.judge_case(indexed, full, passing_outputs(module))
+    assert passed and "indexed 6 == routed" in why
+    assert module.judge_case(case(module), short, passing_outputs(module))[0]  # a copy case does not ask
+
+
+def test_the_indexed_mutant_halves_the_valid_rows_the_twin_stored():
+    module = load_script()
+    cache = torch.randn(4, 2, 3, 3)
+    before = cache.clone()
+    rows = torch.tensor([2, -1, 0, 4])
+    module._halve_after_indexed(lambda *args, **kwargs: "result", None, ("twin", cache, rows, None), {})
+    assert torch.equal(cache[[0, 2]], before[[0, 2]] * 0.5) and torch.equal(cache[[1, 3]], before[[1, 3]])

@@ -177,6 +177,9 @@ class Case:
     # no backend argument at all (attention, GDN / KDA prefill and decode left to vLLM): the case runs what vLLM picks
     # on this GPU, which needs the libraries it picks carried (:data:`DEFAULT_BACKEND_LIBRARIES`)
     at_defaults: bool = False
+    # KDA_PATCHES_STATE_IO (issue 51: ``indexed`` -- the chunk kernel reads and stores the cache rows, no copy); an
+    # indexed case must find every routed call indexed (``calls_indexed == calls_routed``)
+    state_io: str | None = None
 
     @property
     def libraries(self) -> tuple[str, ...]:
@@ -247,6 +250,13 @@ CASES = (
          at_defaults=True, mutant="scatter-halved"),
     # the same with the Triton prefill/decode backends forced (FlashKDA not carried): breakable graphs alone
     Case("kimi_k3-v2-prefix-graphs-034", "kimi_k3", "v2", True, False, release="0.34.0", extensible=True),
+    # issue 51: no copy -- Qwen's seam routed (Triton GDN prefill, forced as in every Qwen3-Next case), its chunk
+    # kernel the indexed twin; compiled + CUDA graphs with the JIT watch (the twin compiles before serving), and a
+    # negative control whose twin leaves halved states in the cache
+    Case("qwen3_next-v2-prefix-compiled-034-indexed-jit-watch", "qwen3_next", "v2", True, False, release="0.34.0",
+         extensible=True, jit_watch=True, state_io="indexed"),
+    Case("qwen3_next-v2-prefix-eager-034-indexed-NEGATIVE", "qwen3_next", "v2", True, True, release="0.34.0",
+         extensible=True, state_io="indexed", mutant="indexed-halved"),
 )
 # kda_patches.state_copy.errors.LEDGER_SECTION (the plans' per-layer facts), written out like STEP_TIMES_ENV: this
 # script's module level runs before kda_patches is importable; a test keeps the two equal
@@ -258,7 +268,9 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 ENV_RECORD_ENV = "KDA_ENGINE_ENV_RECORD_DIR"
 PREEMPT_MAX_MODEL_LEN = 1408  # the longest request holds 1340 tokens; a small cache must still hold one request
 MUTANTS = {"scatter-halved": "every final state the plan scatters is halved first (a wrong store): the cache "
-                             "then holds states the unpatched engine never wrote"}
+                             "then holds states the unpatched engine never wrote",
+           "indexed-halved": "every cache row the indexed twin stored is halved after it (a wrong store without a "
+                             "scatter: KDA_PATCHES_STATE_IO=indexed)"}
 OP_LOOKUP_ONLY = {
     "silu_and_mul": "SiluAndMul.__init__ (layers/activation.py) stores it on CUDA; with custom_ops none its native "
     "forward runs",
@@ -410,6 +422,14 @@ def _halve_before_scatter(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     return wrapped(state, packed * 0.5, *rest, **kwargs)
 
 
+def _halve_after_indexed(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    _, cache, rows, *_ = args
+    result = wrapped(*args, **kwargs)
+    valid = rows[(rows >= 0) & (rows < cache.shape[0])].long()
+    cache[valid] = cache[valid] * 0.5
+    return result
+
+
 def record_process_env(folder: pathlib.Path) -> pathlib.Path:
     """Write ``folder/env-<pid>.json``: this process's command line and its :data:`NO_MULTICAST` variables."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -456,8 +476,12 @@ def install_engine_stand_ins() -> None:
     if mutant:
         if mutant not in MUTANTS:
             raise ValueError(f"{MUTANT_ENV}={mutant!r}: known mutants {sorted(MUTANTS)}")
-        wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
-            module, "StateCopyPlan.scatter_eager", _halve_before_scatter), "kda_patches.state_copy.plan")
+        if mutant == "indexed-halved":  # the route calls the twin by its module-level name
+            wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
+                module, "indexed_fwd_h", _halve_after_indexed), "kda_patches.indexed_chunk.route")
+        else:
+            wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
+                module, "StateCopyPlan.scatter_eager", _halve_before_scatter), "kda_patches.state_copy.plan")
 
 
 # ---------------------------------------------------------------- the plan of a run (parent)
@@ -599,6 +623,8 @@ def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, st
         env[MUTANT_ENV] = case.mutant
     if case.gdn_ops:
         env["KDA_PATCHES_GDN_OPS"] = case.gdn_ops
+    if case.state_io:
+        env["KDA_PATCHES_STATE_IO"] = case.state_io
     if case.pdl:
         env.pop("KDA_PATCHES_PDL", None)
     return env
@@ -733,7 +759,8 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
     vLLM's JIT monitor (``jit_watch``) passes :func:`judge_jit`; a PDL case's plans were compiled with PDL
     (:func:`plans_launched_with_pdl`); a case at vLLM's defaults found its layers on the backend vLLM picks there
     (:data:`DEFAULT_PREFILL_BACKENDS`); calls a breakable CUDA-graph capture ran (``<patch>:capture``) were all
-    routed. A scenario the case claims but did not produce is a failure, never a pass.
+    routed; a no-copy case (``state_io="indexed"``) indexed every routed call. A scenario the case claims but did
+    not produce is a failure, never a pass.
     """
     verdict = report.get("verdict", "error")
     patch = MODELS[case.model].patch
@@ -786,6 +813,11 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
             return False, (f"{patch} at graph capture routed {captured.get('calls_routed')} of "
                            f"{captured.get('calls_seen')}")
         notes += f"; at graph capture routed {captured.get('calls_routed', 0)} == seen {captured.get('calls_seen', 0)}"
+    if case.state_io == "indexed":  # no copy: every routed call ran the indexed twin
+        indexed = int((counters.get(patch) or {}).get("calls_indexed", 0))
+        if indexed != routed:
+            return False, f"{patch} indexed {indexed} of {routed} routed calls (KDA_PATCHES_STATE_IO=indexed)"
+        notes += f"; indexed {indexed} == routed"
     if case.stands_aside:
         return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen){notes}"
     return True, (f"{verdict}; {patch} routed {routed} == seen {seen}" + (f"; rebinds {rebinds}" if rebinds else "")
