@@ -21,7 +21,9 @@ parts):
    final-state store block only ``if kda_valid``, each ``Y.to(P.dtype.element_ty)`` stored there becoming the
    exact cast of ``Y`` to the cache dtype.
 
-Anything else in the source is kept as it is. A source that is not of this shape (a block missing or doubled, the
+Anything else in the source is kept as it is. The twin runs in a copy of the kernel module's namespace taken when
+it is derived (plus ``kda_cast_bits``): nothing is added to the release's module, and a name the module rebinds later
+is not seen by the twin. A source that is not of this shape (a block missing or doubled, the
 state read or written elsewhere, a name of the twin's already taken, a non-literal ``jit`` keyword) is refused with
 :class:`DerivationRefused` naming the part, and nothing is built.
 """
