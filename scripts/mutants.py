@@ -209,6 +209,17 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/ascend_layout/test_ascend_verifier.py::"
             "test_overlap_refuses_to_start_kimi_k3_on_030_naming_witness_and_fix",),
            "B (kv_layout)", "vllm-ascend 0.30 + Kimi K3 starts with two requests' cache bytes colliding"),
+    Mutant("vllm-029-runner-fingerprint-from-030", "kda_patches/routing/eras.py",
+           '((None, "0.29", VLLM_RUNNER_PARAMETERS_027), ("0.29", "0.34", VLLM_RUNNER_PARAMETERS))',
+           '((None, "0.30", VLLM_RUNNER_PARAMETERS_027), ("0.30", "0.34", VLLM_RUNNER_PARAMETERS))',
+           ("tests/releases/test_runner_signatures.py::test_every_declared_runner_fingerprint_is_the_releases",),
+           "B (releases)", "on vLLM 0.29 the state-copy records expect the V1 runner without "
+           "kv_cache_allocation_context and are skipped as drift"),
+    Mutant("verifies-beside-a-plain-target", "kda_patches/releases/conformance.py",
+           '    if all(any(name.startswith(VERIFY_SHAPE_PREFIX) for name in t["shapes"]) for t in here):',
+           '    if any(any(name.startswith(VERIFY_SHAPE_PREFIX) for name in t["shapes"]) for t in here):',
+           ("tests/releases/test_verify_rule.py::test_a_verifier_beside_a_target_that_changes_something_works",),
+           "B (releases)", "conformance says a patch only verifies while another of its targets changes the code"),
     # -- issue 19: the rewritten twin's guards, and the alias's transpose tag -----------------------------
     Mutant("rewrite-fold-any-clear-value", REWRITE,
            "if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1 and _is_zero(statement.value)):",

@@ -30,8 +30,8 @@ LINE_MAX_CHARS = 300
 SWITCH_LINE_MAX_CHARS = 200
 CELL_MAX_WORDS = 60
 # the support matrix's verdict -> the README's first words for it ("inert" where a patch has no target on the stack)
-VERDICT_WORDS = {"works": ("acts",), "stands down": ("stands aside",), "inert": ("inert", "n/a"),
-                 "broken": ("broken",)}
+VERDICT_WORDS = {"works": ("acts",), "stands down": ("stands aside",), "verifies": ("verifies",),
+                 "inert": ("inert", "n/a"), "broken": ("broken",)}
 # the README's stack label -> the support matrix stacks its columns cover
 STACKS = {"vLLM": ("vllm", "vllm-cpu"), "vllm-ascend": ("vllm-ascend",), "vllm-plugin-FL": ()}
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -208,14 +208,17 @@ def wrap_get_kv_cache_configs(wrapped: Any, instance: Any, args: tuple, kwargs: 
 
 def _target(module: str, qualname: str, wrapper: Any, parameters: tuple[str, ...] | None, stack: str = "vllm",
             distribution: str = "vllm", min_version: str | None = None, max_version: str | None = None,
-            group: str | None = None, inert: str | None = None) -> Target:
+            group: str | None = None, inert: str | None = None, shapes: tuple[str, ...] = ()) -> Target:
     return Target(module=module, qualname=qualname, wrapper=wrapper, stack=stack, distribution=distribution,
-                  min_version=min_version, max_version=max_version, parameters=parameters, group=group, inert=inert)
+                  min_version=min_version, max_version=max_version, parameters=parameters, group=group, inert=inert,
+                  shapes=shapes)
 
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _FL_RUNNER = "vllm_fl.worker.model_runner"
 _ASCEND_RUNNER = "vllm_ascend.worker.model_runner_v1"
+# what the read-only verifier relies on in the fork (kda_patches.releases.shapes; conformance: "verifies")
+ASCEND_VERIFY_SHAPE = "verify:npu_reshape_views_bound"
 _BIND = ("vllm.model_executor.layers.mamba.abstract", "MambaBase.bind_kv_cache", wrap_mamba_bind_kv_cache,
          BIND_PARAMETERS)
 _EXTENSIBLE_INERT = ("vLLM 0.34's extensible KV cache (default on CUDA/ROCm) rebuilds every layer's views after "
@@ -249,10 +252,10 @@ PATCH = Patch(
                 max_version="0.14"),
         _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", wrap_ascend_reshape_kv_cache_tensors,
                 ASCEND_RESHAPE_PARAMETERS, stack="vllm-ascend", distribution="vllm-ascend", min_version="0.26",
-                max_version="0.30"),
+                max_version="0.30", shapes=(ASCEND_VERIFY_SHAPE,)),
         _target(_ASCEND_RUNNER, "NPUModelRunner._reshape_kv_cache_tensors", wrap_ascend_reshape_kv_cache_tensors,
                 ASCEND_RESHAPE_030_PARAMETERS, stack="vllm-ascend", distribution="vllm-ascend", min_version="0.30",
-                max_version="0.31"),
+                max_version="0.31", shapes=(ASCEND_VERIFY_SHAPE,)),
         _target("vllm.v1.worker.utils", "allocate_kv_cache", wrap_allocate_kv_cache, ALLOCATE_PARAMETERS,
                 min_version="0.29", max_version="0.34", group="page-views-allocate"),
         _target(*_BIND, min_version="0.27", max_version="0.29", group="page-views-reshape"),

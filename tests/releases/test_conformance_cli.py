@@ -19,7 +19,7 @@ def test_json_report_of_a_paired_stack(capsys: pytest.CaptureFixture[str]) -> No
     assert stack["stack"] == "vllm-ascend==0.28.0rc1 + vllm==0.28.0"
     assert stack["releases"] == {"vllm-ascend": "0.28.0rc1", "vllm": "0.28.0"}
     verdicts = {name: entry["verdict"] for name, entry in stack["patches"].items()}
-    assert set(verdicts.values()) <= {"works", "stands down", "inert", "broken"}
+    assert set(verdicts.values()) <= {"works", "stands down", "verifies", "inert", "broken"}
     assert status == (1 if "broken" in verdicts.values() else 0)
     for entry in stack["patches"].values():
         for target in entry["targets"]:
