@@ -229,7 +229,8 @@ def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
          FORWARD_CORE_PARAMETERS, _QWEN_034_SHAPES),), chosen_by=("gdn_ops", QWEN_034_ROUTED_BY),
         stands_aside=QWEN_034_STAND_ASIDE)
     indexed = Target(FLA_CHUNK_STATE.module, FLA_CHUNK_STATE.host, wrap_fla_chunk_state, "vllm", "vllm", low, high,
-                     FLA_CHUNK_STATE_PARAMETERS, qwen[0].group, inert=STATE_IO_COPY,
+                     FLA_CHUNK_STATE_PARAMETERS, qwen[0].group, (f"indexed:{FLA_CHUNK_STATE.kernel}",),
+                     inert=STATE_IO_COPY,
                      chosen_by=("state_io", ("indexed",)))
     kimi_linear = era("vllm", low, high, (
         (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_034_forward,

@@ -242,6 +242,25 @@ def all_of(*predicates: Predicate) -> Predicate:
     return predicate
 
 
+def derives_indexed_twin(kernel: str) -> Predicate:
+    """The kernel ``kernel`` of the target's module is of the shape :mod:`kda_patches.indexed_chunk.derive` edits
+    (its initial/final-state offsets, load and store blocks): the indexed twin can be derived from it."""
+    def predicate(context: ShapeContext) -> ShapeResult:
+        from kda_patches.indexed_chunk.derive import DerivationRefused, KernelDeclaration, edit_kernel_source
+
+        module = context.definition.module if context.definition is not None else context.target.module
+        definition = context.source.resolve(module, kernel)
+        if definition is None or not isinstance(definition.node, ast.FunctionDef):
+            return ShapeResult(False, f"{module}:{kernel} is absent or not a function")
+        try:
+            edit_kernel_source(ast.unparse(definition.node), KernelDeclaration(module=module, kernel=kernel,
+                                                                               host=context.target.qualname))
+        except DerivationRefused as refused:
+            return ShapeResult(False, str(refused))
+        return ShapeResult(True, f"{definition.relative_path}:{definition.node.lineno} {kernel} derives its twin")
+    return predicate
+
+
 def _shapes(*shapes: Shape) -> dict[str, Shape]:
     return {shape.name: shape for shape in shapes}
 
@@ -318,6 +337,11 @@ SHAPES: dict[str, Shape] = _shapes(
           "docs/results/ascend-kv-layout/README.md)",
           all_of(*(any_calls(_RUNNERS[0][0], "NPUModelRunner.initialize_kv_cache_tensors", function)
                    for function in ("self._reshape_kv_cache_tensors", "bind_kv_cache")))),
+    Shape("indexed:chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+          "the chunk-state kernel beside the wrapped host function has the declared shape (dense `h0`/`ht` offset by "
+          "the packed row, a guarded load block and a guarded store block casting to the pointer's element type), "
+          "so its indexed twin is derived from it (KDA_PATCHES_STATE_IO=indexed)",
+          derives_indexed_twin("chunk_gated_delta_rule_fwd_kernel_h_blockdim64")),
     Shape("unpads:m.unpadded(_, num_actual_reqs)",
           "the GDN builder builds from the first `num_actual_reqs` rows only (`m = m.unpadded(..., num_actual_reqs)`), "
           "as gdn_host_flags' flags do",
