@@ -1,4 +1,4 @@
-"""vllm-ascend 0.26-0.30's own KV-cache layouts of real models, executed on the CPU and proven with the checker.
+"""vllm-ascend 0.26-0.30's (and vLLM 0.34's) own KV-cache layouts of real models, executed on the CPU and proven.
 
 For every release of the fork, every model of :mod:`kda_patches.kv_layout.ascend_models` and tensor-parallel size
 1, 2, 4 and 8, this module runs the released code path that decides and builds the KV cache, on the ``meta``
@@ -28,6 +28,11 @@ What is stood in (:data:`kda_patches.kv_layout.ascend_engine.STOOD_IN`): the eng
 layers' constructor-set attributes), the device (``meta``), the model registry lookup, and vLLM's logger. A release
 whose code cannot run this way for a model gets the verdict ``not checkable`` with what stopped it.
 
+vLLM 0.34 (:func:`run_upstream`): the same models and TPs on vLLM's own extensible KV cache, the views bound at
+``initialize_kv_cache`` and those ``extend_kv_cache`` rebinds after warmup, each proven
+(:mod:`kda_patches.kv_layout.upstream034_stack` runs the release code, :mod:`kda_patches.kv_layout.upstream034_proof`
+proves it); the README gives them a section of their own.
+
 Run ``python -m kda_patches.kv_layout.ascend_proof --write docs/results/ascend-kv-layout/README.md`` to
 regenerate the committed table; ``--check`` compares instead of writing.
 ``--check`` with no path compares the committed table (``docs/results/ascend-kv-layout/README.md``).
@@ -47,6 +52,7 @@ import difflib
 import logging
 import pathlib
 import sys
+from typing import Any
 
 from kda_patches.kv_layout import ascend_models
 from kda_patches.kv_layout.ascend_engine import engine_environment
@@ -60,6 +66,7 @@ from kda_patches.releases.matrix import PAIRED_VLLM
 ASCEND_RELEASES = ("0.26.0rc1", "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2")
 RELEASES = tuple((fork, PAIRED_VLLM[fork]) for fork in ASCEND_RELEASES)
 TENSOR_PARALLEL = (1, 2, 4, 8)
+UPSTREAM_RELEASES = ("0.34.0",)  # vLLM releases whose extensible KV cache is proven before and after the rebind
 README = pathlib.Path("docs/results/ascend-kv-layout/README.md")  # the committed table, from the repository root
 
 
@@ -89,6 +96,34 @@ def run_all(releases: tuple[tuple[str, str], ...] = RELEASES) -> tuple[list[Row]
     return rows, bound
 
 
+def run_upstream(releases: tuple[str, ...] = UPSTREAM_RELEASES) -> tuple[list[Any], dict[str, dict[str, list[str]]]]:
+    """Every vLLM release x model x TP of the extensible KV cache (:mod:`~kda_patches.kv_layout.upstream034_proof`).
+
+    Returns:
+        ``(rows, what each release's tree resolved, by kind)``; a row is ``(vLLM, model, TP, RebindResult)``.
+    """
+    from kda_patches.kv_layout.upstream034_proof import run_case as run_rebind_case
+    from kda_patches.kv_layout.upstream034_stack import Upstream034Stack
+
+    rows, bound = [], {}
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with engine_environment():
+            for vllm in releases:
+                stack = Upstream034Stack(vllm)
+                try:
+                    for model_name in ascend_models.MODELS:
+                        for tp in TENSOR_PARALLEL:
+                            rows.append((vllm, model_name, tp, run_rebind_case(stack, model_name, tp)))
+                finally:
+                    stack.close()
+                bound[vllm] = stack.tree.report()
+    finally:
+        logging.disable(previous)
+    return rows, bound
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: print the README, ``--write`` it, or ``--check`` a committed one.
 
@@ -104,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fail if this README (default {README}) differs from a fresh run (dates aside)")
     args = parser.parse_args(argv)
     rows, bound = run_all()
-    text = render(rows, bound, datetime.date.today().isoformat())
+    text = render(rows, bound, datetime.date.today().isoformat(), run_upstream())
     if args.check is not None:
         committed = args.check.read_text(encoding="utf-8")
         if not same_but_date(committed, text):

@@ -14,6 +14,7 @@ from kda_patches.kv_layout.ascend_engine import MAX_MODEL_LEN, NUM_BLOCKS, STOOD
 from kda_patches.kv_layout.ascend_verdict import CaseResult
 
 Row = tuple[str, str, str, int, CaseResult]  # (vllm-ascend, vLLM, model, TP, result)
+UpstreamRow = tuple[str, str, int, Any]  # (vLLM, model, TP, upstream034_proof.RebindResult)
 DATE_PATTERN = r"\b20\d\d-\d\d-\d\d\b"
 
 
@@ -69,7 +70,72 @@ def group_cases(rows: list[Row], notes: dict[str, str], verdicts: tuple[str, ...
                      for (tps, labels), (pairings, models) in merged.items()) or "none"
 
 
-def render(rows: list[Row], bound: dict[tuple[str, str], dict[str, list[str]]], date: str) -> str:
+def upstream_section(upstream: list[UpstreamRow], bound: dict[str, dict[str, list[str]]]) -> list[str]:
+    """The vLLM 0.34 section: one row per model x TP, the views before and after ``extend_kv_cache`` proven.
+
+    Args:
+        upstream: the 0.34 cases (:func:`kda_patches.kv_layout.ascend_proof.run_upstream`).
+        bound: per vLLM release, what its release tree resolved, by kind.
+
+    Returns:
+        The section's lines.
+    """
+    from kda_patches.kv_layout.upstream034_stack import STOOD_IN as UPSTREAM_STOOD_IN
+
+    details: dict[str, str] = {}
+    lines = [
+        "## vLLM 0.34: the extensible KV cache before and after `extend_kv_cache`", "",
+        "vLLM's own code executed from the release cache on the CPU "
+        "(`kda_patches/kv_layout/upstream034_stack.py`): the model's config",
+        "hooks and `Platform.update_block_size_for_backend` (hybrid block-size alignment and Mamba page padding), the "
+        "layers'",
+        "specs, `resolve_kv_cache_layout`, the planner (`get_global_kv_cache_groups`, `get_kv_cache_configs`), the "
+        "worker's",
+        "`pad_kv_cache_segments`, `ExtensibleKVCache` and `init_kv_cache` (`allocate_kv_cache`, `bind_kv_caches`, each "
+        "layer's",
+        "`bind_kv_cache`), warmup's `ensure_kv_cache_blocks`, then `extend_kv_cache` (commit, `committed_views`, "
+        "`bind_kv_caches`",
+        "again). *Before*: the views bound at `initialize_kv_cache`, every block id of the reservation; *after*: the "
+        "views",
+        "`extend_kv_cache` rebound, every final block id. Views are checked per address space (storages whose bytes "
+        "intersect:",
+        "after the rebind each layer's view is its own tensor over a segment that layers of other groups share), and "
+        "each",
+        "inside its own storage.", "",
+        "| vLLM | model | TP | layout | block size | page bytes | block ids before / after | address spaces before / "
+        "after | views | verdict before | verdict after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for vllm, model, tp, result in upstream:
+        before, after = result.phases["before"], result.phases["after"]
+        cells = []
+        for phase in (before, after):
+            verdict = phase.verdict
+            if phase.detail:
+                label = details.setdefault(phase.detail, f"U{len(details) + 1}")
+                verdict = f"{verdict} ({label})"
+            cells.append(f"**{verdict}**" if phase.verdict in ("overlap found", "out of storage") else verdict)
+        blocks = "" if result.capacity is None else f"{result.capacity} / {result.final}"
+        spaces = "" if before.num_storages is None else f"{before.num_storages} / {_cell(after.num_storages)}"
+        lines.append(f"| {vllm} | {model} | {tp} | {_cell(result.layout)} | {_cell(before.block_size)} | "
+                     f"{_cell(before.page_bytes)} | {blocks} | {spaces} | {_cell(before.num_views)} | {cells[0]} | "
+                     f"{cells[1]} |")
+    lines.append("")
+    for detail, label in details.items():
+        lines.append(f"- **{label}**: {detail}")
+    if details:
+        lines.append("")
+    for vllm, kinds in bound.items():
+        executed = kinds.get("release", []) + kinds.get("release (on use)", [])
+        lines.append(f"vLLM {vllm}: {len(executed)} definitions executed from "
+                     f"{len({name.split(':')[0] for name in executed})} release files, {len(kinds.get('standin', []))} "
+                     f"stand-ins, {len(kinds.get('inert', []))} inert names.")
+    lines += ["", "Stood in:", ""]
+    lines += [f"- {name}: {why}." for name, why in UPSTREAM_STOOD_IN.items()]
+    return [*lines, ""]
+
+
+def render(rows: list[Row], bound: dict[tuple[str, str], dict[str, list[str]]], date: str,
+           upstream: tuple[list[UpstreamRow], dict[str, dict[str, list[str]]]] | None = None) -> str:
     """The results README (deterministic for given rows, apart from ``date``).
 
     Args:
@@ -77,6 +143,7 @@ def render(rows: list[Row], bound: dict[tuple[str, str], dict[str, list[str]]], 
         bound: per (vllm-ascend, vLLM) pairing, what its release tree resolved, by kind
             (:meth:`~kda_patches.kv_layout.release_exec.ReleaseTree.report`).
         date: the date the summary names.
+        upstream: the vLLM 0.34 cases and what their release tree resolved (a section of their own), or None.
 
     Returns:
         The README text.
@@ -86,8 +153,13 @@ def render(rows: list[Row], bound: dict[tuple[str, str], dict[str, list[str]]], 
         counts[result.verdict] = counts.get(result.verdict, 0) + 1
     notes = label_details(rows)
     verdict_line = ", ".join(f"{count} {verdict}" for verdict, count in sorted(counts.items()))
+    upstream_counts: dict[str, int] = {}
+    for *_, result in (upstream[0] if upstream else []):
+        upstream_counts[result.verdict] = upstream_counts.get(result.verdict, 0) + 1
+    upstream_line = ", ".join(f"{count} {verdict}" for verdict, count in sorted(upstream_counts.items()))
     lines = [
-        "# vllm-ascend 0.26-0.30: the fork's own KV-cache layouts of real models, proven on the CPU (issue 53)",
+        "# vllm-ascend 0.26-0.30 and vLLM 0.34: the stacks' own KV-cache layouts of real models, proven on the CPU "
+        "(issue 53)",
         "",
         "## Summary",
         "",
@@ -101,6 +173,8 @@ def render(rows: list[Row], bound: dict[tuple[str, str], dict[str, list[str]]], 
         f"- **Newest verdict**: {date}, **CPU** (no device): {verdict_line} of {len(rows)} cases.",
         f"  Overlap: {group_cases(rows, notes, ('overlap found', 'out of storage'))}.",
         f"  Not checkable: {group_cases(rows, notes, ('not checkable',))}.",
+        *([f"  vLLM 0.34 extensible KV cache, views before and after `extend_kv_cache`: {upstream_line} of "
+           f"{len(upstream[0])} cases."] if upstream else []),
         "- **Command**: `python -m kda_patches.kv_layout.ascend_proof --write "
         "docs/results/ascend-kv-layout/README.md`",
         "  (`--check` compares; `tests/ascend_layout/test_ascend_layout_table.py` fails when this file drifts).",
@@ -175,6 +249,8 @@ def render(rows: list[Row], bound: dict[tuple[str, str], dict[str, list[str]]], 
               "dtype bfloat16, `cache_dtype` auto, no speculative decoding, no KV transfer, no `VLLM_*` variables. "
               "Model numbers and their",
               "sources: `kda_patches/kv_layout/ascend_models.py`.", ""]
+    if upstream is not None:
+        lines += upstream_section(*upstream)
     return "\n".join(lines)
 
 

@@ -69,10 +69,13 @@ STOOD_IN = {
     "attention backend selection": "the backend of BACKENDS (the CUDA platform's first choice on an H100) for every "
                                    "full-attention layer; Platform._find_non_ssm_backends answers it",
     "attention groups": "init_attn_backend's discovery: one AttentionGroup (the release's class) per KV cache group, "
-                        "the attention backend for attention groups, none for state groups; kernel_block_size set "
+                        "with the backend its first layer names (BACKENDS, or the GDN backend for state layers); "
+                        "kernel_block_size set "
                         "as create_metadata_builders sets it (select_common_block_size); no metadata builders",
     "layers": "Attention / MLAAttention / MambaBase objects without __init__ (the attributes their constructor sets), "
-              "with the release's get_kv_cache_spec and bind_kv_cache",
+              "with the release's get_kv_cache_spec and bind_kv_cache; every state layer is MambaBase (the Qwen GDN "
+              "layer's own get_kv_cache_spec, which adds FlashInfer prefill checkpoints when it exports them, is not "
+              "run: no checkpoints, as without FlashInfer's GDN prefill)",
     "runner": "a namespace with what initialize_kv_cache / extend_kv_cache read and set (configs, device, attention "
               "groups, kernel block sizes, no speculator, kv_caches_by_layer)",
     "ModelRegistry.resolve_model_cls": "the model class of MODEL_MODULES with the release's state shape/dtype "
