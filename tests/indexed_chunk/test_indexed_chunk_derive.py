@@ -66,3 +66,30 @@ def test_a_source_not_of_the_declared_shape_is_refused_naming_the_part(edit: tup
     with pytest.raises(DerivationRefused, match=part) as refused:
         derive(BASE.replace(old, new, 1))
     assert "tests.kernel.kernel" in str(refused.value) and "keeps copying" in str(refused.value)
+
+
+def write_release(root, kernel_source: str):
+    """A release of one module ``fla.chunk_delta_h`` holding ``kernel_source`` and a host function."""
+    from kda_patches.releases.source import ReleaseSource
+
+    (root / "fla").mkdir()
+    (root / "fla" / "__init__.py").write_text("")
+    (root / "fla" / "chunk_delta_h.py").write_text(kernel_source.strip() + "\n\n\ndef host(k, w, u):\n    pass\n")
+    return ReleaseSource(root)
+
+
+@pytest.mark.parametrize("breaks", [False, True])
+def test_conformance_checks_that_the_release_kernel_derives(tmp_path, breaks: bool) -> None:
+    """The shape the no-copy target declares holds exactly when the kernel beside its host function derives."""
+    from kda_patches.registry import Target
+    from kda_patches.releases.shapes import check_shape
+
+    source = BASE.replace("tl.store(ht + o, b_h.to(ht.dtype.element_ty))", "tl.store(ht + o, b_h)") if breaks \
+        else BASE
+    kernel = "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
+    release = write_release(tmp_path, source.replace("def kernel(", f"def {kernel}("))
+    target = Target("fla.chunk_delta_h", "host", lambda wrapped, instance, args, kwargs: None)
+    result = check_shape(f"indexed:{kernel}", release, target,
+                         release.resolve("fla.chunk_delta_h", "host"))
+    assert result.ok is not breaks, result.evidence
+    assert ("STORE_FINAL_STATE block" in result.evidence) is breaks
