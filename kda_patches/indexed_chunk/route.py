@@ -6,11 +6,14 @@ is applied, its module's kernel is derived into the indexed twin (:func:`prepare
 the seam keeps copying). A routed call of such a seam then runs with an :class:`IndexedRoute`:
 
 - the seam's gather (``X = S[I]`` with its folded clear, or ``gather_initial_states(S, I, F)``) binds ``S``'s rows
-  ``I`` and flags ``F`` and gives ``None`` as the initial state -- nothing is copied;
-- the chunk call reaches the wrapped host function with ``initial_state=None`` inside that call
-  (:func:`route_host`): the twin reads ``S[I[n]]`` where ``F[n]`` (zeros otherwise) and stores the final states into
-  ``S[I[n]]`` in the cache dtype, and the host returns ``None`` as the final state;
-- the seam's scatter of that ``None`` to the same rows is then already done.
+  ``I`` and flags ``F`` and gives an uninitialized placeholder as the initial state -- nothing is copied;
+- the chunk call reaches the wrapped host function with that placeholder (:func:`route_host`): the twin reads
+  ``S[I[n]]`` where ``F[n]`` (zeros otherwise) and stores the final states into ``S[I[n]]`` in the cache dtype, and
+  the host returns another placeholder as the final state;
+- the seam's scatter of that placeholder to the same rows is then already done.
+
+A seam whose layer may prefill on another backend (Kimi K3's FlashKDA) declares the backends the twin serves
+(``IndexedChunk.backend``); a layer on any other one only copies.
 
 Anything the route cannot bind exactly (another tensor under the cache's name, flags the plan could not fold, a gather
 into another dtype) copies through the plan as the copy route does. A bound call whose chunk call did not consume the
@@ -71,59 +74,71 @@ def forget_host(key: str) -> None:
 class IndexedRoute(DirectRoute):
     """A :class:`~kda_patches.routing.direct.DirectRoute` whose gather binds rows instead of copying them.
 
+    The gather gives a *placeholder*: an uninitialized ``[S, H, V, K]`` tensor of the cache's dtype, which the chunk
+    chain passes on unread (``.contiguous()`` of it is itself) until the wrapped host function recognises it and runs
+    the twin, which gives another placeholder as the final state (``.to(cache dtype)`` of it is itself); the seam's
+    scatter of that final placeholder to the bound rows is then already done.
+
     Attributes (beyond the copy route's):
         derived: the indexed twin the chunk call launches.
+        layer: the layer of the call (its backend decides whether the route binds, ``Seam.indexed.backend``).
         rows, flags: the bound rows and flags (None until the gather binds).
+        initial, final: the placeholders of the bound call (None until the gather binds / the twin runs).
         consumed: whether the chunk call ran the twin on the binding.
     """
 
-    __slots__ = ("consumed", "derived", "flags", "rows")
+    __slots__ = ("consumed", "derived", "final", "flags", "initial", "layer", "rows")
 
-    def __init__(self, plan: Any, state: torch.Tensor, derived: DerivedKernel) -> None:
+    def __init__(self, plan: Any, state: torch.Tensor, derived: DerivedKernel, layer: Any = None,
+                 gate: Any = None) -> None:
         super().__init__(plan, state)
         self.derived = derived
-        self.rows = self.flags = None
+        self.layer = layer if gate is None or gate.stands_aside_on(layer) is None else _COPY_ONLY
+        self.rows = self.flags = self.initial = self.final = None
         self.consumed = False
 
     def _bind(self, state: torch.Tensor, indices: Any, flags: Any) -> bool:
-        if state is not self.state or self.rows is not None or not _is_vector(indices):
+        if (state is not self.state or self.rows is not None or self.layer is _COPY_ONLY
+                or not _is_vector(indices)):
             return False
         if flags is not None and not foldable(flags, indices, state):
             return False
         self.rows, self.flags = indices, flags
+        self.initial = torch.empty((indices.shape[0], *state.shape[1:]), dtype=state.dtype, device=state.device)
         self.gathers += 1
         self.vector = indices
         return True
 
     def gather(self, state: torch.Tensor, indices: Any, flags: Any, clear: Any = None) -> Any:
-        """Bind ``state``'s rows ``indices`` (flags folded) and give None; else copy as the copy route does."""
+        """Bind ``state``'s rows ``indices`` (flags folded), giving the placeholder; else copy as the copy route."""
         if self._bind(state, indices, flags):
-            return None
+            return self.initial
         return super().gather(state, indices, flags, clear)
 
     def gather_function(self, function: Any, state: torch.Tensor, indices: Any, flags: Any, **keywords: Any) -> Any:
-        """Bind ``function(state, indices, flags)``'s rows and give None (only into the cache's own dtype)."""
+        """Bind ``function(state, indices, flags)``'s rows, giving the placeholder (only into the cache's dtype)."""
         wanted = keywords.get("output_dtype")
         if (wanted is None or wanted is state.dtype) and self._bind(state, indices, flags):
-            return None
+            return self.initial
         return super().gather_function(function, state, indices, flags, **keywords)
 
     def scatter_through_plan(self, state: torch.Tensor, indices: Any, value: Any, casts: bool) -> bool:
-        """A bound call's scatter of None: the twin already stored it; anything else as the copy route does.
+        """A bound call's scatter: the twin already stored its final states; an unbound one as the copy route does.
 
         Raises:
-            IndexedStateLost: a scatter of None whose binding the chunk call did not consume, or of other rows.
+            IndexedStateLost: in a bound call, the chunk call never ran the twin (whatever is scattered was computed
+                from the unread placeholder), or the seam scatters something else or to other rows.
         """
-        if value is not None or self.rows is None:
+        if self.rows is None:
             return super().scatter_through_plan(state, indices, value, casts)
         if not self.consumed:
             raise IndexedStateLost(
                 "the prefill's chunk call did not run the indexed twin on the bound rows, so its initial states "
                 f"were never read ({self.derived.declaration.module}.{self.derived.declaration.host} was not reached "
-                "with initial_state=None); set KDA_PATCHES_STATE_IO=copy")
-        if state is not self.state or indices is not self.rows:
-            raise IndexedStateLost("the seam scatters its final states to other rows than it gathered: the indexed "
-                                   "twin stored them at the gathered rows; set KDA_PATCHES_STATE_IO=copy")
+                "with the bound placeholder); set KDA_PATCHES_STATE_IO=copy")
+        if value is not self.final or state is not self.state or indices is not self.rows:
+            raise IndexedStateLost("the seam scatters other final states or to other rows than it gathered: the "
+                                   "indexed twin stored its own at the gathered rows; set KDA_PATCHES_STATE_IO=copy")
         self.scatters += 1
         return True
 
@@ -134,18 +149,27 @@ class IndexedRoute(DirectRoute):
         return super().problem()
 
 
+_COPY_ONLY = object()  # IndexedRoute.layer of a layer whose backend the twin does not serve: the route only copies
+
+
 def route_host(wrapped: Any, args: tuple, kwargs: dict) -> Any:
     """One call of the wrapped host function: the indexed twin inside a bound routed call, else the release's own.
 
-    The twin runs when the active route is an :class:`IndexedRoute` with unconsumed rows and the call passes no
-    initial state of its own (the seam's gather gave None); the call's ``(h, v_new, final_state)`` comes back with
-    ``final_state`` None (it is in the cache).
+    The twin runs when the active route is an :class:`IndexedRoute` with unconsumed rows and the call's initial
+    state is the route's placeholder (the seam's gather gave it); the call's ``(h, v_new, final_state)`` comes back
+    with ``final_state`` a placeholder of the cache's dtype (the final states are in the cache already), or None
+    where the call asked for none.
     """
     route = getattr(active_call, "route", None)
     if type(route) is not IndexedRoute or route.rows is None or route.consumed:
         return wrapped(*args, **kwargs)
-    if bind_host_call(route.derived.host, args, kwargs)["initial_state"] is not None:
+    call = bind_host_call(route.derived.host, args, kwargs)
+    if call["initial_state"] is not route.initial:
         return wrapped(*args, **kwargs)
-    result = indexed_fwd_h(route.derived, route.state, route.rows, route.flags, *args, **kwargs)
+    arguments = dict(call.arguments)
+    arguments["initial_state"] = None
+    states, new_values, _ = indexed_fwd_h(route.derived, route.state, route.rows, route.flags, **arguments)
     route.consumed = True
-    return result
+    if call["output_final_state"]:
+        route.final = torch.empty_like(route.initial)
+    return states, new_values, route.final

@@ -222,16 +222,19 @@ def read_cache(seam: Seam, layer: Any, args: tuple, kwargs: dict) -> Any:
 _indexed: Any = None  # kda_patches.indexed_chunk.route, imported when a seam with an indexed twin is first routed
 
 
-def indexed_route(key: str, plan: Any, state: torch.Tensor) -> DirectRoute:
-    """Return the :class:`~kda_patches.indexed_chunk.route.IndexedRoute` of a seam whose host function ``key`` has
-    an indexed twin in this process (``KDA_PATCHES_STATE_IO=indexed`` wrapped it), else the copy route."""
+def indexed_route(indexed: Any, plan: Any, state: torch.Tensor, layer: Any) -> DirectRoute:
+    """Return the :class:`~kda_patches.indexed_chunk.route.IndexedRoute` of a seam whose host function
+    (``Seam.indexed``) has an indexed twin in this process (``KDA_PATCHES_STATE_IO=indexed`` wrapped it), else the
+    copy route."""
     global _indexed
     if _indexed is None:
         from kda_patches.indexed_chunk import route as module  # deferred: imports triton
 
         _indexed = module
-    derived = _indexed.READY.get(key)
-    return DirectRoute(plan, state) if derived is None else _indexed.IndexedRoute(plan, state, derived)
+    derived = _indexed.READY.get(indexed.key)
+    if derived is None:
+        return DirectRoute(plan, state)
+    return _indexed.IndexedRoute(plan, state, derived, layer, indexed.backend)
 
 
 def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -272,7 +275,7 @@ def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple
             phase == CAPTURE_RECORDING and seam.prefill_gated):
         return run_unroutable(seam, wrapped, instance, args, kwargs, state)
     indexed = seam.indexed
-    route = DirectRoute(plan, state) if indexed is None else indexed_route(indexed.key, plan, state)
+    route = DirectRoute(plan, state) if indexed is None else indexed_route(indexed, plan, state, instance)
     active.route = route
     try:
         result = twin(route, instance, *args, **kwargs)

@@ -144,12 +144,14 @@ class IndexedChunk:
         host: the host function the seam's chunk call reaches (``chunk_gated_delta_rule_fwd_h``); its wrapper
             derives the twin when it is applied and launches it inside a routed call.
         kernel: the kernel's name in ``module``.
+        backend: a :class:`BackendGate` naming the layer backends whose chunk call reaches ``host`` (Kimi K3's
+            ``triton``, not FlashKDA), or None (every call of the seam does).
     """
 
-    __slots__ = ("host", "kernel", "module")
+    __slots__ = ("backend", "host", "kernel", "module")
 
-    def __init__(self, module: str, host: str, kernel: str) -> None:
-        self.module, self.host, self.kernel = module, host, kernel
+    def __init__(self, module: str, host: str, kernel: str, backend: BackendGate | None = None) -> None:
+        self.module, self.host, self.kernel, self.backend = module, host, kernel, backend
 
     @property
     def key(self) -> str:

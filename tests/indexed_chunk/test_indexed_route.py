@@ -55,27 +55,47 @@ def clean_call_state():
     active_call.route = None
 
 
-def chunk_arguments(generator: torch.Generator, lengths: list[int]) -> dict:
+def chunk_arguments(generator: torch.Generator, lengths: list[int], initial_state=None) -> dict:
     tokens = sum(lengths)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return {"k": (torch.randn(1, tokens, KEY_HEADS, DIM, generator=generator) * 0.1).bfloat16(),
             "w": (torch.randn(1, tokens, HEADS, DIM, generator=generator) * 0.1).bfloat16(),
             "u": torch.randn(1, tokens, HEADS, DIM, generator=generator).bfloat16(),
             "g": -torch.rand(1, tokens, HEADS, generator=generator).cumsum(1) * 0.05,
-            "initial_state": None, "output_final_state": True, "cu_seqlens": bounds}
+            "initial_state": initial_state, "output_final_state": True, "cu_seqlens": bounds}
 
 
 def bound_route(derived, generator: torch.Generator, rows: list[int], flags: list[bool]):
     state = torch.randn(5, HEADS, DIM, DIM, generator=generator)
     route = indexed.IndexedRoute(RecordingPlan(), state, derived)
     indices, folded = torch.tensor(rows), torch.tensor(flags)
-    assert route.gather(state, indices, folded) is None
+    placeholder = route.gather(state, indices, folded)
+    assert placeholder is route.initial and placeholder.shape == (len(rows), HEADS, DIM, DIM)
     return route, state, indices, folded
 
 
 def test_a_foldable_gather_binds_and_copies_nothing(derived) -> None:
     route, _, indices, _ = bound_route(derived, torch.Generator().manual_seed(1), [3, 0], [True, False])
     assert route.rows is indices and route.gathers == 1 and route.plan.copies == []
+
+
+class Layer:
+    kda_prefill_backend = "flashkda"
+
+
+def test_a_layer_on_a_backend_the_twin_does_not_serve_only_copies(derived) -> None:
+    """Kimi K3's FlashKDA branch reads the gathered states itself: its layer's gather copies through the plan."""
+    from kda_patches.routing.seams import BackendGate
+
+    gate = BackendGate("kda_prefill_backend", ("triton",), "FlashKDA reads the gathered states itself")
+    state = torch.randn(5, HEADS, DIM, DIM)
+    flashkda = indexed.IndexedRoute(RecordingPlan(), state, derived, Layer(), gate)
+    packed = flashkda.gather(state, torch.tensor([3, 0]), torch.tensor([True, False]))
+    assert flashkda.rows is None and flashkda.plan.copies == ["gather"] and packed is not flashkda.initial
+    triton_layer = Layer()
+    triton_layer.kda_prefill_backend = "triton"
+    served = indexed.IndexedRoute(RecordingPlan(), state, derived, triton_layer, gate)
+    assert served.gather(state, torch.tensor([3, 0]), torch.tensor([True, False])) is served.initial
 
 
 def test_flags_the_plan_cannot_fold_are_copied_through_the_plan(derived) -> None:
@@ -89,23 +109,22 @@ def test_the_chunk_call_runs_the_twin_on_the_bound_rows(derived) -> None:
     """Inside the bound call the host runs the twin: the cache rows hold what gather, release, scatter give."""
     generator = torch.Generator().manual_seed(2)
     route, state, indices, flags = bound_route(derived, generator, [3, 0], [True, False])
-    arguments = chunk_arguments(generator, [5, 2])
+    arguments = chunk_arguments(generator, [5, 2], route.initial)
     expected = state.clone()
     reference = naive_indexed_fwd_h(derived, expected, indices, flags, **{
         key: value for key, value in arguments.items() if key not in ("initial_state", "output_final_state")})
     active_call.route = route
     h, _, final = indexed.route_host(derived.host, (), arguments)
-    assert route.consumed and final is None and torch.equal(h, reference[0])
+    assert route.consumed and final is route.final and final.dtype == state.dtype and torch.equal(h, reference[0])
     assert torch.equal(state, expected)
-    route.scatter_function_value_first(lambda *_: pytest.fail("upstream's scatter ran"), state, None, indices)
+    route.scatter_function_value_first(lambda *_: pytest.fail("upstream's scatter ran"), state, final, indices)
     assert route.scatters == 1 and route.problem() is None and route.plan.copies == []
 
 
 def test_a_chunk_call_with_its_own_initial_state_runs_the_release(derived) -> None:
     generator = torch.Generator().manual_seed(3)
     route, state, _, _ = bound_route(derived, generator, [3, 0], [True, True])
-    arguments = chunk_arguments(generator, [5, 2])
-    arguments["initial_state"] = torch.zeros(2, HEADS, DIM, DIM)
+    arguments = chunk_arguments(generator, [5, 2], torch.zeros(2, HEADS, DIM, DIM))
     before = state.clone()
     active_call.route = route
     _, _, final = indexed.route_host(derived.host, (), arguments)
@@ -114,8 +133,9 @@ def test_a_chunk_call_with_its_own_initial_state_runs_the_release(derived) -> No
 
 def test_a_scatter_whose_binding_was_never_consumed_fails_closed(derived) -> None:
     route, state, indices, _ = bound_route(derived, torch.Generator().manual_seed(4), [3, 0], [True, True])
+    computed_from_the_placeholder = torch.randn(2, HEADS, DIM, DIM)
     with pytest.raises(indexed.IndexedStateLost, match="did not run the indexed twin"):
-        route.scatter_function_value_first(lambda *_: None, state, None, indices)
+        route.scatter_function_value_first(lambda *_: None, state, computed_from_the_placeholder, indices)
     assert route.scatters == 0
 
 
@@ -123,6 +143,8 @@ def test_a_scatter_to_other_rows_fails_closed(derived) -> None:
     generator = torch.Generator().manual_seed(5)
     route, state, _, _ = bound_route(derived, generator, [3, 0], [True, True])
     active_call.route = route
-    indexed.route_host(derived.host, (), chunk_arguments(generator, [5, 2]))
+    _, _, final = indexed.route_host(derived.host, (), chunk_arguments(generator, [5, 2], route.initial))
     with pytest.raises(indexed.IndexedStateLost, match="other rows"):
-        route.scatter_function_value_first(lambda *_: None, state, None, torch.tensor([3, 0]))
+        route.scatter_function_value_first(lambda *_: None, state, final, torch.tensor([3, 0]))
+    with pytest.raises(indexed.IndexedStateLost, match="other final states"):
+        route.scatter_function_value_first(lambda *_: None, state, final.clone(), route.rows)
