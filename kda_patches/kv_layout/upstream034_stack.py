@@ -185,11 +185,15 @@ class Upstream034Stack:
     Args:
         version: the vLLM release (``0.34.0``).
         capacity, warmup, final: block counts of the reservation, of warmup's commit and of the rebind.
+        extend_wrapper: called as ``extend_wrapper(extend_kv_cache, None, (runner, config, final), {})`` instead
+            of the release's ``extend_kv_cache`` (a test passes the overlay's wrapper; default: the release's).
     """
 
     def __init__(self, version: str = RELEASE, capacity: int = CAPACITY_BLOCKS, warmup: int = WARMUP_BLOCKS,
-                 final: int = FINAL_BLOCKS) -> None:
+                 final: int = FINAL_BLOCKS, extend_wrapper: Any = None) -> None:
         self.version = version
+        self.extend_wrapper = extend_wrapper
+        self.runner: Any = None
         self.capacity, self.warmup, self.final = capacity, warmup, final
         self.driver = HostVmmDriver()
         self.registry = SimpleNamespace(current=None)
@@ -387,7 +391,8 @@ class Upstream034Stack:
             config, layout, granule, registers_memory=tree.get(extensible, "registers_kv_cache_memory")(vllm_config))
         device = torch.device("cuda", 0)
         runner = SimpleNamespace(vllm_config=vllm_config, cache_config=vllm_config.cache_config, device=device,
-                                 compilation_config=vllm_config.compilation_config, speculator=None)
+                                 compilation_config=vllm_config.compilation_config, speculator=None,
+                                 model_config=vllm_config.model_config)
         runner.kv_cache_config = copy.deepcopy(config)
         runner.extensible_kv_cache = tree.get(extensible, "ExtensibleKVCache")(
             runner.kv_cache_config, device, layout,
@@ -402,7 +407,12 @@ class Upstream034Stack:
         before = self.bound_views()
         before_config = copy.copy(runner.kv_cache_config)
         tree.get(extensible, "ensure_kv_cache_blocks")(runner, self.warmup)
-        tree.get(extensible, "extend_kv_cache")(runner, config, self.final)
+        self.runner = runner
+        extend = tree.get(extensible, "extend_kv_cache")
+        if self.extend_wrapper is None:
+            extend(runner, config, self.final)
+        else:
+            self.extend_wrapper(extend, None, (runner, config, self.final), {})
         after = self.bound_views()
         return Run034(vllm_config, layout, before_config, before, runner.kv_cache_config, after,
                       runner.extensible_kv_cache)

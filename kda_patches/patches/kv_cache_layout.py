@@ -21,8 +21,15 @@ Targets (ranges as the released sources show them; ``kda-patches conformance`` r
   ``page-views-reshape``).
 - vLLM 0.29-0.33: ``vllm.v1.worker.utils.allocate_kv_cache`` (decide) and ``MambaBase.bind_kv_cache`` (bind the
   chosen dense states), coupled (group ``page-views-allocate``).
-- vLLM 0.34: the same three targets declared inert: the extensible KV cache rebuilds every view after warmup
-  (``extend_kv_cache`` -> ``create_kv_cache_views``), which no adapter here follows yet.
+- vLLM 0.34: ``vllm.v1.worker.extensible_kv_cache.extend_kv_cache(runner, kv_cache_config, num_blocks)`` is a
+  read-only verifier (:mod:`kda_patches.kv_layout.rebind_verify`): after the extensible KV cache rebinds every
+  layer's views (``committed_views`` -> ``bind_kv_caches``), the views bound to the layers are proven with the
+  checker per address space; proven, nothing changes and the ledger says "upstream layout proven" (fact
+  ``upstream_layout``); an overlap (or a view out of its storage) refuses to go on before a request is served, with
+  the witness; not checkable keeps them with a WARNING (refused under STRICT). ``gpu_worker`` holds the function by
+  name; the registry rebinds that alias. The planner/allocation/bind targets stay inert there: no layout is changed
+  (the released layouts of Kimi K3, Qwen3.6-27B and Qwen3-Next at TP 1/2/4/8 are proven before and after the
+  rebind, ``docs/results/ascend-kv-layout``), and with ``--no-enable-extensible-kv-cache`` nothing is verified.
 - ``get_kv_cache_configs`` — only with ``KDA_PATCHES_KV_STATE_MODE=separate``: shrink the KV budget by the
   separate states' memory and stamp the reservation on the configs. ``vllm.v1.core.kv_cache_utils`` up to 0.32;
   ``vllm.v1.core.kv_cache_planning`` from 0.33 (a 4th parameter ``global_kv_cache_groups``, passed through).
@@ -57,6 +64,7 @@ UPDATE_HYBRID_PARAMETERS = ("self", "kv_caches")
 UPDATE_HYBRID_026_PARAMETERS = ("self", "kv_caches", "kernel_block_sizes")
 ALLOCATE_PARAMETERS = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
 BIND_PARAMETERS = ("self", "kv_cache")
+EXTEND_PARAMETERS = ("runner", "kv_cache_config", "num_blocks")
 CONFIGS_PARAMETERS = ("vllm_config", "kv_cache_specs", "available_memory")
 CONFIGS_033_PARAMETERS = (*CONFIGS_PARAMETERS, "global_kv_cache_groups")
 
@@ -148,9 +156,10 @@ def wrap_ascend_reshape_kv_cache_tensors(wrapped: Any, instance: Any, args: tupl
 
 
 def format_status_line(snapshot: dict[str, Any]) -> str:
-    """The one-line ``status`` summary: the vllm-ascend verifier's verdict, else the layout decisions by kind."""
+    """The one-line ``status`` summary: a verifier's verdict (vllm-ascend, or vLLM 0.34's rebind), else the layout
+    decisions by kind."""
     facts = snapshot.get("facts", {}).get(LEDGER_PATH, {})
-    verifier = facts.get("ascend_layout")
+    verifier = facts.get("ascend_layout", facts.get("upstream_layout"))
     if isinstance(verifier, dict):
         from kda_patches.kv_layout.ascend_verify import status_line
 
@@ -160,6 +169,21 @@ def format_status_line(snapshot: dict[str, Any]) -> str:
         return "kv_cache_layout: no KV cache laid out in this process"
     decisions = ", ".join(f"{name} {count}" for name, count in sorted(summary.get("decisions", {}).items()))
     return f"kv_cache_layout: {summary.get('mode')} mode, {summary.get('layers')} layers: {decisions or 'none'}"
+
+
+def wrap_extend_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """vLLM 0.34: run the release's rebind, then prove the views it bound or refuse to go on (read-only)."""
+    result = wrapped(*args, **kwargs)
+    from kda_patches import current_flags
+    from kda_patches.kv_layout.ascend_verify import model_name
+    from kda_patches.kv_layout.rebind_verify import bound_views, verify_rebind
+    from kda_patches.registry import find_version
+
+    runner = _argument(args, kwargs, 0, "runner")
+    config, views = bound_views(runner)
+    verify_rebind(config, views, f"vLLM {find_version(PATCH.targets[0]) or 'unknown'}", model_name(runner),
+                  current_flags().strict)
+    return result
 
 
 def wrap_allocate_kv_cache(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -219,12 +243,13 @@ _FL_RUNNER = "vllm_fl.worker.model_runner"
 _ASCEND_RUNNER = "vllm_ascend.worker.model_runner_v1"
 # what the read-only verifier relies on in the fork (kda_patches.releases.shapes; conformance: "verifies")
 ASCEND_VERIFY_SHAPE = "verify:npu_reshape_views_bound"
+# what the vLLM 0.34 rebind verifier relies on (the views extend_kv_cache rebuilds are the ones it binds)
+EXTEND_VERIFY_SHAPE = "verify:extend_kv_cache_binds_committed_views"
 _BIND = ("vllm.model_executor.layers.mamba.abstract", "MambaBase.bind_kv_cache", wrap_mamba_bind_kv_cache,
          BIND_PARAMETERS)
 _EXTENSIBLE_INERT = ("vLLM 0.34's extensible KV cache (default on CUDA/ROCm) rebuilds every layer's views after "
-                     "warmup in extend_kv_cache through create_kv_cache_views, not allocate_kv_cache, so a decided "
-                     "dense or separate state layout would be replaced by upstream's at that rebind; no adapter for "
-                     "the rebind yet (issue 27): the overlay leaves 0.34's layout alone")
+                     "warmup in extend_kv_cache; its own layout is proven there instead (read-only verifier on "
+                     "extend_kv_cache; issue 53), so no dense or separate state layout is decided on 0.34")
 
 PATCH = Patch(
     name="kv_cache_layout",
@@ -264,6 +289,8 @@ PATCH = Patch(
                 CONFIGS_PARAMETERS, min_version="0.13", max_version="0.33"),
         _target("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs", wrap_get_kv_cache_configs,
                 CONFIGS_033_PARAMETERS, min_version="0.33", max_version="0.34"),
+        _target("vllm.v1.worker.extensible_kv_cache", "extend_kv_cache", wrap_extend_kv_cache, EXTEND_PARAMETERS,
+                min_version="0.34", max_version="0.35", shapes=(EXTEND_VERIFY_SHAPE,)),
         *(_target(module, qualname, None, None, min_version="0.34", max_version="0.35", inert=_EXTENSIBLE_INERT)
           for module, qualname in (("vllm.v1.worker.utils", "allocate_kv_cache"), _BIND[:2],
                                    ("vllm.v1.core.kv_cache_planning", "get_kv_cache_configs"))),

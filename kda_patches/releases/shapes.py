@@ -337,6 +337,14 @@ SHAPES: dict[str, Shape] = _shapes(
           "docs/results/ascend-kv-layout/README.md)",
           all_of(*(any_calls(_RUNNERS[0][0], "NPUModelRunner.initialize_kv_cache_tensors", function)
                    for function in ("self._reshape_kv_cache_tensors", "bind_kv_cache")))),
+    Shape("verify:extend_kv_cache_binds_committed_views",
+          "a read-only verifier: vLLM's `extend_kv_cache` rebuilds the layers' views over the committed bytes with "
+          "`kv_cache.committed_views` and binds them with `bind_kv_caches`, so the views the wrapper proves after it "
+          "returns are the ones served; proven, nothing changes (status: \"upstream layout proven\"); an overlap or "
+          "a view out of its storage refuses to go on (verdicts per model and TP, before and after the rebind: "
+          "docs/results/ascend-kv-layout/README.md)",
+          all_of(*(any_calls("vllm.v1.worker.extensible_kv_cache", "extend_kv_cache", function)
+                   for function in ("kv_cache.committed_views", "bind_kv_caches")))),
     Shape("indexed:chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
           "the chunk-state kernel beside the wrapped host function has the declared shape (dense `h0`/`ht` offset by "
           "the packed row, a guarded load block and a guarded store block casting to the pointer's element type), "
