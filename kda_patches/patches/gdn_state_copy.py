@@ -130,7 +130,7 @@ FLA_CHUNK_STATE_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output
                               "save_new_value", "cu_seqlens", "chunk_indices", "chunk_offsets", "use_exp2")
 QWEN_034_SEAM = Seam("vLLM 0.34 Qwen GDN _forward_core", LEDGER_PATH, **_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE,
                      indexed=FLA_CHUNK_STATE)
-KIMI_GDN_034_SEAM = Seam("vLLM 0.34 Kimi Linear GDN _forward", LEDGER_PATH, **_UPSTREAM_OPS)
+KIMI_GDN_034_SEAM = Seam("vLLM 0.34 Kimi Linear GDN _forward", LEDGER_PATH, **_UPSTREAM_OPS, indexed=FLA_CHUNK_STATE)
 ASCEND_FUSED_CHUNK = "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"
 # 0.27-0.29: the same seam, plus the fused variant's chunk as the final state's source (the folded cast)
 ASCEND_FOLD_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN,
@@ -205,7 +205,8 @@ _KIMI_GDN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recu
 
 STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy (the default): routed prefills copy their states through the sealed "
                  "plan; KDA_PATCHES_STATE_IO=indexed wraps this host function so the Qwen seam's chunk kernel reads "
-                 "and stores the cache rows itself (an indexed twin derived from the release's kernel source)")
+                 "and stores the cache rows itself (an indexed twin derived from the release's kernel source; Kimi "
+                 "Linear's too, where KDA_PATCHES_GDN_OPS=overlay routes it)")
 
 
 def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:

@@ -35,18 +35,22 @@ from kda_patches.routing.eras import (
     GATHER_PARAMETERS,
     ascend_runners,
     era,
+    release_tuple,
     upstream_runners,
 )
 from kda_patches.routing.seams import (
     CLEAR_FUNCTION,
     CLEAR_NONE,
     Argument,
+    BackendGate,
+    IndexedChunk,
     KVCacheSlot,
     Seam,
     capture_section,
 )
 from kda_patches.routing.wrappers import (
     ForkPlanWrapper,
+    IndexedHostWrapper,
     RebindWrapper,
     SeamWrapper,
     StartupWrapper,
@@ -68,14 +72,27 @@ FORK_INITIALIZE_PARAMETERS = ("static_forward_context", "max_selected")
 ASCEND_SEAM = Seam("vllm-ascend Kimi _run_prefill", LEDGER_PATH, state=Argument(5, "recurrent_state"),
                    indices=Argument(6, "state_indices"), flags=Argument(7, "has_initial_state"),
                    clear=CLEAR_FUNCTION, clear_function="clear_ssm_states")
+# KDA_PATCHES_STATE_IO=indexed: Kimi K3's Triton KDA prefill reaches vLLM's vendored FLA chunk-state host; its
+# FlashKDA and FlashInfer branches read the gathered states themselves, so a layer on those only copies
+KIMI_K3_CHUNK_STATE = IndexedChunk(
+    "vllm.third_party.flash_linear_attention.ops.chunk_delta_h", "chunk_gated_delta_rule_fwd_h",
+    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+    backend=BackendGate("kda_prefill_backend", ("triton",), "the FlashKDA and FlashInfer prefills read the gathered "
+                        "initial states themselves (only the Triton chunk rule reaches the indexed twin)"))
+CHUNK_STATE_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output_final_state", "chunk_size",
+                          "save_new_value", "cu_seqlens", "chunk_indices", "chunk_offsets", "use_exp2")
 UPSTREAM_SEAM = Seam("vLLM Kimi K3 _forward", LEDGER_PATH, state=KVCacheSlot(1), clear=CLEAR_NONE,
-                     gather_function="gather_initial_states", prefill_gated=True)
+                     gather_function="gather_initial_states", prefill_gated=True, indexed=KIMI_K3_CHUNK_STATE)
 
 wrap_run_prefill = SeamWrapper(ASCEND_SEAM)
 wrap_upstream_forward = SeamWrapper(UPSTREAM_SEAM)
 wrap_initialize_kv_cache = StartupWrapper(LEDGER_PATH)
 wrap_fork_initialize = ForkPlanWrapper(LEDGER_PATH)
 wrap_extend_kv_cache = RebindWrapper(LEDGER_PATH)
+wrap_chunk_state = IndexedHostWrapper(KIMI_K3_CHUNK_STATE)
+STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy (the default): routed prefills copy their states through the sealed "
+                 "plan; KDA_PATCHES_STATE_IO=indexed wraps this host function so Kimi K3's Triton KDA prefill reads "
+                 "and stores the cache rows itself (an indexed twin derived from the release's kernel source)")
 wrap_clear_ssm_states = wrap_clear
 wrap_gather_initial_states = wrap_gather
 
@@ -95,10 +112,17 @@ def _ascend_era(low: str, high: str, cls: str) -> tuple[Target, ...]:
 
 
 def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
-    return era("vllm", low, high, (
+    members = era("vllm", low, high, (
         (_KIMI_K3, "KimiK3DeltaAttention._forward", wrap_upstream_forward, FORWARD_PARAMETERS, _UPSTREAM_SHAPES),
         (_KIMI_K3, "gather_initial_states", wrap_gather, GATHER_PARAMETERS, ()),
         *upstream_runners(wrap_initialize_kv_cache, low, wrap_extend_kv_cache)))
+    if release_tuple(low) < (0, 34):
+        return members
+    chunk_state = Target(KIMI_K3_CHUNK_STATE.module, KIMI_K3_CHUNK_STATE.host, wrap_chunk_state, "vllm", "vllm", low,
+                         high, CHUNK_STATE_PARAMETERS, members[0].group,
+                         (f"indexed:{KIMI_K3_CHUNK_STATE.kernel}",), inert=STATE_IO_COPY,
+                         chosen_by=("state_io", ("indexed",)))
+    return (*members, chunk_state)
 
 
 PATCH = Patch(

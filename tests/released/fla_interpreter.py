@@ -4,8 +4,8 @@ Declared, applied to the loaded release modules only; compiled kernels need none
 
 - ``range`` yields Triton int32 scalars: the interpreter's loop index is a Python int, and the kernels call ``.to``
   on it (``i_t.to(tl.int64)``);
-- ``exp`` / ``exp2`` call ``tl.exp`` / ``tl.exp2`` at run time: ``op.py`` binds the builtins at import, before the
-  interpreter patches them for a launch;
+- ``exp`` / ``exp2`` / ``log`` / ``log2`` / ``gather`` call ``tl``'s at run time: ``op.py`` binds the builtins at
+  import, before the interpreter patches them for a launch (every module that imported them is fixed);
 - every autotuner keeps one config (the interpreter cannot time configs): the first of the release's own, or the
   one given (the indexed twin's, so both sides run the same launch).
 """
@@ -29,6 +29,16 @@ def interpreter_range(*bounds: Any) -> Any:
         yield tl.core.tensor(TensorHandle(np.array([index], dtype=np.int32), tl.int32), tl.int32)
 
 
+LATE_BOUND = ("exp", "exp2", "log", "log2", "gather")
+
+
+def _late_bound(name: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(tl, name)(*args, **kwargs)
+
+    return call
+
+
 def _autotuner_of(value: Any) -> Any:
     for _ in range(4):
         if value is None or isinstance(value, (types.ModuleType, type)):
@@ -47,7 +57,10 @@ def fix_for_interpreter(module: types.ModuleType, config: dict[str, Any] | None 
         config: ``{"kwargs": ..., "num_warps": ..., "num_stages": ...}`` every autotuner keeps, or None (each keeps
             its own first config).
     """
-    module.__dict__.update(range=interpreter_range, exp=lambda x: tl.exp(x), exp2=lambda x: tl.exp2(x))
+    module.__dict__["range"] = interpreter_range
+    for name in LATE_BOUND:  # op.py's aliases of Triton builtins, wherever a module imported them
+        if name in vars(module):
+            module.__dict__[name] = _late_bound(name)
     narrowed = []
     for name, value in list(vars(module).items()):
         autotuner = _autotuner_of(value)

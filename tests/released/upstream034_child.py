@@ -88,7 +88,9 @@ def setup(args: list[str], cases: list[str]) -> State:
     early = sorted(set(standins.RELEASE_MODULES) & set(sys.modules))
     assert not early, f"installed modules already imported under release names (would shadow the release): {early}"
     indexed = any(parse_case(case)[3] == "indexed" for case in cases)
-    release_modules = (*standins.RELEASE_MODULES, *(standins.FLA_MODULES if indexed else ()))
+    kda_indexed = any(parse_case(case)[3] == "indexed" and parse_case(case)[0] in ("linear", "k3") for case in cases)
+    release_modules = (*standins.RELEASE_MODULES, *(standins.FLA_MODULES if indexed else ()),
+                       *(standins.KDA_MODULES if kda_indexed else ()))
     stack = ReleaseStack(root, "", RELEASE, release_modules, real=standins.REAL, absent_inert=True,
                          standins=standins.standin_modules(), lifted=standins.LIFTED,
                          modules={standins.RUNNER_MODULE: runner,
@@ -101,11 +103,14 @@ def setup(args: list[str], cases: list[str]) -> State:
     if indexed:  # fixed before the overlay wraps them: the indexed twin is derived from the module as it then is
         from fla_interpreter import fix_for_interpreter
 
-        for module in standins.FLA_MODULES:  # each autotuner keeps its first config (BV=32, the twin's block)
-            fix_for_interpreter(importlib.import_module(module))
+        for module in (*standins.FLA_MODULES, *(standins.KDA_MODULES[1:] if kda_indexed else ())):
+            fix_for_interpreter(importlib.import_module(module))  # each autotuner keeps its first config (BV=32)
     import kda_patches  # noqa: F401  (activated here, late: see above)
 
     standins.install()  # after the stack: the kernels' packages import release modules (Kimi's package: its layers)
+    if kda_indexed:  # the release's own KDA chunk rule where ':indexed' cases need it (the stand-in elsewhere)
+        kda = importlib.import_module(standins.KDA_OPS)
+        kda.chunk_kda_with_fused_gate = importlib.import_module(f"{standins.KDA_OPS}.chunk").chunk_kda_with_fused_gate
     standins.install_breakable_standins(importlib.import_module(standins.BREAKABLE_MODULE))
     standins.register_flashkda_op()
     modules = {kind: importlib.import_module(module) for kind, (module, _, _) in standins.LAYERS.items()}

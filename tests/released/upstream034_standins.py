@@ -66,6 +66,11 @@ FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
 FLA_MODULES = tuple(f"{FLA_OPS}.{stem}" for stem in (
     "chunk", "chunk_delta_h", "chunk_o", "chunk_scaled_dot_kkt", "cumsum", "index", "l2norm", "op", "solve_tril",
     "utils", "wy_fast"))
+# and for Kimi Linear / Kimi K3 ':indexed' cases, the release's own KDA chunk rule (chunk_kda_with_fused_gate, whose
+# chunk-state step is FLA's chunk_gated_delta_rule_fwd_h with per-key gates)
+KDA_OPS = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
+KDA_MODULES = (KDA_OPS, *(f"{KDA_OPS}.{stem}" for stem in (
+    "chunk", "chunk_intra", "chunk_intra_token_parallel", "fused_recurrent")))
 RELEASE_MODULES = (*(module for module, _, _ in LAYERS.values()), GATHER_MODULE, SCATTER_MODULE,
                    "vllm.model_executor.warmup.jit_warmup", "vllm.model_executor.warmup.jit_warmup_triton_helper",
                    KDA_CONV_MODULE, BREAKABLE_MODULE)

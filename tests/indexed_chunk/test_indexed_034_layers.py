@@ -1,18 +1,22 @@
-"""No copy on vLLM 0.34.0's own Qwen GDN layer: ``KDA_PATCHES_STATE_IO=indexed`` against ``KDA_PATCHES=0``, on the CPU.
+"""No copy on vLLM 0.34.0's own Qwen, Kimi Linear and Kimi K3 layers: ``KDA_PATCHES_STATE_IO=indexed`` against
+``KDA_PATCHES=0``, on the CPU.
 
-:mod:`upstream034_child` (tests/released) twice, ``:indexed`` cases only: the Qwen layer's chunk call reaches the
-release's own vendored FLA ``chunk_gated_delta_rule`` (executed, its Triton kernels by the interpreter), so
+:mod:`upstream034_child` (tests/released) twice, ``:indexed`` cases only: each layer's chunk call reaches the
+release's own chunk rule -- the vendored FLA ``chunk_gated_delta_rule`` (Qwen), Kimi K3's
+``chunk_kda_with_fused_gate`` (Kimi Linear and Kimi K3, per-key gates) -- executed, its Triton kernels run by the
+interpreter, so
 
 - ``baseline`` (``KDA_PATCHES=0``, STRICT): upstream's ``gather_initial_states`` copies the initial states out,
-  the release's chunk-state kernel reads and writes dense states, ``scatter_states`` copies the final states back;
-- ``indexed`` (``KDA_PATCHES=1``, STRICT, ``KDA_PATCHES_STATE_IO=indexed``): the seam is routed, its gather only
-  binds the rows, and the indexed twin -- derived when the overlay wrapped the release's ``chunk_delta_h`` -- reads
-  and stores the cache rows itself: no state copy at all.
+  the release's chunk-state kernel reads and writes dense states, ``scatter_states`` (Kimi K3: an index
+  assignment) copies the final states back;
+- ``indexed`` (``KDA_PATCHES=1``, STRICT, ``KDA_PATCHES_STATE_IO=indexed``, ``KDA_PATCHES_GDN_OPS=overlay`` so that
+  Kimi Linear's seam is routed too): each seam is routed, its gather only binds the rows, and the indexed twin --
+  derived when the overlay wrapped the release's ``chunk_delta_h`` -- reads and stores the cache rows itself: no
+  state copy at all.
 
-Per case (FP32 cache with the SD conv layout, BF16 with DS), through the shared batch plan (fresh prefills, mixed
-decode + prefill with cached states, decode-only, continued prefills; INT32 and INT64 indices): the outputs and
-every byte of every page equal the baseline's (NaN-poisoned gaps checked), every prefill call is routed *and*
-indexed, and upstream's copy kernels never launch.
+Per case, through the shared batch plan (fresh prefills, mixed decode + prefill with cached states, decode-only,
+continued prefills; INT32 and INT64 indices): the outputs and every byte of every page equal the baseline's
+(NaN-poisoned gaps checked), every prefill call is routed *and* indexed, and upstream's copy kernels never launch.
 """
 
 from __future__ import annotations
@@ -24,9 +28,14 @@ from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 from runner_standin import PageSpec, poison_problems
 
 RELEASE = "0.34.0"
-CASES = ("qwen:float32:SD:indexed", "qwen:bfloat16:DS:indexed")
+CASES = ("qwen:float32:SD:indexed", "qwen:bfloat16:DS:indexed", "linear:float32:DS:indexed",
+         "k3:bfloat16:SD:indexed")
 SIDES = (("baseline", released_ab.Side(False)),
-         ("indexed", released_ab.Side(True, (("KDA_PATCHES_STATE_IO", "indexed"),))))
+         ("indexed", released_ab.Side(True, (("KDA_PATCHES_STATE_IO", "indexed"), ("KDA_PATCHES_GDN_OPS", "overlay")))))
+SECTION = {"qwen": "gdn_state_copy", "linear": "gdn_state_copy", "k3": "kimi_prefill"}
+# upstream's copy kernels each layer launches per batch plan in the baseline (Kimi K3 scatters by index)
+BASELINE_LAUNCHES = {"qwen": (PREFILL_CALLS, PREFILL_CALLS), "linear": (PREFILL_CALLS, PREFILL_CALLS),
+                     "k3": (PREFILL_CALLS, 0)}
 HOST_KEY = "vllm.third_party.flash_linear_attention.ops.chunk_delta_h:chunk_gated_delta_rule_fwd_h"
 COPY_KERNELS = ("_gather_initial_states_kernel", "_scatter_states_kernel")
 
@@ -42,7 +51,7 @@ def runs() -> released_ab.BatchRun:
 
 @pytest.mark.parametrize("case", CASES)
 def test_indexed_equals_baseline_and_copies_nothing(runs: released_ab.BatchRun, case: str) -> None:
-    _, cache_dtype, conv_layout, _ = case.split(":")
+    kind, cache_dtype, conv_layout, _ = case.split(":")
     baseline, indexed = runs.case(case, "baseline"), runs.case(case, "indexed")
     context = f"{runs.context(case)}\nstatus:\n{indexed['status']}"
     problems = released_ab.compare_runs(baseline, indexed)
@@ -51,9 +60,9 @@ def test_indexed_equals_baseline_and_copies_nothing(runs: released_ab.BatchRun, 
     for run in (baseline, indexed):
         for name, raw in run["snapshots"][-1].items():
             assert not poison_problems(raw, spec, conv_rows=range(BLOCKS)), context + f"\n{name}"
-    assert baseline["launches"] == {kernel: PREFILL_CALLS for kernel in COPY_KERNELS}, context  # upstream copied
+    assert baseline["launches"] == dict(zip(COPY_KERNELS, BASELINE_LAUNCHES[kind], strict=True)), context
     assert indexed["launches"] == {kernel: 0 for kernel in COPY_KERNELS}, context + f"\n{indexed['launches']}"
-    seen = indexed["counters"].get("gdn_state_copy", {})
+    seen = indexed["counters"].get(SECTION[kind], {})
     assert seen.get("calls_seen") == seen.get("calls_routed") == seen.get("calls_indexed") == PREFILL_CALLS, (
         context + f"\nledger: {seen}")
     assert not seen.get("calls_bypassed"), context + f"\nledger: {seen}"
@@ -67,6 +76,8 @@ def test_the_twin_is_in_the_ledger(runs: released_ab.BatchRun) -> None:
     target = indexed["patches"]["gdn_state_copy"]["targets"][HOST_KEY]
     assert target["state"] == "applied", target
     assert indexed["switches"]["KDA_PATCHES_STATE_IO"] == "indexed"
-    line = next(line for line in runs.process("indexed")["status"].splitlines() if "gdn_state_copy: prefill" in line)
-    assert f"routed {len(CASES) * PREFILL_CALLS}" in line and f"indexed {len(CASES) * PREFILL_CALLS}" in line, line
+    for section in ("gdn_state_copy", "kimi_prefill"):
+        calls = sum(PREFILL_CALLS for case in CASES if SECTION[case.split(":")[0]] == section)
+        line = next(line for line in runs.process("indexed")["status"].splitlines() if f"{section}: prefill" in line)
+        assert f"routed {calls}" in line and f"indexed {calls}" in line, line
     assert runs.process("baseline")["ledger"]["patches"]["gdn_state_copy"]["state"] == "disabled"
