@@ -98,9 +98,7 @@ KIMI_GDN_FORWARD_PARAMETERS = ("self", "mixed_qkv", "g1", "g2", "beta", "core_at
 QWEN_SEAM = Seam("vLLM Qwen GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
                  indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
                  clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, attribute="chunk_gated_delta_rule"))
-OLMO_SEAM = Seam("vLLM Olmo hybrid GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
-                 indices=MetadataField("non_spec_state_indices_tensor"), flags=MetadataField("has_initial_state"),
-                 clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, function="chunk_gated_delta_rule"))
+
 KIMI_GDN_SEAM = Seam("vLLM Kimi Linear GDN _forward", LEDGER_PATH, state=KVCacheSlot(1), clear=CLEAR_NONE,
                      gather_function="gather_initial_states", prefill_gated=True)
 _ASCEND_GDN = {"state": KVCacheSlot(1), "indices": MetadataField("prefill_state_indices"),
@@ -128,6 +126,12 @@ FLA_CHUNK_STATE = IndexedChunk("vllm.third_party.flash_linear_attention.ops.chun
                                "chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
 FLA_CHUNK_STATE_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output_final_state", "chunk_size",
                               "save_new_value", "cu_seqlens", "chunk_indices", "chunk_offsets", "use_exp2")
+# Olmo's index copies (every release) reach the same host through FLA's chunk_gated_delta_rule: indexed on vLLM 0.34,
+# where that host is wrapped
+OLMO_SEAM = Seam("vLLM Olmo hybrid GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
+                 indices=MetadataField("non_spec_state_indices_tensor"), flags=MetadataField("has_initial_state"),
+                 clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, function="chunk_gated_delta_rule"),
+                 indexed=FLA_CHUNK_STATE)
 QWEN_034_SEAM = Seam("vLLM 0.34 Qwen GDN _forward_core", LEDGER_PATH, **_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE,
                      indexed=FLA_CHUNK_STATE)
 KIMI_GDN_034_SEAM = Seam("vLLM 0.34 Kimi Linear GDN _forward", LEDGER_PATH, **_UPSTREAM_OPS, indexed=FLA_CHUNK_STATE)

@@ -1,14 +1,14 @@
-"""No copy on vLLM 0.34.0's own Qwen, Kimi Linear and Kimi K3 layers: ``KDA_PATCHES_STATE_IO=indexed`` against
-``KDA_PATCHES=0``, on the CPU.
+"""No copy on vLLM 0.34.0's own Qwen, Olmo hybrid, Kimi Linear and Kimi K3 layers: ``KDA_PATCHES_STATE_IO=indexed``
+against ``KDA_PATCHES=0``, on the CPU.
 
 :mod:`upstream034_child` (tests/released) twice, ``:indexed`` cases only: each layer's chunk call reaches the
-release's own chunk rule -- the vendored FLA ``chunk_gated_delta_rule`` (Qwen), Kimi K3's
+release's own chunk rule -- the vendored FLA ``chunk_gated_delta_rule`` (Qwen, Olmo), Kimi K3's
 ``chunk_kda_with_fused_gate`` (Kimi Linear and Kimi K3, per-key gates) -- executed, its Triton kernels run by the
 interpreter, so
 
 - ``baseline`` (``KDA_PATCHES=0``, STRICT): upstream's ``gather_initial_states`` copies the initial states out,
   the release's chunk-state kernel reads and writes dense states, ``scatter_states`` (Kimi K3: an index
-  assignment) copies the final states back;
+  assignment) copies the final states back (Olmo gathers and scatters by indexing);
 - ``indexed`` (``KDA_PATCHES=1``, STRICT, ``KDA_PATCHES_STATE_IO=indexed``, ``KDA_PATCHES_GDN_OPS=overlay`` so that
   Kimi Linear's seam is routed too): each seam is routed, its gather only binds the rows, and the indexed twin --
   derived when the overlay wrapped the release's ``chunk_delta_h`` -- reads and stores the cache rows itself: no
@@ -29,13 +29,13 @@ from runner_standin import PageSpec, poison_problems
 
 RELEASE = "0.34.0"
 CASES = ("qwen:float32:SD:indexed", "qwen:bfloat16:DS:indexed", "linear:float32:DS:indexed",
-         "k3:bfloat16:SD:indexed")
+         "k3:bfloat16:SD:indexed", "olmo:bfloat16:DS:indexed")
 SIDES = (("baseline", released_ab.Side(False)),
          ("indexed", released_ab.Side(True, (("KDA_PATCHES_STATE_IO", "indexed"), ("KDA_PATCHES_GDN_OPS", "overlay")))))
-SECTION = {"qwen": "gdn_state_copy", "linear": "gdn_state_copy", "k3": "kimi_prefill"}
+SECTION = {"qwen": "gdn_state_copy", "linear": "gdn_state_copy", "k3": "kimi_prefill", "olmo": "gdn_state_copy"}
 # upstream's copy kernels each layer launches per batch plan in the baseline (Kimi K3 scatters by index)
 BASELINE_LAUNCHES = {"qwen": (PREFILL_CALLS, PREFILL_CALLS), "linear": (PREFILL_CALLS, PREFILL_CALLS),
-                     "k3": (PREFILL_CALLS, 0)}
+                     "k3": (PREFILL_CALLS, 0), "olmo": (0, 0)}  # Olmo copies by indexing
 HOST_KEY = "vllm.third_party.flash_linear_attention.ops.chunk_delta_h:chunk_gated_delta_rule_fwd_h"
 COPY_KERNELS = ("_gather_initial_states_kernel", "_scatter_states_kernel")
 

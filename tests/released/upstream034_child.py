@@ -108,6 +108,9 @@ def setup(args: list[str], cases: list[str]) -> State:
     import kda_patches  # noqa: F401  (activated here, late: see above)
 
     standins.install()  # after the stack: the kernels' packages import release modules (Kimi's package: its layers)
+    if indexed:  # Olmo imports FLA's chunk rule from the package: the release's own in ':indexed' processes
+        importlib.import_module(standins.FLA_OPS).chunk_gated_delta_rule = importlib.import_module(
+            f"{standins.FLA_OPS}.chunk").chunk_gated_delta_rule
     if kda_indexed:  # the release's own KDA chunk rule where ':indexed' cases need it (the stand-in elsewhere)
         kda = importlib.import_module(standins.KDA_OPS)
         kda.chunk_kda_with_fused_gate = importlib.import_module(f"{standins.KDA_OPS}.chunk").chunk_kda_with_fused_gate
