@@ -17,7 +17,8 @@ Checked: the rebound views have the release's new row count with the same pointe
 republishes the very plans published at ``initialize_kv_cache`` with zero ``compile_variant`` calls after startup
 (the counter counts at startup), the ledger fact ``rebind`` has old/new rows and the same pointers; every output
 and every byte of the layers' regions equal the baseline's, warmup and after the rebind; poisoned page gaps and
-dropped rows untouched; upstream's state kernels never launched on the patched side.
+dropped rows untouched; upstream's state kernels never launched on the patched side; ``kv_cache_layout``'s
+read-only verifier proved each real rebind's views (ledger fact ``upstream_layout``) and changed nothing.
 """
 
 from __future__ import annotations
@@ -150,6 +151,21 @@ def test_plans_are_republished_after_the_real_rebind_without_compiling(runs: tup
     aliases = saved["patched"]["ledger"]["facts"]["aliases"]
     for patch in ("gdn_state_copy", "kimi_prefill"):
         assert ALIAS in aliases[f"{patch} {EXTEND_KEY}"], context + f"\n{aliases}"
+
+
+def test_kv_cache_layout_verifies_every_real_rebind_and_changes_nothing(runs: tuple) -> None:
+    """The verifier (kv_cache_layout on 0.34) ran after each extensible case's real rebind, through gpu_worker's
+    alias, proved the rebound views and changed nothing (the byte-equality test below covers the outputs)."""
+    _, _, saved = runs
+    ledger = saved["patched"]["ledger"]
+    context = context_of(runs, "-", "patched")
+    assert ledger["counters"]["kv_cache_layout"]["rebinds_verified"] == len(EXTENSIBLE), context + f"\n{ledger}"
+    assert not ledger["counters"]["kv_cache_layout"].get("refusals"), context
+    fact = ledger["facts"]["kv_cache_layout"]["upstream_layout"]
+    assert fact["status"] == "upstream layout proven" and fact["verdict"] == "proven", context + f"\n{fact}"
+    assert f"block ids 0-{FINAL_BLOCKS - 1}" in fact["checked"], context + f"\n{fact}"
+    assert ALIAS in ledger["facts"]["aliases"][f"kv_cache_layout {EXTEND_KEY}"], context
+    assert "kv_cache_layout" not in saved["baseline"]["ledger"].get("counters", {}), context
 
 
 @pytest.mark.parametrize("case", [case for case in CASES if case.endswith(":fixed")])
