@@ -47,9 +47,15 @@ class CallShape:
         return self.arguments.get(name)
 
 
+_signatures: dict[Any, inspect.Signature] = {}
+
+
 def bind_host_call(host: Any, args: tuple, kwargs: dict) -> CallShape:
-    """Bind a call of the release's host function to its signature (defaults applied)."""
-    bound = inspect.signature(host).bind(*args, **kwargs)
+    """Bind a call of the release's host function to its signature (defaults applied; the signature read once)."""
+    signature = _signatures.get(host)
+    if signature is None:
+        signature = _signatures[host] = inspect.signature(host)
+    bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     return CallShape(dict(bound.arguments))
 
