@@ -11,6 +11,11 @@
   writes ``docs/results/ascend-kv-layout/README.md``. Its pieces: ``ascend_engine`` (stood-in engine objects),
   ``ascend_sources`` (facts read from release text), ``ascend_stack`` (the release's KV-cache code executed),
   ``ascend_verdict`` (views to a checker verdict), ``ascend_table`` (the README).
+- :mod:`kda_patches.kv_layout.upstream034_stack` / :mod:`~kda_patches.kv_layout.upstream034_proof`: vLLM 0.34's
+  own extensible KV cache of the same models executed from the release cache (allocation, warmup commit,
+  ``extend_kv_cache``) and its views proven before and after the rebind (rows of the same README).
+- :mod:`kda_patches.kv_layout.ascend_verify` / :mod:`~kda_patches.kv_layout.rebind_verify`: the read-only verifiers
+  at run time (vllm-ascend 0.26-0.30's reshape; vLLM 0.34's ``extend_kv_cache``).
 - :mod:`kda_patches.kv_layout.release_exec`: released source files executed definition by definition
   (``release_module``: one lazy release module; ``release_classes``: partial classes from release methods;
   ``release_compile``: compiling at release line numbers).

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kda_patches import registry, static_check
+from kda_patches.effects import IN_EFFECT, judge_effect
 from kda_patches.kv_layout import ascend_models, upstream034_proof
 from kda_patches.kv_layout.ascend_engine import engine_environment
 from kda_patches.kv_layout.ascend_verify import NOT_PROVEN, PROVEN, LayoutRefused
@@ -103,8 +104,11 @@ def test_released_rebind_is_verified_and_left_untouched(stack: Any, model: str, 
     context = stack.runner.compilation_config.static_forward_context
     assert all(context[name].kv_cache is bound for name, bound in seen.items())  # read-only: the same objects
     assert result.config_after.num_blocks == FINAL_BLOCKS
-    line = kv_cache_layout.format_status_line(get_ledger().snapshot())
+    snapshot = get_ledger().snapshot()
+    line = kv_cache_layout.format_status_line(snapshot)
     assert line.startswith("kv_cache_layout: upstream layout proven on vLLM ") and "after extend_kv_cache" in line
+    snapshot["patches"] = {"kv_cache_layout": {"state": "applied", "reason": "", "targets": {}}}
+    assert judge_effect("kv_cache_layout", [snapshot]) == (IN_EFFECT, f"verify mode: upstream-proven {layers}")
 
 
 def test_a_rebind_that_overlaps_refuses_naming_the_witness(stack: Any) -> None:
@@ -180,6 +184,32 @@ def test_a_view_past_its_own_storage_is_out_of_storage() -> None:
     verdict, detail, _, _ = upstream034_proof.prove_phase(config(["a"], ["b"]),
                                                           {"a": Committed(view), "b": full.view(BLOCKS, PAGE)})
     assert verdict == "out of storage" and "outside the storage" in detail
+
+
+def test_a_view_past_its_own_storage_refuses() -> None:
+    full = torch.zeros(BLOCKS * PAGE, dtype=torch.uint8)
+
+    class Committed:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.tensor, name)
+
+        def untyped_storage(self) -> Any:
+            return SimpleNamespace(data_ptr=self.tensor.untyped_storage().data_ptr, nbytes=lambda: PAGE)
+
+    with pytest.raises(LayoutRefused, match=r"extend_kv_cache bound out of storage: .* outside the storage"):
+        verify_rebind(config(["a"]), {"a": Committed(full.view(BLOCKS, PAGE))}, "vLLM X", "M", False)
+
+
+@pytest.mark.parametrize(("before", "after", "worse"), [
+    ("proven", "proven", "proven"), ("proven", "overlap found", "overlap found"),
+    ("out of storage", "not checkable", "out of storage"), ("not checkable", "proven", "not checkable")])
+def test_a_case_has_its_worse_phases_verdict(before: str, after: str, worse: str) -> None:
+    result = upstream034_proof.RebindResult({"before": upstream034_proof.CaseResult(before, ""),
+                                             "after": upstream034_proof.CaseResult(after, "")})
+    assert result.verdict == worse
 
 
 def test_proven_views_are_verified() -> None:
