@@ -5,9 +5,15 @@ release's own ``Requires-Dist``; adding a release is a declaration.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import hashlib
 import json
 import lzma
 import pathlib
+import subprocess
+import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -27,7 +33,31 @@ REQUIRES_034 = [
     "partial-json-parser", "pyzmq>=25.0.0", "msgspec", "compressed-tensors==0.17.0", "pybase64", "cbor2",
     "oss-harmony>=0.0.11", "apache-tvm-ffi==0.1.11",
     'protobuf==7.36.1; platform_machine == "s390x"', 'zentorch==2.14.0.2; extra == "zen"',
+    "flashinfer-python==0.7.3", "nvidia-cutlass-dsl[cu13]==4.8.0", "nvidia-cudnn-frontend>=1.31.0",
 ]
+# Requires-Dist of the registry's wheels the 0.34.0 FlashInfer carry holds (their METADATA, read 2026-12-07)
+FLASHINFER_REQUIRES = {
+    "flashinfer-python==0.7.4": [
+        "apache-tvm-ffi<0.2,>=0.1.11", "click", "cuda-python>=12.0", "cuda-tile>=1.4.0", "einops",
+        "nccl-extensions>=0.1.0", "nccl4py>=0.4.1", "ninja", "numpy", "nvidia-cudnn-frontend>=1.32.0",
+        "nvidia-cutlass-dsl>=4.8.0", "nvidia-ml-py", "packaging>=24.2", "requests", "tabulate", "torch", "tqdm",
+        'torch>=2.12.0; extra == "b12x"', 'nvidia-cutlass-dsl[cu13]>=4.8.0; extra == "cu13"',
+        'nvshmem4py-cu13>=0.3.1; extra == "sm107"'],
+    "nvidia-cutlass-dsl==4.8.0": [
+        "nvidia-cutlass-dsl-libs-base==4.8.0", "nvidia-cutlass-dsl-libs-cu12==4.8.0",
+        'nvidia-cutlass-dsl-libs-cu13==4.8.0; extra == "cu13"',
+        'nvidia-cutlass-dsl-libs-qnx-cu12==4.8.0; extra == "qnx"'],
+    "nvidia-cutlass-dsl-libs-base==4.8.0": [
+        "typing-extensions>=4.10.0", "cuda-bindings>=12.8", 'backports.strenum; python_version < "3.11"',
+        "protobuf>=4.21.12", "nvidia-cutlass-dsl-libs-core==4.8.0",
+        'nvidia-cuda-nvdisasm<14,>=13.4.0rc1; extra == "sass"'],
+    "nvidia-cutlass-dsl-libs-core==4.8.0": [
+        "typing-extensions>=4.10.0", "cuda-bindings>=12.8", 'backports.strenum; python_version < "3.11"',
+        "protobuf>=4.21.12"],
+    "nvidia-cutlass-dsl-libs-cu13==4.8.0": [
+        "typing-extensions>=4.10.0", "cuda-bindings>=12.8", "protobuf>=4.21.12",
+        "nvidia-cutlass-dsl-libs-base==4.8.0"],
+}
 
 
 def fake_release(version: str = "9.9.9", **changes) -> object:
@@ -161,3 +191,185 @@ def test_a_carry_is_one_declared_release_and_a_bundle_of_other_pins_is_rebuilt(t
     assert built == ["9.9.9"]  # the bundle holds what the declaration says: reused
     bundle.carry(tmp_path, "3.12", ("core",), False, fake_release(wheels=(("kdafake==0.2", "a new pin"),)))
     assert built == ["9.9.9", "9.9.9"]  # its pins changed: rebuilt
+
+
+# ---------------------------------------------------------------- --with-flashinfer: an xz-compressed wheel set
+
+
+def test_the_flashinfer_carry_is_declared_for_0_34_and_named_by_its_release():
+    release = bundle.RELEASES["0.34.0"]
+    names = bundle.carry_artifacts(release, "3.12", ("core", "flashkda"), ray=False, flashinfer=True)
+    assert names[:-1] == bundle.carry_artifacts(release, "3.12", ("core", "flashkda"), ray=False)  # unchanged
+    assert names[-1] == "vllm-0.34.0-flashinfer-wheels-cp312.tar.xz"
+    assert harness.artifact_version(names[-1]) == "0.34.0" and harness.is_wheel_set(names[-1])
+    assert dict(release.flashinfer.wheels).keys() >= {"flashinfer-python==0.7.4", "nvidia-cutlass-dsl==4.8.0"}
+    with pytest.raises(KeyError, match=r"vLLM 0\.33\.0 declares no FlashInfer carry.*declared for: 0\.34\.0"):
+        bundle.carry_artifacts(bundle.RELEASES["0.33.0"], "3.12", ("core",), ray=False, flashinfer=True)
+
+
+def test_the_command_line_refuses_a_flashinfer_carry_the_release_does_not_declare(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bundle, "build", lambda *a: pytest.fail("built a bundle for an undeclared FlashInfer carry"))
+    assert bundle.main(["carry", "--vllm-version", "0.33.0", "--with-flashinfer", "--dest", str(tmp_path)]) == 1
+    assert "vLLM 0.33.0 declares no FlashInfer carry" in capsys.readouterr().err
+
+
+def test_every_requirement_of_the_declared_flashinfer_set_is_accounted_for():
+    release = bundle.RELEASES["0.34.0"]
+    declared = release.flashinfer
+    assert bundle.wheel_set_problems(declared, release, FLASHINFER_REQUIRES, REQUIRES_034, "3.12") == []
+    assert {"nvidia-cutlass-dsl-libs-cu12", "nvidia-cudnn-frontend", "cuda-tile", "nccl4py"} <= set(declared.left_out)
+
+    def problems(carried=declared, requires=FLASHINFER_REQUIRES, chosen=release):
+        return bundle.wheel_set_problems(carried, chosen, requires, REQUIRES_034, "3.12")
+
+    # each rule alone: the release's own pin, a stale exception, an unaccounted requirement, a refused pin
+    assert problems(dataclasses.replace(declared, release_pin_exceptions={})) == [
+        "flashinfer-python==0.7.4: vLLM requires flashinfer-python==0.7.3: declare why in release_pin_exceptions or "
+        "carry the release's pin"]
+    stale = {**declared.release_pin_exceptions, "nvidia-cutlass-dsl": "no reason"}
+    assert problems(dataclasses.replace(declared, release_pin_exceptions=stale)) == [
+        "nvidia-cutlass-dsl: a release_pin_exception is declared, but vLLM 0.34.0 allows the carried pin"]
+    requires = {**FLASHINFER_REQUIRES, "flashinfer-python==0.7.4": [
+        *FLASHINFER_REQUIRES["flashinfer-python==0.7.4"], "kdanewdep>=1"]}
+    assert problems(requires=requires) == ["flashinfer-python==0.7.4 requires kdanewdep>=1: not carried, not in the "
+                                           "bundle, and not declared provided or left out"]
+    left_out = {k: v for k, v in declared.left_out.items() if k != "nccl4py"}
+    assert problems(dataclasses.replace(declared, left_out=left_out)) == [
+        "flashinfer-python==0.7.4 requires nccl4py>=0.4.1: not carried, not in the bundle, and not declared "
+        "provided or left out"]
+    newer_base = tuple(("nvidia-cutlass-dsl-libs-base==4.8.1", why) if req.startswith("nvidia-cutlass-dsl-libs-base")
+                       else (req, why) for req, why in declared.wheels)
+    assert problems(dataclasses.replace(declared, wheels=newer_base), requires={
+        "nvidia-cutlass-dsl==4.8.0": FLASHINFER_REQUIRES["nvidia-cutlass-dsl==4.8.0"]}) == [
+        "nvidia-cutlass-dsl-libs-base==4.8.1: nvidia-cutlass-dsl==4.8.0 requires "
+        "nvidia-cutlass-dsl-libs-base==4.8.0"]
+    other_tvm = dataclasses.replace(release, wheels=tuple(("apache-tvm-ffi==0.2.0", why) if req.startswith(
+        "apache-tvm-ffi") else (req, why) for req, why in release.wheels))
+    assert problems(chosen=other_tvm, requires={"flashinfer-python==0.7.4": ["apache-tvm-ffi<0.2,>=0.1.11"]}) == [
+        "apache-tvm-ffi==0.2.0: flashinfer-python==0.7.4 requires apache-tvm-ffi<0.2,>=0.1.11"]
+
+
+def record_wheel(folder: pathlib.Path, name: str, version: str, files: dict[str, str],
+                 requires: tuple[str, ...] = ()) -> pathlib.Path:
+    """A real (deflated) wheel with METADATA, WHEEL and a RECORD of every file, as the registry's are."""
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{name}-{version}.dist-info"
+    members = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+               + "".join(f"Requires-Dist: {line}\n" for line in requires),
+               f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    rows = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+            f"{len(text.encode())}" for path, text in members.items()]
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for path, text in members.items():
+            archive.writestr(path, text)
+        archive.writestr(f"{info}/RECORD", "\n".join([*rows, f"{info}/RECORD,,"]) + "\n")
+    return wheel
+
+
+def test_a_wheel_repacked_uncompressed_keeps_every_file_its_record_lists(tmp_path):
+    wheel = record_wheel(tmp_path / "registry", "kdafake", "0.1", {"kdafake/__init__.py": "VALUE = 1\n" * 50})
+    stored = tmp_path / wheel.name
+    bundle.repack_stored(wheel, stored)
+    assert bundle.record_mismatches(wheel) == bundle.record_mismatches(stored) == []
+    with zipfile.ZipFile(wheel) as original, zipfile.ZipFile(stored) as repacked:
+        assert [(i.filename, i.date_time, i.external_attr) for i in original.infolist()] == [
+            (i.filename, i.date_time, i.external_attr) for i in repacked.infolist()]
+        assert all(original.read(i) == repacked.read(i.filename) for i in original.infolist())
+        assert {i.compress_type for i in repacked.infolist()} == {zipfile.ZIP_STORED}
+    lying = tmp_path / "lying" / wheel.name
+    lying.parent.mkdir()
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(lying, "w") as out:
+        for info in source.infolist():
+            out.writestr(info.filename, source.read(info) if info.filename != "kdafake/__init__.py" else b"X = 2\n")
+    assert bundle.record_mismatches(lying) == ["kdafake/__init__.py"]
+
+
+DSL_PTH = "import sys, os, kdafakedsl; sys.path.insert(0, os.path.join(kdafakedsl.__path__[0], 'dsl_packages'))\n"
+
+
+def fake_flashinfer_release() -> object:
+    carried = bundle.WheelSetCarry(
+        name="flashinfer", wheels=(("kdafakefi==0.1", "the GDN prefill"), ("kdafakedsl==0.2", "its DSL kernels")),
+        release_pin_exceptions={}, provided={"kdaimage": "the image"}, left_out={"kdaskipped": "not on the path"},
+        evidence="a test")
+    return fake_release(flashinfer=carried)
+
+
+def fake_flashinfer_wheels(dest: pathlib.Path, python_version: str, requirements) -> list[pathlib.Path]:
+    """The registry's wheels of :func:`fake_flashinfer_release`: the DSL's ``kdainner`` package lies in a folder
+    only its ``.pth`` file puts on the path, as nvidia-cutlass-dsl's ``cutlass`` does."""
+    assert [r for r, _ in requirements] == ["kdafakefi==0.1", "kdafakedsl==0.2"]
+    return [record_wheel(dest, "kdafakefi", "0.1", {"kdafakefi/__init__.py": "VALUE = 1\n"},
+                         ("kdafakedsl>=0.2", "kdaimage", 'kdaskipped; extra == "x"', "kdaskipped")),
+            record_wheel(dest, "kdafakedsl", "0.2", {"kdafakedsl/__init__.py": "", "kdafakedsl.pth": DSL_PTH,
+                                                     "kdafakedsl/dsl_packages/kdainner/__init__.py": "INNER = 2\n"})]
+
+
+def test_the_flashinfer_set_is_carried_staged_installed_and_its_pth_processed(tmp_path, monkeypatch):
+    release = fake_flashinfer_release()
+    monkeypatch.setattr(bundle, "build", lambda dest, python_version, chosen: bundle.write_bundle(
+        dest / bundle.bundle_name(python_version, chosen.version), fake_source(dest / "src", chosen.version),
+        [record_wheel(dest / "bundle-wheels", "kdafake", "0.1", {"kdafake/__init__.py": ""})], python_version, chosen))
+    monkeypatch.setattr(bundle, "compress_libraries", lambda dest, chosen, keys: [
+        ((dest / (name := bundle.library_artifact(chosen.libraries[key], chosen.version))).write_bytes(
+            lzma.compress(key.encode())), (dest / (name + ".sha256")).write_text(
+            hashlib.sha256(key.encode()).hexdigest())) for key in keys])
+    monkeypatch.setattr(bundle, "tree_bytes", lambda: 0)
+    downloads = []
+    monkeypatch.setattr(bundle, "download_wheels", lambda dest, python_version, requirements: (
+        downloads.append(requirements), fake_flashinfer_wheels(dest, python_version, requirements))[1])
+    (tmp_path / "vllm-9.9.9-requires-dist.json").write_text(json.dumps(["kdafakefi>=0.1"]))
+    manifest = bundle.carry(tmp_path, "3.12", ("core",), False, release, flashinfer=True)
+    name = "vllm-9.9.9-flashinfer-wheels-cp312.tar.xz"
+    assert list(manifest["artifacts"])[-1] == name and manifest["vllm_version"] == "9.9.9"
+    with tarfile.open(tmp_path / name, "r:xz") as archive:
+        inside = json.loads(archive.extractfile("manifest.json").read())
+    assert [w["requirement"] for w in inside["wheels"]] == ["kdafakefi==0.1", "kdafakedsl==0.2"]
+    assert inside["left_out"] == {"kdaskipped": "not on the path"} and inside["vllm_version"] == "9.9.9"
+    bundle.carry(tmp_path, "3.12", ("core",), False, release, flashinfer=True)
+    assert len(downloads) == 1  # the set holds what the declaration says: reused
+    stage, site = tmp_path / "stage", tmp_path / "site"
+    for run in sorted((tmp_path / "carry").glob("run*")):
+        harness.stage_pieces(run, stage)
+    prepared = harness.prepare_site(None, site, stage)
+    installed = next(s for s in prepared["wheel_sets"] if s["set"] == name)
+    assert installed["pth"] == ["kdafakedsl.pth"] and set(installed["registry_sha256"]) == {
+        "kdafakefi-0.1-py3-none-any.whl", "kdafakedsl-0.2-py3-none-any.whl"}
+    assert (site / "kdafakefi" / "__init__.py").is_file() and (site / "kdafakedsl.pth").is_file()
+    # a process that gets the site through PYTHONPATH sees the .pth's folder only once the hook activates it
+    probe = ("import sys; sys.path.insert(0, {scripts!r}); import gpu_harness; {activate}"
+             "import importlib.util; print(importlib.util.find_spec('kdainner') is not None)")
+    for activate, expected in (("", "False"), ("gpu_harness.install_stand_ins(); ", "True")):
+        done = subprocess.run([sys.executable, "-c", probe.format(scripts=str(harness.__file__).rsplit("/", 1)[0],
+                                                                  activate=activate)],
+                              env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+        assert done.stdout.strip() == expected, done.stderr
+
+
+def test_a_flashinfer_wheel_that_cannot_be_fetched_is_named_and_nothing_is_written(tmp_path, monkeypatch, capsys):
+    release = fake_flashinfer_release()
+    (tmp_path / "vllm-9.9.9-requires-dist.json").write_text(json.dumps([]))
+    real_run = subprocess.run
+
+    def pip(argv, **kwargs):
+        if "kdafakedsl==0.2" in argv:
+            return subprocess.CompletedProcess(argv, 1, "", "ERROR: No matching distribution found for kdafakedsl==0.2")
+        if "kdafakefi==0.1" in argv:
+            record_wheel(pathlib.Path(argv[argv.index("-d") + 1]), "kdafakefi", "0.1", {"kdafakefi/__init__.py": ""})
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        return real_run(argv, **kwargs)
+
+    monkeypatch.setattr(bundle.subprocess, "run", pip)
+    with pytest.raises(RuntimeError, match=r"cannot fetch the flashinfer carry of vLLM 9\.9\.9 \(vllm-9\.9\.9-"
+                       r"flashinfer-wheels-cp312\.tar\.xz\); nothing was written: pip download kdafakedsl==0\.2 (?s:.)*"
+                       r"No matching"):
+        bundle.build_compressed_wheel_set(tmp_path, release, release.flashinfer, "3.12")
+    assert not list(tmp_path.glob("*.tar.xz*"))
+    monkeypatch.setitem(bundle.RELEASES, "9.9.9", release)
+    monkeypatch.setattr(bundle, "bundle_matches", lambda *a: True)
+    monkeypatch.setattr(bundle, "compress_libraries", lambda *a: None)
+    for key in ("", ".sha256"):
+        (tmp_path / (bundle.library_artifact(release.libraries["core"], "9.9.9") + key)).write_text("0")
+    assert bundle.main(["carry", "--vllm-version", "9.9.9", "--with-flashinfer", "--dest", str(tmp_path)]) == 1
+    assert "carry: cannot fetch the flashinfer carry of vLLM 9.9.9" in capsys.readouterr().err

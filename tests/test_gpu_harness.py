@@ -382,3 +382,77 @@ def test_the_parent_s_record_reads_the_unpacked_site_it_does_not_import(tmp_path
         (site / "cutlass" / "__init__.py").write_text("")
     assert str(site) not in sys.path
     assert (harness.MSA_WARMUP in harness.stood_in_record(True, site)) != with_cutlass
+
+
+# ---------------------------------------------------------------- xz-compressed wheel sets and their .pth files
+
+
+def compressed_wheel_set(path: pathlib.Path, wheels: list[pathlib.Path], listed: list[pathlib.Path] | None = None,
+                         lie_about: str | None = None) -> pathlib.Path:
+    """A ``.tar.xz`` wheel set shaped like vllm_bundle.py's: ``manifest.json`` listing ``listed`` (default: every
+    wheel) with their sha256 (a wrong one for ``lie_about``), and ``wheels/<file>``."""
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = [{"file": w.name, "registry_sha256": "r" * 64,
+                "sha256": "0" * 64 if w.name == lie_about else hashlib.sha256(w.read_bytes()).hexdigest()}
+               for w in (wheels if listed is None else listed)]
+    with tarfile.open(path, "w:xz") as archive:
+        data = json.dumps({"set": "flashinfer", "wheels": entries}).encode()
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+        for wheel in wheels:
+            archive.add(wheel, f"wheels/{wheel.name}")
+    return path
+
+
+def test_a_compressed_wheel_set_installs_only_what_its_manifest_lists_with_the_same_sha256(tmp_path, monkeypatch):
+    assert harness.is_wheel_set("vllm-0.34.0-flashinfer-wheels-cp312.tar.xz") and harness.is_wheel_set(
+        "ray-wheels-cp312.zip") and not harness.is_wheel_set("vllm-0.34.0-_flashkda_C.abi3.so.xz")
+    wheels = [tiny_wheel(tmp_path, "kdafakefi"), tiny_wheel(tmp_path, "kdafakedsl")]
+    site = tmp_path / "site"
+    good = compressed_wheel_set(tmp_path / "vllm-9.9.9-flashinfer-wheels-cp312.tar.xz", wheels)
+    installed = harness.install_wheel_set(good, site)
+    assert installed["wheels"] == sorted(w.name for w in wheels) and "pth" not in installed
+    assert installed["registry_sha256"] == {w.name: "r" * 64 for w in wheels}
+    assert (site / "kdafakefi" / "__init__.py").is_file() and (site / "kdafakedsl" / "__init__.py").is_file()
+    with monkeypatch.context() as patched:  # the same archive again (the next call's engine check): not reinstalled
+        patched.setattr("subprocess.run", lambda *a, **k: pytest.fail("reinstalled an installed set"))
+        assert harness.install_wheel_set(good, site) == installed
+    other = tmp_path / "other-site"
+    lying = compressed_wheel_set(tmp_path / "lying" / good.name, wheels, lie_about=wheels[1].name)
+    with pytest.raises(harness.CarryError, match=r"kdafakedsl-0\.1-py3-none-any\.whl is missing or its sha256 differs"):
+        harness.install_wheel_set(lying, other)
+    unlisted = compressed_wheel_set(tmp_path / "unlisted" / good.name, wheels, listed=wheels[:1])
+    with pytest.raises(harness.CarryError, match=r"does not list: wheels/kdafakedsl-0\.1-py3-none-any\.whl"):
+        harness.install_wheel_set(unlisted, other)
+    assert not other.exists()  # refused before pip ran
+
+
+def test_only_the_carried_pth_files_are_processed_and_each_once(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    (site / "listed-folder").mkdir(parents=True)
+    (site / "other-folder").mkdir()
+    (site / "carried.pth").write_text("listed-folder\n")
+    (site / "not-carried.pth").write_text("other-folder\n")
+    (site / harness.CARRIED_PTH).write_text(json.dumps(["carried.pth"]))
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "elsewhere"), str(site)])
+    monkeypatch.setattr(harness, "_ACTIVATED_PTH", set())
+    assert harness.activate_carried_pth() == [str(site / "carried.pth")]
+    assert str(site / "listed-folder") in sys.path and str(site / "other-folder") not in sys.path
+    assert harness.activate_carried_pth() == []  # once per process
+
+
+@pytest.mark.parametrize("layout", ["none", "top", "nvidia-cutlass-dsl"])
+def test_a_cute_dsl_carried_in_its_wheel_s_layout_is_not_stood_in(tmp_path, layout):
+    """The nvidia-cutlass-dsl wheel puts ``cutlass`` under ``nvidia_cutlass_dsl/dsl_packages`` (its .pth adds it)."""
+    site = tmp_path / "site"
+    (site / harness.MSA_WARMUP_FILE).parent.mkdir(parents=True)
+    (site / harness.MSA_WARMUP_FILE).write_text("import cutlass\n")
+    folder = {"top": "cutlass", "nvidia-cutlass-dsl": "nvidia_cutlass_dsl/dsl_packages/cutlass"}.get(layout)
+    if folder:
+        (site / folder).mkdir(parents=True)
+        (site / folder / "__init__.py").write_text("")
+    assert (harness.MSA_WARMUP in harness.stood_in_record(True, site)) == (layout == "none")

@@ -336,29 +336,131 @@ def bundle_version(bundle: pathlib.Path) -> str | None:
 
 
 def is_wheel_set(name: str) -> bool:
-    """Return whether a carried artifact is a wheel set (``<name>-wheels-cpXY.zip`` of ``vllm_bundle.py``)."""
-    return name.endswith(".zip") and "-wheels-cp" in name
+    """Return whether a carried artifact is a wheel set of ``vllm_bundle.py``: ``<name>-wheels-cpXY.zip`` (the
+    wheels as downloaded) or ``vllm-<version>-<name>-wheels-cpXY.tar.xz`` (repacked, xz-compressed, a manifest)."""
+    return name.endswith((".zip", ".tar.xz")) and "-wheels-cp" in name
+
+
+def _unpack_compressed_wheel_set(archive_path: pathlib.Path, scratch: pathlib.Path) -> dict[str, Any]:
+    """Unpack a ``.tar.xz`` wheel set into ``scratch``; check every wheel against its manifest; return the manifest.
+
+    Raises:
+        CarryError: no manifest, a wheel it lists is missing or its sha256 differs, or the archive holds a wheel
+            it does not list.
+    """
+    import tarfile
+
+    with tarfile.open(archive_path, "r:xz") as archive:
+        members = [m for m in archive.getmembers() if m.isfile()]
+        names = {m.name for m in members}
+        if "manifest.json" not in names or any(m.name.startswith("/") or ".." in m.name.split("/") for m in members):
+            raise CarryError(f"{archive_path.name} is not a wheel set of vllm_bundle.py (no manifest.json, or a path "
+                             "outside the set)")
+        for member in members:
+            target = scratch / member.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with archive.extractfile(member) as source, open(target, "wb") as out:
+                shutil.copyfileobj(source, out, 1 << 22)
+    manifest = json.loads((scratch / "manifest.json").read_text())
+    listed = {f"wheels/{entry['file']}": entry["sha256"] for entry in manifest["wheels"]}
+    for name, expected in listed.items():
+        if not (scratch / name).is_file() or sha256_of(scratch / name) != expected:
+            raise CarryError(f"{archive_path.name}: {name} is missing or its sha256 differs from the set's manifest")
+    unlisted = sorted(n for n in names if n.endswith(".whl") and n not in listed)
+    if unlisted:
+        raise CarryError(f"{archive_path.name}: wheels its manifest does not list: {', '.join(unlisted)}")
+    return manifest
 
 
 def install_wheel_set(archive_path: pathlib.Path, site: pathlib.Path = SITE_DIR) -> dict[str, Any]:
     """Install every wheel of a carried wheel set into ``site`` (no index, no deps); return what was installed.
 
+    A ``.pth`` file a wheel puts at the site's top (the CuTe DSL's adds its ``dsl_packages`` folder to the path) is
+    listed in ``site/`` :data:`CARRIED_PTH`: the engine processes get the site through ``PYTHONPATH``, whose entries
+    Python does not scan for ``.pth`` files; :func:`activate_carried_pth` processes them.
+
+    A compressed set already installed in ``site`` from the same archive (its sha256, in ``site/``
+    :data:`INSTALLED_SETS`) is not installed again: the engine check prepares the site at every call.
+
     Raises:
-        CarryError: pip failed.
+        CarryError: a checksum of a compressed set differs, or pip failed.
     """
     import subprocess
     import zipfile
 
-    scratch = site.with_name(site.name + "-" + archive_path.stem)
-    with zipfile.ZipFile(archive_path) as archive:
-        archive.extractall(scratch)
-    wheels = sorted(str(w) for w in scratch.glob("*.whl"))
+    compressed = archive_path.name.endswith(".tar.xz")
+    installed_sets = site / INSTALLED_SETS
+    known = json.loads(installed_sets.read_text()) if compressed and installed_sets.is_file() else {}
+    digest = sha256_of(archive_path) if compressed else None
+    if digest and known.get(archive_path.name, {}).get("sha256") == digest:
+        return known[archive_path.name]["record"]
+    scratch = site.with_name(site.name + "-" + archive_path.name.removesuffix(".tar.xz").removesuffix(".zip"))
+    if scratch.is_dir():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    record: dict[str, Any] = {"set": archive_path.name}
+    if compressed:
+        manifest = _unpack_compressed_wheel_set(archive_path, scratch)
+        wheels = sorted(str(w) for w in (scratch / "wheels").glob("*.whl"))
+        record["registry_sha256"] = {entry["file"]: entry["registry_sha256"] for entry in manifest["wheels"]}
+    else:
+        with zipfile.ZipFile(archive_path) as archive:
+            archive.extractall(scratch)
+        wheels = sorted(str(w) for w in scratch.glob("*.whl"))
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                            "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], capture_output=True,
                           text=True)
     if done.returncode:
         raise CarryError(f"installing {archive_path.name} failed:\n{done.stderr[-3000:]}")
-    return {"set": archive_path.name, "wheels": [pathlib.Path(w).name for w in wheels]}
+    pth = []
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            pth += [name for name in archive.namelist() if "/" not in name and name.endswith(".pth")]
+    pth = sorted(set(pth))
+    record["wheels"] = [pathlib.Path(w).name for w in wheels]
+    if pth:
+        listed = site / CARRIED_PTH
+        before = json.loads(listed.read_text()) if listed.is_file() else []
+        listed.write_text(json.dumps(sorted(set(before) | set(pth))))
+        record["pth"] = pth
+    if compressed:
+        shutil.rmtree(scratch)  # the repacked wheels (the size of the installed files) are not needed again
+        installed_sets.write_text(json.dumps({**known, archive_path.name: {"sha256": digest, "record": record}}))
+    return record
+
+
+CARRIED_PTH = "kda-carried-pth.json"  # in the site: the .pth files carried wheels installed there
+INSTALLED_SETS = "kda-installed-wheel-sets.json"  # in the site: compressed wheel sets installed there, by sha256
+_ACTIVATED_PTH: set[tuple[str, str]] = set()
+
+
+def activate_carried_pth(entries: list[str] | None = None) -> list[str]:
+    """Process the ``.pth`` files carried wheels installed in a site on the path, as if it were a site directory.
+
+    Only the files the site's :data:`CARRIED_PTH` lists, each once per process (``site.addpackage``: a line
+    starting with ``import`` is executed, any other adds a folder). Run by :func:`install_stand_ins`, so every
+    process the stand-in hook reaches sees e.g. the CuTe DSL's ``cutlass`` package.
+
+    Args:
+        entries: path entries to look in (default: ``sys.path``).
+    Returns:
+        The ``.pth`` files processed by this call (full paths).
+    """
+    import site as site_module
+
+    done = []
+    for entry in list(sys.path if entries is None else entries):
+        listed = os.path.join(entry or ".", CARRIED_PTH)
+        if not os.path.isfile(listed):
+            continue
+        with open(listed) as handle:
+            names = json.load(handle)
+        for name in names:
+            if (entry, name) not in _ACTIVATED_PTH and os.path.isfile(os.path.join(entry, name)):
+                _ACTIVATED_PTH.add((entry, name))
+                site_module.addpackage(entry, name, None)
+                done.append(os.path.join(entry, name))
+    return done
 
 
 def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_DIR,
@@ -367,7 +469,8 @@ def prepare_site(bundle: pathlib.Path | None = None, site: pathlib.Path = SITE_D
 
     Returns:
         ``{"bundle": its manifest, "bundle_file", "vllm_version": the bundle's, "libraries": files installed,
-        "wheel_sets": installed sets, "compiled_library": bool}`` (the last: vLLM's op library is there).
+        "wheel_sets": installed sets (the compressed ones with the registry's sha256 of each wheel and the ``.pth``
+        files they brought), "compiled_library": bool}`` (the last: vLLM's op library is there).
     Raises:
         CarryError: no bundle given and none staged; the bundle, the staged plan and the staged libraries are
             not all of one vLLM version (checked before anything is unpacked; both named); the site holds another
@@ -419,7 +522,8 @@ STOOD_IN = {
     "vllm.v1.worker.utils imports it through vllm.model_executor.layers.attention. Stood in by the package's own "
     "flash_attn_interface module (FA2_AVAILABLE = FA3_AVAILABLE = False there): no FlashAttention kernel runs",
     MSA_WARMUP: "vLLM >= 0.34's kernel_warmup imports it on every CUDA GPU, and it imports MiniMax M3's CuTe DSL "
-    "kernels (`import cutlass`, the nvidia-cutlass-dsl wheel, not carried). Stood in only when the release has "
+    "kernels (`import cutlass`, the nvidia-cutlass-dsl wheel, carried only with --with-flashinfer). Stood in only "
+    "when the release has "
     "the file and `cutlass` is absent, by a minimax_m3_msa_warmup(worker) that returns None where the release's "
     "returns None before any kernel (the model has no MiniMaxM3SparseAttention, or the GPU is not SM100-family: "
     "the H200 is SM90) and raises otherwise",
@@ -444,9 +548,14 @@ def stood_in_names(library: bool, site: pathlib.Path | None = None) -> tuple[str
     return tuple(name for name in STOOD_IN if not left_out.get(name, False))
 
 
+# where a carried CuTe DSL's ``cutlass`` package lies in the site: the top (a plain wheel) or the folder the
+# nvidia-cutlass-dsl wheel's .pth adds to the path (vllm_bundle.py carry --with-flashinfer)
+CUTLASS_FOLDERS = (pathlib.PurePosixPath("cutlass"), pathlib.PurePosixPath("nvidia_cutlass_dsl/dsl_packages/cutlass"))
+
+
 def msa_warmup_needs_stand_in(site: pathlib.Path) -> bool:
     """Return whether the bundle in ``site`` has vLLM >= 0.34's MiniMax M3 warm-up module but not the CuTe DSL."""
-    if not (site / MSA_WARMUP_FILE).is_file() or (site / "cutlass").is_dir():
+    if not (site / MSA_WARMUP_FILE).is_file() or any((site / folder).is_dir() for folder in CUTLASS_FOLDERS):
         return False
     return importlib.util.find_spec("cutlass") is None
 
@@ -521,7 +630,9 @@ def stand_in_capability_queries() -> None:
 
 
 def install_stand_ins() -> None:
-    """Put :class:`StandInFinder` first on ``sys.meta_path`` (idempotent)."""
+    """Process the carried ``.pth`` files (:func:`activate_carried_pth`), then put :class:`StandInFinder` first on
+    ``sys.meta_path`` (idempotent)."""
+    activate_carried_pth()
     if not any(isinstance(finder, StandInFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, StandInFinder())
 

@@ -25,6 +25,7 @@ Usage (here, on the CPU machine; the result is gitignored and never committed)::
     python scripts/gpu/vllm_bundle.py build --python-version 3.11 # same bundle for this machine's dry run
     python scripts/gpu/vllm_bundle.py carry                       # -> .bundle/carry/run1, run2, ...
     python scripts/gpu/vllm_bundle.py carry --vllm-version 0.34.0 --with-moe
+    python scripts/gpu/vllm_bundle.py carry --vllm-version 0.34.0 --with-flashkda --with-flashinfer
 
 The GPU side (``gpu_harness.unpack_bundle``) unpacks the zip and installs the wheels with
 ``pip install --no-index --no-deps --target``. The zip holds no compiled vLLM extension; ``carry`` adds vLLM's
@@ -32,18 +33,33 @@ real compiled op library (:attr:`ReleaseCarry.libraries` of the same wheel, xz-c
 and cuts library and bundle into pieces that fill consecutive device calls beside the working tree
 (``gpu_harness.write_carry``): carry ``.bundle/carry/run1``, then ``run2``, ... in back-to-back calls, each
 command starting with ``python3 scripts/gpu/gpu_harness.py stage .bundle/carry/runN``.
+
+``--with-flashinfer`` (vLLM 0.34: Qwen's GDN prefill picks FlashInfer on every SM90 device) adds the release's
+:attr:`ReleaseCarry.flashinfer`: FlashInfer and the CuTe DSL compiler its SM90 GDN prefill kernel is written in,
+as one xz-compressed wheel set ``vllm-<version>-flashinfer-wheels-cpXY.tar.xz`` (:func:`build_compressed_wheel_set`:
+the registry's wheels repacked uncompressed, every member checked against the wheel's own RECORD, so xz sees the
+raw bytes: 0.34.0's 198 MB of wheels, 975 MB installed, travel as 95 MB, two more calls; built in about 7 minutes
+on two cores). Every requirement the carried wheels name is accounted for -- carried, in the bundle, in the GPU
+image, or left out with the reason (:func:`wheel_set_problems`). On the GPU machine ``gpu_harness`` installs the set
+into the site and processes the CuTe DSL's ``.pth`` in every engine process (``gpu_harness.activate_carried_pth``).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import csv
+import email.parser
 import hashlib
+import io
 import json
 import lzma
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -95,6 +111,71 @@ STABLE_LIBRARIES_034: Mapping[str, str] = {**STABLE_LIBRARIES, "flashkda": "vllm
 
 
 @dataclass(frozen=True)
+class WheelSetCarry:
+    """Wheels carried xz-compressed beside one release and installed into its site (``carry --with-flashinfer``).
+
+    Every requirement a carried wheel names (its METADATA's ``Requires-Dist``, extras aside) must be carried here, be
+    a wheel of the release's bundle, or be declared in ``provided`` or ``left_out``: :func:`wheel_set_problems`.
+
+    Attributes:
+        name: the set's name in its artifact ``vllm-<version>-<name>-wheels-cpXY.tar.xz``.
+        wheels: (requirement, why) of every wheel carried.
+        release_pin_exceptions: distribution -> why its carried pin differs from the release's own Requires-Dist
+            (anything else the release does not allow is refused).
+        provided: distribution a carried wheel requires -> where it comes from instead (the GPU image).
+        left_out: distribution a carried wheel requires -> why it is not carried.
+        evidence: how this declaration was established (what was run or read).
+    """
+
+    name: str
+    wheels: tuple[tuple[str, str], ...]
+    release_pin_exceptions: Mapping[str, str]
+    provided: Mapping[str, str]
+    left_out: Mapping[str, str]
+    evidence: str
+
+
+# What FlashInfer and the CuTe DSL require that the GPU image has (device KINDS.md package list, read 2026-11-17)
+IN_IMAGE = "in the GPU image (device KINDS.md package list)"
+FLASHINFER_034 = WheelSetCarry(
+    name="flashinfer",
+    wheels=(
+        ("flashinfer-python==0.7.4", "vLLM 0.34 Qwen GDN prefill on SM90: `_resolve_gdn_prefill_backend` returns "
+         "flashinfer for `auto`; `fi_chunk_gated_delta_rule` imports flashinfer.gdn_prefill"),
+        ("nvidia-cutlass-dsl==4.8.0", "flashinfer.gdn_kernels.delta_rule_dsl: on SM90 chunk_gated_delta_rule runs "
+         "delta_rule_sm90 / delta_rule_cp_sm90, CuTe DSL kernels compiled in-process at first call (import cutlass); "
+         "also FlashInfer's SM90 norms (rmsnorm_cute) and vLLM 0.34's MiniMax M3 warm-up module"),
+        ("nvidia-cutlass-dsl-libs-base==4.8.0", "nvidia-cutlass-dsl (the `cutlass` and `iket` packages)"),
+        ("nvidia-cutlass-dsl-libs-core==4.8.0", "nvidia-cutlass-dsl-libs-base"),
+        ("nvidia-cutlass-dsl-libs-cu13==4.8.0", "nvidia-cutlass-dsl[cu13], vLLM 0.34's own requirement: the CUDA 13 "
+         "compiler (_cutlass_ir.cu13, libcute_dsl_runtime), chosen where the driver is CUDA 13"),
+    ),
+    release_pin_exceptions={"flashinfer-python": "vLLM 0.34.0 pins flashinfer-python==0.7.3, which the registry "
+                            "lacks; 0.7.4 defines every name vLLM 0.34.0 imports from flashinfer (each "
+                            "`from flashinfer... import` of its .py files resolved, read 2026-12-07)"},
+    provided={"click": IN_IMAGE, "einops": IN_IMAGE, "ninja": IN_IMAGE, "numpy": IN_IMAGE, "nvidia-ml-py": IN_IMAGE,
+              "packaging": IN_IMAGE, "requests": IN_IMAGE, "tabulate": IN_IMAGE, "torch": IN_IMAGE,
+              "tqdm": IN_IMAGE, "typing-extensions": IN_IMAGE, "protobuf": IN_IMAGE, "cuda-bindings": IN_IMAGE,
+              "cuda-python": "the GPU image's cuda-bindings: FlashInfer and the CuTe DSL import cuda.bindings, "
+              "never the cuda-python meta-distribution"},
+    left_out={
+        "nvidia-cutlass-dsl-libs-cu12": "the CUDA 12 compiler flavor (92 MB): cutlass._mlir._mlir_libs loads the "
+        "newest installed flavor the driver supports, cu13 on the CUDA 13 driver",
+        "nvidia-cudnn-frontend": "`import cudnn` is guarded (flashinfer.gemm.gemm_base, flashinfer.cudnn); vLLM "
+        "calls the GDN prefill with backend='flashinfer', never cuDNN",
+        "cuda-tile": "imported only by FlashInfer's cuTile attention kernels (attention/kernels/cutile), not on import",
+        "nccl4py": "flashinfer.comm only (multi-GPU communication), not imported by flashinfer.gdn_prefill",
+        "nccl-extensions": "flashinfer.comm only, as nccl4py",
+    },
+    evidence="read, not yet run on a GPU (2026-12-07): with only these wheels beside a torch, `import "
+             "flashinfer.gdn_prefill` succeeded and chunk_gated_delta_rule_sm90 / cp_delta_rule_dsl_sm90 were "
+             "defined (no cudnn, cuda.tile or nccl module imported); the SM90 path compiles with the CuTe DSL's "
+             "bundled compiler (no nvcc, no download); FlashInfer's other kernels JIT-compile from the wheel's "
+             "data/ with nvcc + ninja (vLLM's has_flashinfer requires both)",
+)
+
+
+@dataclass(frozen=True)
 class ReleaseCarry:
     """What carrying one vLLM release takes -- only what differs between releases; one mechanism uses it.
 
@@ -103,12 +184,14 @@ class ReleaseCarry:
         wheels: (requirement, why) of the third-party wheels its import chain needs and the H200 image lacks.
         libraries: compiled libraries that can be carried, key (``core`` always, ``moe``) -> member of its wheel.
         evidence: how this declaration was established (what was run or read).
+        flashinfer: FlashInfer and what it needs (``carry --with-flashinfer``); None where not declared.
     """
 
     version: str
     wheels: tuple[tuple[str, str], ...]
     libraries: Mapping[str, str]
     evidence: str
+    flashinfer: WheelSetCarry | None = None
 
 
 RELEASES: dict[str, ReleaseCarry] = {release.version: release for release in (
@@ -119,7 +202,7 @@ RELEASES: dict[str, ReleaseCarry] = {release.version: release for release in (
                  "0.33.0's line; module-level imports followed from the engine's modules reach no third-party "
                  "package 0.33.0's did not (xgrammar and partial-json-parser no longer reached that way; kept); both "
                  "libraries in its wheel under the same names (88.7 and 32.4 MB), needing no torch symbol 0.33.0's "
-                 "did not"),
+                 "did not", FLASHINFER_034),
 )}
 DEFAULT_VERSION = "0.33.0"
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
@@ -172,7 +255,23 @@ def _packaging():
     return Requirement, Version
 
 
-def unmet_pins(wheels: tuple[tuple[str, str], ...], requires_dist: list[str], python_version: str) -> list[str]:
+def _marker_environment(python_version: str) -> dict[str, str]:
+    """Return the marker environment of CPython ``python_version`` on x86-64 Linux, no extra requested."""
+    return {"python_version": python_version, "python_full_version": f"{python_version}.0",
+            "platform_machine": "x86_64", "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix",
+            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+
+
+def _applying(requires_dist: list[str], python_version: str) -> list:
+    """Return the requirements of ``requires_dist`` whose markers hold for ``python_version`` (extras' do not)."""
+    requirement_class, _ = _packaging()
+    environment = _marker_environment(python_version)
+    requirements = [requirement_class(line) for line in requires_dist]
+    return [r for r in requirements if r.marker is None or r.marker.evaluate(environment)]
+
+
+def unmet_pins(wheels: tuple[tuple[str, str], ...], requires_dist: list[str], python_version: str,
+               who: str = "vLLM") -> list[str]:
     """Return every carried wheel whose pinned version the release's own ``Requires-Dist`` does not allow.
 
     Args:
@@ -180,26 +279,21 @@ def unmet_pins(wheels: tuple[tuple[str, str], ...], requires_dist: list[str], py
         requires_dist: the ``Requires-Dist`` values of vLLM's wheel METADATA (markers evaluated for CPython
             ``python_version`` on x86-64 Linux; extras' requirements are not the release's).
         python_version: the CPython the bundle is for.
+        who: whose requirements these are, in each line (a carried wheel's, for a wheel set).
     Returns:
         One line per conflict (requirement, vLLM's specifier); empty when every pin is allowed. Packages vLLM
         does not name (a dependency's dependency, the overlay's wrapt) are not checked.
     """
-    requirement_class, version_class = _packaging()
-    environment = {"python_version": python_version, "python_full_version": f"{python_version}.0",
-                   "platform_machine": "x86_64", "platform_system": "Linux", "sys_platform": "linux",
-                   "os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython",
-                   "extra": ""}
+    _, version_class = _packaging()
     wanted: dict[str, list] = {}
-    for line in requires_dist:
-        requirement = requirement_class(line)
-        if requirement.marker is None or requirement.marker.evaluate(environment):
-            wanted.setdefault(_canonical(requirement.name), []).append(requirement.specifier)
+    for requirement in _applying(requires_dist, python_version):
+        wanted.setdefault(_canonical(requirement.name), []).append(requirement.specifier)
     unmet = []
     for pinned, _ in wheels:
         name, _, version = pinned.partition("==")
         for specifier in wanted.get(_canonical(name), []):
             if not specifier.contains(version_class(version), prereleases=True):
-                unmet.append(f"{pinned}: vLLM requires {name}{specifier}")
+                unmet.append(f"{pinned}: {who} requires {name}{specifier}")
     return unmet
 
 
@@ -288,6 +382,179 @@ def build_wheel_set(dest: pathlib.Path, name: str, requirements: tuple[tuple[str
             for wheel in wheels:
                 archive.write(wheel, wheel.name)
         os.replace(partial, target)
+    return target
+
+
+# ---------------------------------------------------------------- xz-compressed wheel sets (--with-flashinfer)
+
+XZ_PRESET = 6
+
+
+def wheel_set_artifact(release: ReleaseCarry, carried: WheelSetCarry, python_version: str) -> str:
+    """Return a compressed wheel set's artifact name, ``vllm-<version>-<name>-wheels-cpXY.tar.xz``
+    (``gpu_harness.is_wheel_set``; the version makes it one release's, as every ``vllm-<version>-`` artifact)."""
+    return f"vllm-{release.version}-{carried.name}-wheels-cp{python_version.replace('.', '')}.tar.xz"
+
+
+def _dist_info_member(archive: zipfile.ZipFile, file: str) -> str:
+    """Return the name of the wheel's own ``<name>.dist-info/<file>``."""
+    return next(name for name in archive.namelist() if name.count("/") == 1 and name.endswith(f".dist-info/{file}"))
+
+
+def wheel_requires(wheel: pathlib.Path) -> list[str]:
+    """Return the ``Requires-Dist`` values of a wheel's own METADATA."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(_dist_info_member(archive, "METADATA")).decode()
+    return email.parser.Parser().parsestr(metadata).get_all("Requires-Dist") or []
+
+
+def wheel_set_problems(carried: WheelSetCarry, release: ReleaseCarry, requires: Mapping[str, list[str]],
+                       release_requires: list[str], python_version: str) -> list[str]:
+    """Return why a wheel set cannot be carried as declared (empty: it can).
+
+    Args:
+        carried: the declaration.
+        release: the release it goes with (its bundle's wheels count as carried).
+        requires: each carried requirement -> the ``Requires-Dist`` of its downloaded wheel.
+        release_requires: the release's own ``Requires-Dist``.
+        python_version: the CPython of the wheels.
+    Returns:
+        One line per problem: a pin the release does not allow and no exception declares (or an exception for a
+        pin it allows); a requirement of a carried wheel that is neither carried, in the bundle, provided nor left
+        out; a carried or bundled pin a carried wheel does not accept.
+    """
+    problems = []
+    excepted = {_canonical(name) for name in carried.release_pin_exceptions}
+    unmet = unmet_pins(carried.wheels, release_requires, python_version)
+    problems += [f"{line}: declare why in release_pin_exceptions or carry the release's pin" for line in unmet
+                 if _canonical(line.split("==")[0]) not in excepted]
+    stale = excepted - {_canonical(line.split("==")[0]) for line in unmet}
+    problems += [f"{name}: a release_pin_exception is declared, but vLLM {release.version} allows the carried pin"
+                 for name in sorted(stale)]
+    accounted = {_canonical(requirement.split("==")[0]) for requirement, _ in (*carried.wheels, *release.wheels)}
+    accounted |= {_canonical(name) for name in (*carried.provided, *carried.left_out)}
+    for requirement, lines in requires.items():
+        for needed in _applying(lines, python_version):
+            if _canonical(needed.name) not in accounted:
+                problems.append(f"{requirement} requires {needed}: not carried, not in the bundle, and not "
+                                "declared provided or left out")
+        problems += unmet_pins((*carried.wheels, *release.wheels), lines, python_version, who=requirement)
+    return problems
+
+
+def record_mismatches(wheel: pathlib.Path) -> list[str]:
+    """Return every file a wheel's own RECORD lists whose bytes in the wheel differ from its hash (or are missing)."""
+    bad = []
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        for row in csv.reader(io.StringIO(archive.read(_dist_info_member(archive, "RECORD")).decode())):
+            if len(row) < 2 or not row[1]:
+                continue  # RECORD itself, and files it lists without a hash
+            algorithm, _, expected = row[1].partition("=")
+            if row[0] not in names:
+                bad.append(f"{row[0]} (missing)")
+                continue
+            digest = hashlib.new(algorithm, archive.read(row[0])).digest()
+            if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != expected:
+                bad.append(row[0])
+    return bad
+
+
+def repack_stored(wheel: pathlib.Path, target: pathlib.Path) -> None:
+    """Write ``wheel``'s members, names, dates and modes unchanged, into ``target`` without compression (so xz sees
+    the raw bytes: a deflated wheel does not compress further)."""
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(target, "w", compression=zipfile.ZIP_STORED) as out:
+        for info in source.infolist():
+            member = zipfile.ZipInfo(info.filename, info.date_time)
+            member.external_attr, member.create_system = info.external_attr, info.create_system
+            out.writestr(member, source.read(info), compress_type=zipfile.ZIP_STORED)
+
+
+def write_xz_tar(target: pathlib.Path, manifest: dict, files: list[pathlib.Path]) -> None:
+    """Write ``manifest.json`` and ``wheels/<file>`` into an xz-compressed tar at ``target`` (atomically).
+
+    The ``xz`` tool compresses on every core where there is one, else :mod:`lzma` does; both write one xz stream
+    that ``tarfile`` reads.
+    """
+    partial = target.with_name(target.name + ".partial")
+    tool = shutil.which("xz")
+    with open(partial, "wb") as out:
+        process = subprocess.Popen([tool, f"-{XZ_PRESET}", "-T0", "-c"], stdin=subprocess.PIPE, stdout=out) \
+            if tool else None
+        sink = process.stdin if process else lzma.open(out, "wb", preset=XZ_PRESET)
+        try:
+            with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+                info = tarfile.TarInfo("manifest.json")
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
+                for path in files:
+                    info = tarfile.TarInfo(f"wheels/{path.name}")
+                    info.size, info.mode = path.stat().st_size, 0o644
+                    with open(path, "rb") as handle:
+                        tar.addfile(info, handle)
+        finally:
+            sink.close()
+            failed = bool(process and process.wait())
+    if failed:
+        partial.unlink()
+        raise RuntimeError(f"xz failed ({process.returncode}) writing {target.name}")
+    os.replace(partial, target)
+
+
+def build_compressed_wheel_set(dest: pathlib.Path, release: ReleaseCarry, carried: WheelSetCarry,
+                               python_version: str) -> pathlib.Path:
+    """Download ``carried``'s wheels and write ``dest/<wheel_set_artifact>`` (reused while it holds the same pins).
+
+    Beside it, ``<artifact>.json`` is its manifest (also inside the tar): per wheel the registry file's sha256 and
+    the repacked one's, which ``gpu_harness.install_wheel_set`` checks before installing.
+
+    Raises:
+        RuntimeError: a wheel cannot be fetched (names the set, the artifact and the requirement; nothing is
+            written), :func:`wheel_set_problems` finds any, or a repacked wheel differs from its RECORD.
+    """
+    target = dest / wheel_set_artifact(release, carried, python_version)
+    sidecar = target.with_name(target.name + ".json")
+    wanted = sorted(requirement for requirement, _ in carried.wheels)
+    if target.is_file() and sidecar.is_file():
+        previous = json.loads(sidecar.read_text())
+        if previous.get("requirements") == wanted and previous.get("artifact_sha256") == gpu_harness.sha256_of(target):
+            return target
+    release_requires = requires_dist(release.version, python_version, dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"kda-{carried.name}-") as folder:
+        scratch = pathlib.Path(folder)
+        try:
+            wheels = download_wheels(scratch / "registry", python_version, carried.wheels)
+        except RuntimeError as error:
+            raise RuntimeError(f"cannot fetch the {carried.name} carry of vLLM {release.version} ({target.name}); "
+                               f"nothing was written: {error}") from None
+        paired = _pair_wheels(wheels, carried.wheels)
+        problems = wheel_set_problems(carried, release, {req: wheel_requires(w) for w, (req, _) in paired},
+                                      release_requires, python_version)
+        if problems:
+            raise RuntimeError(f"vllm_bundle.RELEASES[{release.version!r}].{carried.name} cannot be carried as "
+                               "declared:\n  " + "\n  ".join(problems))
+        (scratch / "stored").mkdir()
+        entries, stored_files = [], []
+        for wheel, (requirement, why) in paired:
+            stored = scratch / "stored" / wheel.name
+            repack_stored(wheel, stored)
+            if bad := record_mismatches(stored):
+                raise RuntimeError(f"{wheel.name} repacked: files differ from the wheel's own RECORD: {bad[:5]}")
+            stored_files.append(stored)
+            entries.append({"file": wheel.name, "requirement": requirement, "needed_by": why,
+                            "registry_sha256": gpu_harness.sha256_of(wheel), "registry_bytes": wheel.stat().st_size,
+                            "sha256": gpu_harness.sha256_of(stored), "bytes": stored.stat().st_size})
+        manifest = {"set": carried.name, "vllm_version": release.version, "python_version": python_version,
+                    "requirements": wanted, "wheels": entries,
+                    "release_pin_exceptions": dict(carried.release_pin_exceptions),
+                    "provided": dict(carried.provided), "left_out": dict(carried.left_out),
+                    "declaration_evidence": carried.evidence,
+                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        write_xz_tar(target, manifest, stored_files)
+    manifest.update(artifact_sha256=gpu_harness.sha256_of(target), artifact_bytes=target.stat().st_size)
+    sidecar.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return target
 
 
@@ -412,18 +679,23 @@ def tree_bytes() -> int:
 
 
 def carry_artifacts(release: ReleaseCarry, python_version: str, libraries: tuple[str, ...],
-                    ray: bool) -> list[str]:
+                    ray: bool, flashinfer: bool = False) -> list[str]:
     """Return the artifact names a carry of ``release`` holds, in carrying order (libraries, bundle, wheel sets).
 
     Raises:
-        KeyError: a library key the release does not declare (names the declared ones).
+        KeyError: a library key the release does not declare (names the declared ones), or ``flashinfer`` for a
+            release that declares no FlashInfer carry (names those that do).
     """
     unknown = [key for key in libraries if key not in release.libraries]
     if unknown:
         raise KeyError(f"vLLM {release.version} declares no library {unknown} (declared: {sorted(release.libraries)})")
+    if flashinfer and release.flashinfer is None:
+        raise KeyError(f"vLLM {release.version} declares no FlashInfer carry (ReleaseCarry.flashinfer; declared for: "
+                       f"{', '.join(v for v, r in RELEASES.items() if r.flashinfer) or 'none'})")
     names = [library_artifact(release.libraries[key], release.version) for key in dict.fromkeys(("core", *libraries))]
     names.append(bundle_name(python_version, release.version))
-    return names + ([wheel_set_name("ray", python_version)] if ray else [])
+    names += [wheel_set_name("ray", python_version)] if ray else []
+    return names + ([wheel_set_artifact(release, release.flashinfer, python_version)] if flashinfer else [])
 
 
 def bundle_matches(bundle: pathlib.Path, release: ReleaseCarry) -> bool:
@@ -437,7 +709,7 @@ def bundle_matches(bundle: pathlib.Path, release: ReleaseCarry) -> bool:
 
 
 def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = ("core",),
-          ray: bool = False, release: ReleaseCarry | None = None) -> dict:
+          ray: bool = False, release: ReleaseCarry | None = None, flashinfer: bool = False) -> dict:
     """Build (or reuse) the bundle and the compressed libraries; write ``dest/carry/run<N>`` for consecutive calls.
 
     Args:
@@ -446,11 +718,15 @@ def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = 
         libraries: keys of the release's libraries to carry (``core`` always; ``moe`` for MoE models).
         ray: also carry :data:`RAY_WHEELS` as a wheel set (the Ray executor).
         release: the declaration (default :data:`DEFAULT_VERSION`).
+        flashinfer: also carry the release's :attr:`ReleaseCarry.flashinfer` (:func:`build_compressed_wheel_set`).
     Returns:
         The carry manifest (with ``vllm_version``), with ``tree_bytes`` (the working tree each call also carries).
+    Raises:
+        KeyError: see :func:`carry_artifacts` (before anything is downloaded).
+        RuntimeError: a download, a pin or a checksum failed (see :func:`build`, :func:`build_compressed_wheel_set`).
     """
     release = release or release_of(DEFAULT_VERSION)
-    names = carry_artifacts(release, python_version, libraries, ray)
+    names = carry_artifacts(release, python_version, libraries, ray, flashinfer)
     if not bundle_matches(dest / bundle_name(python_version, release.version), release):
         build(dest, python_version, release)  # checks the pins first
     missing = [key for key in dict.fromkeys(("core", *libraries))
@@ -461,6 +737,8 @@ def carry(dest: pathlib.Path, python_version: str, libraries: tuple[str, ...] = 
     unpacked = {name: (dest / (name + ".sha256")).read_text().strip() for name in names if name.endswith(".so.xz")}
     if ray:
         build_wheel_set(dest, "ray", RAY_WHEELS, python_version)
+    if flashinfer:
+        build_compressed_wheel_set(dest, release, release.flashinfer, python_version)
     tree = tree_bytes()
     manifest = gpu_harness.write_carry({name: dest / name for name in names}, dest / "carry",
                                        gpu_harness.CALL_BYTES - tree - CALL_MARGIN, unpacked,
@@ -486,11 +764,18 @@ def main(argv: list[str] | None = None) -> int:
                               help="also carry Ray and its missing dependencies (the Ray executor; two more calls)")
     carry_parser.add_argument("--with-flashkda", action="store_true",
                               help="also carry FlashKDA (vLLM >= 0.34: Kimi K3's default prefill backend on SM90+)")
+    carry_parser.add_argument("--with-flashinfer", action="store_true",
+                              help="also carry FlashInfer and the CuTe DSL (vLLM 0.34: Qwen's default GDN prefill "
+                                   "on SM90; about two more calls)")
     args = parser.parse_args(argv)
     release = release_of(args.vllm_version)
     if args.command == "carry":
         libraries = ("core", *(("moe",) if args.with_moe else ()), *(("flashkda",) if args.with_flashkda else ()))
-        manifest = carry(args.dest, args.python_version, libraries, args.with_ray, release)
+        try:
+            manifest = carry(args.dest, args.python_version, libraries, args.with_ray, release, args.with_flashinfer)
+        except (KeyError, RuntimeError) as error:
+            print(f"carry: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
+            return 1
         for run in range(1, manifest["runs"] + 1):
             pieces = [p for a in manifest["artifacts"].values() for p in a["pieces"] if p["run"] == run]
             folder = os.path.relpath(args.dest / "carry" / f"run{run}", ROOT)
