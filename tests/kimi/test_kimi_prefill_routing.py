@@ -51,7 +51,8 @@ def test_real_vllm_targets_match_the_installed_signatures():
                   tuple(target for target in kimi_prefill.PATCH.targets if target.stack == "vllm"))
     assert {target.module for target in check.targets} == {
         "vllm.models.kimi_k3.nvidia.kda", "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
-        "vllm.v1.worker.extensible_kv_cache"}  # the last ships from vLLM 0.34 (its era only)
+        "vllm.v1.worker.extensible_kv_cache",  # ships from vLLM 0.34 (its era only)
+        "vllm.third_party.flash_linear_attention.ops.chunk_delta_h"}  # 0.34's no-copy host (KDA_PATCHES_STATE_IO)
     register_patch(check, strict=True)  # a drifted signature or version would raise PatchSkipped here
     try:
         for module in {target.module for target in check.targets if version_in_range(target, find_version(target))}:
