@@ -3,11 +3,12 @@
 Paths: the vLLM plugin entry point alone (the package's installed ``vllm.general_plugins`` entry: vLLM calls
 it in ``EngineCore.__init__``, after ``vllm.v1.engine.core`` bound ``get_kv_cache_configs`` by name), a
 ``kda_patches.pth`` line in the site-packages of a throwaway interpreter environment (the ``.pth`` that
-``kda-patches install`` writes), and the ``kda-run`` launcher. Each runs STRICT in ``auto`` and ``separate``
-mode against one baseline, and asserts the effect, not only the state: the engine's separate-state budget and
-dense state bindings in separate mode, flagged GDN builds, layout decisions, the rebound aliases. The baseline
-is the session's unpatched SD run (``conftest.py``'s ``sd_baseline``), and the runs are the session's
-``activation_run`` fixture's: ``test_kv_engine_ab[SD]`` asserts its layout A/B on the same ``.pth`` runs.
+``kda-patches install`` writes), and the ``kda-run`` launcher. Each runs STRICT -- the ``.pth`` in ``auto`` and
+``separate`` mode, the plugin in ``separate``, the launcher in ``auto`` (:data:`PATHS_AND_MODES`) -- against one
+baseline, and asserts the effect, not only the state: the engine's separate-state budget and dense state bindings
+in separate mode, flagged GDN builds, layout decisions, the rebound aliases. The baseline is the session's
+unpatched SD run (``conftest.py``'s ``sd_baseline``), and the runs are the session's ``activation_run`` fixture's:
+``test_kv_engine_ab[SD]`` asserts its layout A/B on the same ``.pth`` runs.
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ def baseline(sd_baseline: tuple[list[list[int]], list[dict[str, Any]]]) -> list[
     return tokens
 
 
+# each path once and each mode on at least two paths (pairwise, not the full cross product: each run is a fresh
+# vLLM engine, ~25-35 s on the CI machine's two cores); the .pth runs are shared with test_kv_engine_ab
+PATHS_AND_MODES = (("pth", "separate"), ("pth", "auto"), ("plugin", "separate"), ("launcher", "auto"))
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("mode", ["separate", "auto"])
-@pytest.mark.parametrize("path", ["plugin", "pth", "launcher"])
+@pytest.mark.parametrize(("path", "mode"), PATHS_AND_MODES)
 def test_each_activation_path_takes_effect(baseline: list[list[int]], activation_run: Any, path: str,
                                            mode: str) -> None:
     tokens, ledgers = activation_run(path, mode)
