@@ -5,3 +5,11 @@
 - :mod:`~kda_patches.indexed_chunk.launch`: the host function that launches it in place of the release's
   ``chunk_gated_delta_rule_fwd_h``, and its naive twin (gather, the release's function, scatter).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+# IndexedChunk.key -> its derived twin, for every host function wrapped in this process (filled by route.prepare_host;
+# read per routed call by kda_patches.routing.direct without importing the twin's machinery while it is empty)
+READY: dict[str, Any] = {}

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kda_patches.indexed_chunk import READY
 from kda_patches.indexed_chunk.derive import DerivationRefused, DerivedKernel, KernelDeclaration, derive_indexed_kernel
 from kda_patches.indexed_chunk.launch import bind_host_call, indexed_fwd_h
 from kda_patches.ledger import get_ledger
@@ -34,7 +35,6 @@ from kda_patches.routing.calls import active_call
 from kda_patches.routing.direct import DirectRoute, _is_vector, foldable
 
 SECTION = "indexed_chunk"
-READY: dict[str, DerivedKernel] = {}  # IndexedChunk.key -> its derived twin, for every host wrapped in this process
 
 
 class IndexedStateLost(RuntimeError):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kda_patches.indexed_chunk import READY as INDEXED_READY
 from kda_patches.ledger import get_ledger
 from kda_patches.routing.calls import (
     CAPTURE_EAGER,
@@ -227,13 +228,13 @@ def indexed_route(indexed: Any, plan: Any, state: torch.Tensor, layer: Any) -> D
     (``Seam.indexed``) has an indexed twin in this process (``KDA_PATCHES_STATE_IO=indexed`` wrapped it), else the
     copy route."""
     global _indexed
+    derived = INDEXED_READY.get(indexed.key) if INDEXED_READY else None
+    if derived is None:
+        return DirectRoute(plan, state)
     if _indexed is None:
         from kda_patches.indexed_chunk import route as module  # deferred: imports triton
 
         _indexed = module
-    derived = _indexed.READY.get(indexed.key)
-    if derived is None:
-        return DirectRoute(plan, state)
     return _indexed.IndexedRoute(plan, state, derived, layer, indexed.backend)
 
 
