@@ -199,7 +199,7 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_pdl_plan_that_fails_under_auto_is_prepared_plain_and_says_why",),
            "D (state_copy)", "KDA_PATCHES_PDL=auto: a PDL compile or scratch-launch failure stops the worker"),
     Mutant("qwen-034-flashinfer-half-routed", "kda_patches/patches/gdn_state_copy.py",
-           "**_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE)", "**_UPSTREAM_OPS)",
+           "**_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE,", "**_UPSTREAM_OPS,",
            ("tests/released/test_upstream034_layers.py::test_patched_equals_baseline",),
            "E (routing)", "Qwen's FlashInfer branch gathers upstream's way while the seam's scatter goes to the plan"),
     # -- issue 53: the vllm-ascend verifier refuses an overlapping layout ---------------------------------------
@@ -619,7 +619,8 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_jit_watch_case_fails_only_on_a_compile_the_baseline_did_not_have",), "H (bench)",
            "a compile while serving that only the patched engine had passes the JIT watch"),
     Mutant("msa-warmup-stood-in-with-cutlass", "scripts/gpu/gpu_harness.py",
-           "    if not (site / MSA_WARMUP_FILE).is_file() or (site / \"cutlass\").is_dir():",
+           "    if not (site / MSA_WARMUP_FILE).is_file() or any((site / folder).is_dir() for folder in "
+           "CUTLASS_FOLDERS):",
            "    if not (site / MSA_WARMUP_FILE).is_file():",
            ("tests/test_gpu_harness.py::"
             "test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_cutlass",
