@@ -118,28 +118,60 @@ def verify(kv_cache_config: Any, kv_caches: dict[str, Any], release: str, model:
     states, page_strided = _state_views(views)
     checked = (f"{num_views} views of {len(views)} layers on {num_storages} storage(s), block ids 0-{num_blocks - 1}, "
                "by the aliasing checker")
+    return record_verdict(verdict, detail, witness, release=release, model=model, checked=checked, strict=strict,
+                          fact_key=FACT, era="vllm-ascend", storages=num_storages, layers=len(views), fix=FIX,
+                          refusing="refusing to start", subject="the fork's own KV-cache layout",
+                          kept="the fork's layout is kept unchecked (KDA_PATCHES_STRICT=1 refuses to start instead)",
+                          extra={"state_views": states, "state_views_page_strided": page_strided,
+                                 "layers_outside_groups": sorted(set(kv_caches) - grouped)})
+
+
+def record_verdict(verdict: str, detail: str, witness: Any, *, release: str, model: str, checked: str, strict: bool,
+                   fact_key: str, era: str, storages: int, layers: int, fix: str, refusing: str, subject: str,
+                   kept: str, where: str = "", extra: dict[str, Any] | None = None, counter: str | None = None
+                   ) -> dict[str, Any]:
+    """Record a layout verdict in the ledger and act on it: keep (proven), warn (unproven) or refuse.
+
+    Shared by the vllm-ascend reshape verifier and vLLM 0.34's rebind verifier, which differ only in the words and
+    the fact's extra fields passed here.
+
+    Args:
+        verdict, detail, witness: :func:`~kda_patches.kv_layout.ascend_verdict.ranked_verdict`'s answer.
+        release, model, checked: for the fact and the messages.
+        strict: ``KDA_PATCHES_STRICT=1`` (an unproven layout is refused).
+        fact_key: the fact's name in the ``kv_cache_layout`` section.
+        era, storages, layers: the ``summary`` fact's fields.
+        fix, refusing, subject, kept: the refusal's fix, its verb, what collides, and the warning's last words.
+        where: words after the release in the warning (`` after extend_kv_cache``), or "".
+        extra: more fields of the fact.
+        counter: a counter counted on every verdict, or None.
+    Returns:
+        The fact recorded.
+    Raises:
+        LayoutRefused: the verdict refuses (see :func:`action_for`).
+    """
     action = action_for(verdict, strict)
     status = {"verified": PROVEN, "warn": NOT_PROVEN}.get(action, f"refused: {verdict}")
     fact = {"status": status, "verdict": verdict, "release": release, "model": model, "checked": checked,
-            "detail": detail, "state_views": states, "state_views_page_strided": page_strided,
-            "layers_outside_groups": sorted(set(kv_caches) - grouped)}
+            "detail": detail, **(extra or {})}
     ledger = get_ledger()
-    ledger.set_fact(SECTION, FACT, fact)
+    ledger.set_fact(SECTION, fact_key, fact)
     decision = {"verified": "upstream-proven", "warn": "upstream-unproven"}.get(action, "refused")
-    ledger.set_fact(SECTION, "summary", {"era": "vllm-ascend", "mode": "verify", "storages": num_storages,
-                                         "layers": len(views), "decisions": {decision: len(views)}})
+    ledger.set_fact(SECTION, "summary", {"era": era, "mode": "verify", "storages": storages, "layers": layers,
+                                         "decisions": {decision: layers}})
+    if counter is not None:
+        ledger.count(SECTION, counter)
     if action == "refuse":
         ledger.count(SECTION, "refusals")
         why = (f"lets two requests' cache bytes collide: {detail}; {_strides(*witness)}, so a request writing one "
                "changes the other's" if witness is not None else
                f"{verdict}: {detail}" + ("" if verdict in REFUSED_VERDICTS else
                                          " (KDA_PATCHES_STRICT=1 refuses an unproven layout)"))
-        raise LayoutRefused(f"kda_patches kv_cache_layout: refusing to start {model} on {release}: the fork's own "
-                            f"KV-cache layout {why}. Checked: {checked}. Fix: {FIX}.")
+        raise LayoutRefused(f"kda_patches kv_cache_layout: {refusing} {model} on {release}: {subject} {why}. "
+                            f"Checked: {checked}. Fix: {fix}.")
     if action == "warn":
-        logging.getLogger("kda_patches").warning(
-            "kv_cache_layout: %s for %s on %s (%s); the fork's layout is kept unchecked (KDA_PATCHES_STRICT=1 "
-            "refuses to start instead)", NOT_PROVEN, model, release, detail)
+        logging.getLogger("kda_patches").warning("kv_cache_layout: %s for %s on %s%s (%s); %s", NOT_PROVEN, model,
+                                                 release, where, detail, kept)
     return fact
 
 

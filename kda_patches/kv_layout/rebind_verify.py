@@ -27,13 +27,10 @@ Imports torch (through the view descriptions); imported by the wrapper at startu
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from kda_patches.kv_layout.ascend_verdict import ranked_verdict
-from kda_patches.kv_layout.ascend_verify import NOT_PROVEN, PROVEN, REFUSED_VERDICTS, LayoutRefused, action_for
-from kda_patches.kv_layout.checker import Footprint
-from kda_patches.ledger import get_ledger
+from kda_patches.kv_layout.ascend_verify import record_verdict
 
 SECTION = "kv_cache_layout"
 FACT = "upstream_layout"
@@ -58,12 +55,6 @@ def bound_views(runner: Any) -> tuple[Any, dict[str, Any]]:
                 continue
             views[name] = list(bound) if isinstance(bound, tuple) else bound
     return config, views
-
-
-def _strides(witness: dict[str, Any], footprints: list[Footprint]) -> str:
-    sides = [footprints[owner] for owner in witness["owners"]]
-    return (f"`{sides[0].layer}` {sides[0].state} advances {sides[0].stride} bytes per block id and "
-            f"`{sides[1].layer}` {sides[1].state} {sides[1].stride}")
 
 
 def verify_rebind(kv_cache_config: Any, views: dict[str, Any], release: str, model: str,
@@ -98,26 +89,8 @@ def verify_rebind(kv_cache_config: Any, views: dict[str, Any], release: str, mod
         verdict, detail, num_spaces, num_views = "not checkable", f"views: {type(error).__name__}: {error}", 0, 0
     checked = (f"{num_views} views of {len(views)} layers in {num_spaces} address space(s) after extend_kv_cache, "
                f"block ids 0-{num_blocks - 1}, by the aliasing checker")
-    action = action_for(verdict, strict)
-    status = {"verified": PROVEN, "warn": NOT_PROVEN}.get(action, f"refused: {verdict}")
-    fact = {"status": status, "verdict": verdict, "release": release, "model": model, "checked": checked,
-            "detail": detail}
-    ledger = get_ledger()
-    ledger.set_fact(SECTION, FACT, fact)
-    decision = {"verified": "upstream-proven", "warn": "upstream-unproven"}.get(action, "refused")
-    ledger.set_fact(SECTION, "summary", {"era": "vllm-0.34-extensible", "mode": "verify", "storages": num_spaces,
-                                         "layers": len(views), "decisions": {decision: len(views)}})
-    ledger.count(SECTION, "rebinds_verified")
-    if action == "refuse":
-        ledger.count(SECTION, "refusals")
-        why = (f"lets two requests' cache bytes collide: {detail}; {_strides(*witness)}, so a request writing one "
-               "changes the other's" if witness is not None else
-               f"{verdict}: {detail}" + ("" if verdict in REFUSED_VERDICTS else
-                                         " (KDA_PATCHES_STRICT=1 refuses an unproven layout)"))
-        raise LayoutRefused(f"kda_patches kv_cache_layout: refusing to serve {model} on {release}: the KV-cache views "
-                            f"extend_kv_cache bound {why}. Checked: {checked}. Fix: {FIX}.")
-    if action == "warn":
-        logging.getLogger("kda_patches").warning(
-            "kv_cache_layout: %s for %s on %s after extend_kv_cache (%s); the views are kept unchecked "
-            "(KDA_PATCHES_STRICT=1 refuses instead)", NOT_PROVEN, model, release, detail)
-    return fact
+    return record_verdict(verdict, detail, witness, release=release, model=model, checked=checked, strict=strict,
+                          fact_key=FACT, era="vllm-0.34-extensible", storages=num_spaces, layers=len(views), fix=FIX,
+                          refusing="refusing to serve", subject="the KV-cache views extend_kv_cache bound",
+                          kept="the views are kept unchecked (KDA_PATCHES_STRICT=1 refuses instead)",
+                          where=" after extend_kv_cache", counter="rebinds_verified")
