@@ -38,6 +38,23 @@ class CaseResult:
         self.num_views = facts.get("num_views")
 
 
+def block_footprint(tensor: Any, layer: str, part: str, group: int, num_blocks: int) -> Footprint:
+    """The footprint of one KV-cache view whose leading dimension holds ``num_blocks`` blocks (whole rows each).
+
+    Raises:
+        ValueError: the rows are not a multiple of the block count, or the view is too irregular to describe.
+    """
+    from kda_patches.kv_layout.views import view_footprint
+
+    rows = tensor.shape[0]
+    if rows % num_blocks:
+        raise ValueError(f"{layer}[{part}]: {rows} rows is not a multiple of {num_blocks} blocks")
+    footprint = view_footprint(tensor, layer, part, group, 0, rows // num_blocks)
+    if footprint is None:
+        raise ValueError(f"{layer}[{part}]: view too irregular to describe {tuple(tensor.stride())}")
+    return footprint
+
+
 def describe_views(config: Any, views: dict[str, Any]) -> dict[Any, tuple[int, list[Footprint]]]:
     """Group every view the model would use by raw storage, as checker footprints.
 
@@ -47,7 +64,7 @@ def describe_views(config: Any, views: dict[str, Any]) -> dict[Any, tuple[int, l
     Raises:
         ValueError: a view cannot be described (rows not a multiple of the block count, too irregular).
     """
-    from kda_patches.kv_layout.views import storage_nbytes, view_footprint
+    from kda_patches.kv_layout.views import storage_nbytes
 
     group_of = {name: index for index, group in enumerate(config.kv_cache_groups) for name in group.layer_names}
     storages: dict[Any, tuple[int, list[Footprint]]] = {}
@@ -58,12 +75,7 @@ def describe_views(config: Any, views: dict[str, Any]) -> dict[Any, tuple[int, l
             if tensor is None:
                 continue
             state = (("k", "v")[index] if len(tensors) == 2 else f"kv{index}") if attention else f"state{index}"
-            rows = tensor.shape[0]
-            if rows % config.num_blocks:
-                raise ValueError(f"{layer}[{state}]: {rows} rows is not a multiple of {config.num_blocks} blocks")
-            footprint = view_footprint(tensor, layer, state, group_of[layer], 0, rows // config.num_blocks)
-            if footprint is None:
-                raise ValueError(f"{layer}[{state}]: view too irregular to describe {tuple(tensor.stride())}")
+            footprint = block_footprint(tensor, layer, state, group_of[layer], config.num_blocks)
             entry = storages.setdefault(tensor.untyped_storage()._cdata, (storage_nbytes(tensor), []))
             entry[1].append(footprint)
     return storages

@@ -46,18 +46,13 @@ def describe_address_spaces(config: Any, views: dict[str, Any]) -> dict[Any, tup
     Raises:
         ValueError: a view cannot be described (rows not a multiple of the block count, too irregular).
     """
-    from kda_patches.kv_layout.views import view_footprint
+    from kda_patches.kv_layout.ascend_verdict import block_footprint
 
     group_of = {name: index for index, group in enumerate(config.kv_cache_groups) for name in group.layer_names}
     described = []
     for layer, value in views.items():
         for part, tensor in _tensors(value):
-            rows = tensor.shape[0]
-            if rows % config.num_blocks:
-                raise ValueError(f"{layer}[{part}]: {rows} rows is not a multiple of {config.num_blocks} blocks")
-            footprint = view_footprint(tensor, layer, part, group_of[layer], 0, rows // config.num_blocks)
-            if footprint is None:
-                raise ValueError(f"{layer}[{part}]: view too irregular to describe {tuple(tensor.stride())}")
+            footprint = block_footprint(tensor, layer, part, group_of[layer], config.num_blocks)
             storage = tensor.untyped_storage()
             described.append((footprint, storage.data_ptr(), storage.nbytes()))
     spaces: list[list[int]] = []  # [start, end) of each merged address space
