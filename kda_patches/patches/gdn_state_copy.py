@@ -59,9 +59,13 @@ from kda_patches.patches.kimi_prefill import format_status_line as format_sectio
 from kda_patches.registry import Patch, Target
 from kda_patches.routing.eras import (
     CLEAR_PARAMETERS,
+    FLA_CHUNK_STATE_HOST,
+    FLA_CHUNK_STATE_KERNEL,
+    FLA_CHUNK_STATE_MODULE,
     GATHER_PARAMETERS,
     ascend_runners,
     era,
+    indexed_host_target,
     release_tuple,
     upstream_runners,
 )
@@ -122,10 +126,7 @@ QWEN_FLASHINFER_GATE = BackendGate(
     "that backend is not measured (bench layers covers the Triton backend), so upstream keeps both")
 # the chunk-state host function of vLLM's vendored FLA (every Triton GDN/KDA prefill reaches it), whose kernel has an
 # indexed twin under KDA_PATCHES_STATE_IO=indexed (kda_patches.indexed_chunk)
-FLA_CHUNK_STATE = IndexedChunk("vllm.third_party.flash_linear_attention.ops.chunk_delta_h",
-                               "chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
-FLA_CHUNK_STATE_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output_final_state", "chunk_size",
-                              "save_new_value", "cu_seqlens", "chunk_indices", "chunk_offsets", "use_exp2")
+FLA_CHUNK_STATE = IndexedChunk(FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL)
 # Olmo's index copies (every release) reach the same host through FLA's chunk_gated_delta_rule: indexed on vLLM 0.34,
 # where that host is wrapped
 OLMO_SEAM = Seam("vLLM Olmo hybrid GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
@@ -233,10 +234,7 @@ def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
         (f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_034_forward_core,
          FORWARD_CORE_PARAMETERS, _QWEN_034_SHAPES),), chosen_by=("gdn_ops", QWEN_034_ROUTED_BY),
         stands_aside=QWEN_034_STAND_ASIDE)
-    indexed = Target(FLA_CHUNK_STATE.module, FLA_CHUNK_STATE.host, wrap_fla_chunk_state, "vllm", "vllm", low, high,
-                     FLA_CHUNK_STATE_PARAMETERS, qwen[0].group, (f"indexed:{FLA_CHUNK_STATE.kernel}",),
-                     inert=STATE_IO_COPY,
-                     chosen_by=("state_io", ("indexed",)))
+    indexed = indexed_host_target(wrap_fla_chunk_state, low, high, qwen[0].group, STATE_IO_COPY)
     kimi_linear = era("vllm", low, high, (
         (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_034_forward,
          KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_034_SHAPES),), chosen_by=("gdn_ops", KIMI_GDN_034_ROUTED_BY),

@@ -32,9 +32,13 @@ from __future__ import annotations
 from kda_patches.registry import Patch, Target
 from kda_patches.routing.eras import (
     CLEAR_PARAMETERS,
+    FLA_CHUNK_STATE_HOST,
+    FLA_CHUNK_STATE_KERNEL,
+    FLA_CHUNK_STATE_MODULE,
     GATHER_PARAMETERS,
     ascend_runners,
     era,
+    indexed_host_target,
     release_tuple,
     upstream_runners,
 )
@@ -75,12 +79,9 @@ ASCEND_SEAM = Seam("vllm-ascend Kimi _run_prefill", LEDGER_PATH, state=Argument(
 # KDA_PATCHES_STATE_IO=indexed: Kimi K3's Triton KDA prefill reaches vLLM's vendored FLA chunk-state host; its
 # FlashKDA and FlashInfer branches read the gathered states themselves, so a layer on those only copies
 KIMI_K3_CHUNK_STATE = IndexedChunk(
-    "vllm.third_party.flash_linear_attention.ops.chunk_delta_h", "chunk_gated_delta_rule_fwd_h",
-    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+    FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL,
     backend=BackendGate("kda_prefill_backend", ("triton",), "the FlashKDA and FlashInfer prefills read the gathered "
                         "initial states themselves (only the Triton chunk rule reaches the indexed twin)"))
-CHUNK_STATE_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output_final_state", "chunk_size",
-                          "save_new_value", "cu_seqlens", "chunk_indices", "chunk_offsets", "use_exp2")
 UPSTREAM_SEAM = Seam("vLLM Kimi K3 _forward", LEDGER_PATH, state=KVCacheSlot(1), clear=CLEAR_NONE,
                      gather_function="gather_initial_states", prefill_gated=True, indexed=KIMI_K3_CHUNK_STATE)
 
@@ -118,10 +119,7 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
         *upstream_runners(wrap_initialize_kv_cache, low, wrap_extend_kv_cache)))
     if release_tuple(low) < (0, 34):
         return members
-    chunk_state = Target(KIMI_K3_CHUNK_STATE.module, KIMI_K3_CHUNK_STATE.host, wrap_chunk_state, "vllm", "vllm", low,
-                         high, CHUNK_STATE_PARAMETERS, members[0].group,
-                         (f"indexed:{KIMI_K3_CHUNK_STATE.kernel}",), inert=STATE_IO_COPY,
-                         chosen_by=("state_io", ("indexed",)))
+    chunk_state = indexed_host_target(wrap_chunk_state, low, high, members[0].group, STATE_IO_COPY)
     return (*members, chunk_state)
 
 

@@ -132,3 +132,27 @@ def ascend_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:
     """
     return tuple(member for module in NPU_RUNNER_MODULES
                  for member in _runner_members(module, "NPUModelRunner", wrapper, ASCEND_RUNNER_SIGNATURES))
+
+
+# KDA_PATCHES_STATE_IO=indexed (kda_patches.indexed_chunk): vLLM's vendored FLA chunk-state host function, which every
+# Triton GDN/KDA prefill of vLLM >= 0.34 reaches (Qwen, Olmo, Kimi Linear, Kimi K3); its kernel has the indexed twin
+FLA_CHUNK_STATE_MODULE = "vllm.third_party.flash_linear_attention.ops.chunk_delta_h"
+FLA_CHUNK_STATE_HOST = "chunk_gated_delta_rule_fwd_h"
+FLA_CHUNK_STATE_KERNEL = "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
+FLA_CHUNK_STATE_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output_final_state", "chunk_size",
+                              "save_new_value", "cu_seqlens", "chunk_indices", "chunk_offsets", "use_exp2")
+
+
+def indexed_host_target(wrapper: Any, low: str, high: str, group: str | None, stands_aside: str) -> Target:
+    """Return the chunk-state host target of a record's vLLM era, applied only under ``KDA_PATCHES_STATE_IO=indexed``.
+
+    Args:
+        wrapper: the record's :class:`~kda_patches.routing.wrappers.IndexedHostWrapper` (its ``indexed`` names the
+            host).
+        low, high: the era's version range.
+        group: the era's group (the host applies with the seams that reach it).
+        stands_aside: the inert text (why the host stays unwrapped under ``copy``, the default).
+    """
+    indexed = wrapper.indexed
+    return Target(indexed.module, indexed.host, wrapper, "vllm", "vllm", low, high, FLA_CHUNK_STATE_PARAMETERS, group,
+                  (f"indexed:{indexed.kernel}",), inert=stands_aside, chosen_by=("state_io", ("indexed",)))
