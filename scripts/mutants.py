@@ -209,7 +209,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/ascend_layout/test_ascend_verifier.py::"
             "test_overlap_refuses_to_start_kimi_k3_on_030_naming_witness_and_fix",),
            "B (kv_layout)", "vllm-ascend 0.30 + Kimi K3 starts with two requests' cache bytes colliding"),
-    Mutant("rebind-overlap-not-refused", "kda_patches/kv_layout/rebind_verify.py",
+    Mutant("rebind-overlap-not-refused", "kda_patches/kv_layout/ascend_verify.py",  # the verifiers' shared record
            '    if action == "refuse":\n        ledger.count(SECTION, "refusals")\n',
            '    if action == "refuse" and witness is None:\n        ledger.count(SECTION, "refusals")\n',
            ("tests/kv_layout/test_kv_rebind_verifier_034.py::test_a_rebind_that_overlaps_refuses_naming_the_witness",),
