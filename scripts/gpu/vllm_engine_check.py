@@ -257,6 +257,12 @@ CASES = (
          extensible=True, jit_watch=True, state_io="indexed"),
     Case("qwen3_next-v2-prefix-eager-034-indexed-NEGATIVE", "qwen3_next", "v2", True, True, release="0.34.0",
          extensible=True, state_io="indexed", mutant="indexed-halved"),
+    # Kimi K3 with no copy (its Triton KDA prefill: FlashKDA layers keep the plan's copies), breakable CUDA graphs,
+    # the JIT watch, and its negative control; needs no MoE library
+    Case("kimi_k3-v2-prefix-graphs-034-indexed-jit-watch", "kimi_k3", "v2", True, False, release="0.34.0",
+         extensible=True, jit_watch=True, state_io="indexed"),
+    Case("kimi_k3-v2-prefix-eager-034-indexed-NEGATIVE", "kimi_k3", "v2", True, True, release="0.34.0",
+         extensible=True, state_io="indexed", mutant="indexed-halved"),
 )
 # kda_patches.state_copy.errors.LEDGER_SECTION (the plans' per-layer facts), written out like STEP_TIMES_ENV: this
 # script's module level runs before kda_patches is importable; a test keeps the two equal
