@@ -121,3 +121,27 @@ def test_the_children_get_the_graph_instances_and_the_host_profile_only_when_pat
     assert argv[argv.index("--graph-instances") + 1] == "4" and argv[argv.index("--rounds") + 1] == "20"
     assert "--copy-costs" in argv and argv[argv.index("--mode") + 1] == ("on" if enabled else "off")
     assert ("--host-profile" in argv) is enabled
+
+
+def _verdict(case_fields: dict) -> str:
+    case = {"name": "c", "shape": "s", "outputs_equal": True, "cache_equal": True, "cache_bytes": 1,
+            "calls_seen": 4, "calls_routed": 4, "digest_baseline": "a", "digest_patched": "a", **case_fields}
+    lines = layers_check.judge("qwen_gdn", {"patched_available": True, "cases": [case], "timing": []}, {})
+    return next(line for line in lines if line.startswith("VERDICT"))
+
+
+def test_no_copy_needs_every_routed_call_indexed_and_folds_no_cast():
+    indexed = {"state_io": "indexed", "final_cast": True, "calls_indexed": 4, "casts_folded": 0}
+    assert "PASS" in _verdict(indexed) and "indexed 4/4" in _verdict(indexed)
+    assert "FAIL" in _verdict({**indexed, "calls_indexed": 3, "casts_folded": 1})  # one call copied
+    # the copy route with the same counts: its casts must be folded
+    assert "FAIL" in _verdict({"final_cast": True, "calls_indexed": 0, "casts_folded": 0})
+    assert "PASS" in _verdict({"final_cast": True, "calls_indexed": 0, "casts_folded": 4})
+    # an indexed call where no copy was not asked for is not the run it claims to be
+    assert "FAIL" in _verdict({"final_cast": True, "calls_indexed": 4, "casts_folded": 0})
+
+
+@pytest.mark.parametrize("state_io", ["copy", "indexed"])
+def test_the_children_get_the_state_io_switch_asked_for(state_io, tmp_path: pathlib.Path):
+    env = layers_check.child_env(tmp_path / "site", "qwen_gdn", True, dry_run=True, state_io=state_io)
+    assert env["KDA_PATCHES_STATE_IO"] == state_io

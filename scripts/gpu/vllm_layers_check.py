@@ -27,7 +27,9 @@ continuing 512 cached ones, CUDA events and synchronized wall time, medians over
 
 On vLLM >= 0.34 the Qwen and Kimi Linear seams copy states with upstream's own ops and the overlay stands aside
 there unless ``KDA_PATCHES_GDN_OPS=overlay``: the children get ``--gdn-ops`` (default ``overlay``, so the patched
-side routes and the comparison is the plan against upstream's ops). Kimi K3's layer needs the V1 runner's builder
+side routes and the comparison is the plan against upstream's ops). ``--state-io indexed`` (the children's
+``KDA_PATCHES_STATE_IO``, issue 51) makes the routed prefills read and store the cache rows in the chunk kernel: the
+comparison is then no copy against upstream's ops, and every routed call must be indexed. Kimi K3's layer needs the V1 runner's builder
 path (see ``RUNNER_NOTE``), which 0.34 no longer has: it is left out there by default, with the reason in the
 report (:func:`layers_for`); the engine check runs it on 0.34.
 
@@ -222,17 +224,18 @@ def seam_default(layer: str, rows: list[dict[str, Any]]) -> str:
 
 
 def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool,
-              gdn_ops: str = "overlay") -> dict[str, str]:
+              gdn_ops: str = "overlay", state_io: str = "copy") -> dict[str, str]:
     """Return the environment of one child: bundle + project on the path (+ the stand-in hook on GPU), switches.
 
     ``gdn_ops`` is the child's ``KDA_PATCHES_GDN_OPS`` (on vLLM >= 0.34: ``overlay`` routes the seams where
-    upstream's own ops copy the states; ``upstream`` lets the overlay stand aside there).
+    upstream's own ops copy the states; ``upstream`` lets the overlay stand aside there); ``state_io`` its
+    ``KDA_PATCHES_STATE_IO`` (``copy``: the plans; ``indexed``: no copy).
     """
     env = dict(os.environ)
     hook = [] if dry_run else [str(write_stand_in_hook(site.with_name(site.name + "-standins")))]
     env["PYTHONPATH"] = os.pathsep.join([*hook, str(ROOT), str(site), *filter(None, [env.get("PYTHONPATH")])])
     env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_ONLY=PATCH_OF[layer],
-               KDA_PATCHES_GDN_OPS=gdn_ops, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               KDA_PATCHES_GDN_OPS=gdn_ops, KDA_PATCHES_STATE_IO=state_io, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                VLLM_LOGGING_LEVEL="WARNING", VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
     if KINDS[layer].v1_runner:  # see RUNNER_NOTE
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
@@ -263,7 +266,7 @@ def run_child(site: pathlib.Path, layer: str, enabled: bool, args: argparse.Name
     out = pathlib.Path(args.out) / f".child-{layer}-{'on' if enabled else 'off'}.json"
     argv = child_argv(layer, enabled, args, out)
     started = time.perf_counter()
-    process = subprocess.Popen(argv, env=child_env(site, layer, enabled, args.dry_run, args.gdn_ops),
+    process = subprocess.Popen(argv, env=child_env(site, layer, enabled, args.dry_run, args.gdn_ops, args.state_io),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     deadline = started + args.child_timeout_s
@@ -316,16 +319,21 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
                          f"(no {PATCH_OF[layer]} seam in this tree; KDA_PATCHES=0 process digest "
                          f"{'equal' if ok else 'DIFFERENT'})")
             continue
-        # a seam that declares its final state's source folds every prefill's cast when the cache is not FP32
-        folds_expected = case["calls_routed"] if case.get("final_cast") else 0
+        # no copy (KDA_PATCHES_STATE_IO=indexed): every routed prefill ran the indexed twin, which stores in the
+        # cache dtype itself; a copied one folds its cast where the seam declares its final state's source and the
+        # cache is not FP32
+        indexed = case.get("calls_indexed", 0)
+        indexed_expected = case["calls_routed"] if case.get("state_io") == "indexed" else 0
+        folds_expected = case["calls_routed"] - indexed if case.get("final_cast") else 0
         ok = (case["outputs_equal"] and case["cache_equal"] and case["calls_seen"] > 0
-              and case["calls_routed"] == case["calls_seen"] and cross != "DIFFERENT"
+              and case["calls_routed"] == case["calls_seen"] and cross != "DIFFERENT" and indexed == indexed_expected
               and case.get("casts_folded", 0) == folds_expected and not case.get("casts_materialized"))
         lines.append(f"VERDICT {layer} {name} ({case['shape']}): {'PASS' if ok else 'FAIL'} outputs "
                      f"{'equal' if case['outputs_equal'] else 'DIFFER'}, cache bytes "
                      f"{'equal' if case['cache_equal'] else 'DIFFER'} ({case['cache_bytes']} B), routed "
                      f"{case['calls_routed']}/{case['calls_seen']}, casts folded {case.get('casts_folded', 0)}/"
-                     f"{folds_expected}, KDA_PATCHES=0 process {cross}")
+                     f"{folds_expected}{f', indexed {indexed}/{indexed_expected}' if indexed_expected else ''}, "
+                     f"KDA_PATCHES=0 process {cross}")
     for row in on.get("timing", []):
         if patched:
             lines.append(timing_line(layer, row))
@@ -364,7 +372,7 @@ def run_parent(args: argparse.Namespace) -> int:
         report["source_sha256"] = source_hash()
         report["vllm_version"] = prepared.get("vllm_version")
         args.layers, report["left_out"] = layers_for(report["vllm_version"], args.layers)
-        report["gdn_ops"] = args.gdn_ops
+        report["gdn_ops"], report["state_io"] = args.gdn_ops, args.state_io
         for name, why in report["left_out"].items():
             for stream in (log, sys.stdout):
                 print(f"LEFT OUT {name} on vLLM {report['vllm_version']}: {why}", file=stream, flush=True)
@@ -690,6 +698,8 @@ def run_case(bench: LayerBench, overlay: Overlay | None, name: str, decodes: lis
         calls_bypassed=after.get("calls_bypassed", 0) - before.get("calls_bypassed", 0),
         casts_folded=after.get("casts_folded", 0) - before.get("casts_folded", 0),
         casts_materialized=after.get("casts_materialized", 0) - before.get("casts_materialized", 0),
+        calls_indexed=after.get("calls_indexed", 0) - before.get("calls_indexed", 0),
+        state_io=os.environ.get("KDA_PATCHES_STATE_IO", "copy"),
         final_cast=bench.kind in FOLDS and bench.layer.kv_cache[1].dtype != torch.float32)
     bench.raw.copy_(snapshot)
     return record
@@ -1056,6 +1066,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-ops", choices=("overlay", "upstream"), default="overlay",
                         help="KDA_PATCHES_GDN_OPS of the children (vLLM >= 0.34: overlay routes the seams where "
                              "upstream's own ops copy the states, so patched vs unpatched is plan vs upstream)")
+    parser.add_argument("--state-io", choices=("copy", "indexed"), default="copy",
+                        help="KDA_PATCHES_STATE_IO of the children (indexed: no copy; every routed call must be "
+                             "indexed)")
     parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
     parser.add_argument("--host-profile", type=int, nargs="*", default=[], metavar="SEQS",
                         help="also profile the layer call's host side at these batch sizes (x512 tokens)")
