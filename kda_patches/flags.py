@@ -52,7 +52,9 @@ SWITCHES: dict[str, str] = {
     "KDA_PATCHES_STATE_IO": "copy (default): a routed prefill gathers initial states and scatters final states "
     "through the sealed plan; indexed: where a seam's chunk-state kernel has an indexed twin (derived at apply time "
     "from the release's own kernel source), the kernel reads the initial states from the cache rows and stores the "
-    "final states into them -- no gather, no scatter. Not measured yet on a GPU, so not the default",
+    "final states into them -- no gather, no scatter; auto: indexed for a prefill call of at least "
+    "kda_patches.indexed_chunk.AUTO_MIN_SEQUENCES sequences, the plan's copy below (where each was measured faster: "
+    "docs/results/no-copy). Neither is the default until measured in the engine",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
     "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
     "(default ~/.cache/kda-patches/releases); not read at activation",
@@ -66,7 +68,7 @@ _KIMI_PLANS = ("fork", "overlay")
 _GDN_PLANS = ("fork", "overlay")
 _GDN_OPS = ("measured", "upstream", "overlay")
 _ROUTINGS = ("rewrite", "alias")
-_STATE_IOS = ("copy", "indexed")
+_STATE_IOS = ("copy", "indexed", "auto")
 # what a plan's ``pdl`` argument is for each choice (kda_patches.state_copy.device.PDL_WHERE_AVAILABLE is "auto")
 _PDL_REQUESTS = {"auto": "auto", "on": True, "off": False}
 # every spelling KDA_PATCHES_PDL accepts -> its choice: auto, or any boolean spelling

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kda_patches.indexed_chunk import READY
+from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, MIN_SEQUENCES, READY
 from kda_patches.indexed_chunk.derive import DerivationRefused, DerivedKernel, KernelDeclaration, derive_indexed_kernel
 from kda_patches.indexed_chunk.launch import bind_host_call, indexed_fwd_h
 from kda_patches.ledger import get_ledger
@@ -41,13 +41,15 @@ class IndexedStateLost(RuntimeError):
     """A bound prefill's chunk call did not run the indexed twin (or its scatter names other rows)."""
 
 
-def prepare_host(key: str, host: Any, kernel: str) -> str:
+def prepare_host(key: str, host: Any, kernel: str, state_io: str = "indexed") -> str:
     """Derive the indexed twin of ``host``'s module kernel; record it under ``key`` (or why it was refused).
 
     Args:
         key: the wrapped target's ``module:qualname``.
         host: the release's host function just wrapped (its globals hold the kernel).
         kernel: the kernel's name in that module.
+        state_io: ``KDA_PATCHES_STATE_IO``: ``indexed`` (every bound call runs the twin) or ``auto`` (only calls of
+            at least :data:`~kda_patches.indexed_chunk.AUTO_MIN_SEQUENCES` sequences; fewer copy through the plan).
     Returns:
         ``"indexed"`` when the twin was built, else ``"copy"`` (the refusal's reason is the ledger fact).
     """
@@ -57,18 +59,24 @@ def prepare_host(key: str, host: Any, kernel: str) -> str:
         derived = derive_indexed_kernel(module, declaration, host=host)
     except DerivationRefused as refusal:
         READY.pop(key, None)
+        MIN_SEQUENCES.pop(key, None)
         get_ledger().set_fact(SECTION, key, {"decision": "copy", "reason": str(refusal)})
         return "copy"
     READY[key] = derived
-    get_ledger().set_fact(SECTION, key, {"decision": "indexed", "kernel": f"{declaration.module}.{kernel}",
-                                         "source_sha256": derived.source_sha256,
-                                         "compiled": "at the first prefill that reaches it (not sealed at start-up)"})
+    MIN_SEQUENCES[key] = AUTO_MIN_SEQUENCES if state_io == "auto" else 0
+    get_ledger().set_fact(SECTION, key, {
+        "decision": "indexed", "kernel": f"{declaration.module}.{kernel}", "source_sha256": derived.source_sha256,
+        "state_io": state_io,
+        "indexed_calls": (f"prefill calls of at least {MIN_SEQUENCES[key]} sequences; fewer copy through the plan"
+                          if MIN_SEQUENCES[key] else "every routed prefill call"),
+        "compiled": "at the first prefill that reaches it (not sealed at start-up)"})
     return "indexed"
 
 
 def forget_host(key: str) -> None:
     """Drop the twin of a host whose wrapper was removed."""
     READY.pop(key, None)
+    MIN_SEQUENCES.pop(key, None)
 
 
 class IndexedRoute(DirectRoute):
@@ -82,24 +90,27 @@ class IndexedRoute(DirectRoute):
     Attributes (beyond the copy route's):
         derived: the indexed twin the chunk call launches.
         layer: the layer of the call (its backend decides whether the route binds, ``Seam.indexed.backend``).
+        min_sequences: a call binds only when it gathers at least this many rows (``KDA_PATCHES_STATE_IO=auto``);
+            a smaller one copies through the plan.
         rows, flags: the bound rows and flags (None until the gather binds).
         initial, final: the placeholders of the bound call (None until the gather binds / the twin runs).
         consumed: whether the chunk call ran the twin on the binding.
     """
 
-    __slots__ = ("consumed", "derived", "final", "flags", "initial", "layer", "rows")
+    __slots__ = ("consumed", "derived", "final", "flags", "initial", "layer", "min_sequences", "rows")
 
     def __init__(self, plan: Any, state: torch.Tensor, derived: DerivedKernel, layer: Any = None,
-                 gate: Any = None) -> None:
+                 gate: Any = None, min_sequences: int = 0) -> None:
         super().__init__(plan, state)
         self.derived = derived
+        self.min_sequences = min_sequences
         self.layer = layer if gate is None or gate.stands_aside_on(layer) is None else _COPY_ONLY
         self.rows = self.flags = self.initial = self.final = None
         self.consumed = False
 
     def _bind(self, state: torch.Tensor, indices: Any, flags: Any) -> bool:
         if (state is not self.state or self.rows is not None or self.layer is _COPY_ONLY
-                or not _is_vector(indices)):
+                or not _is_vector(indices) or indices.shape[0] < self.min_sequences):
             return False
         if flags is not None and not foldable(flags, indices, state):
             return False

@@ -235,7 +235,8 @@ def indexed_route(indexed: Any, plan: Any, state: torch.Tensor, layer: Any) -> D
         from kda_patches.indexed_chunk import route as module  # deferred: imports triton
 
         _indexed = module
-    return _indexed.IndexedRoute(plan, state, derived, layer, indexed.backend)
+    return _indexed.IndexedRoute(plan, state, derived, layer, indexed.backend,
+                                 _indexed.MIN_SEQUENCES.get(indexed.key, 0))
 
 
 def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -155,4 +155,4 @@ def indexed_host_target(wrapper: Any, low: str, high: str, group: str | None, st
     """
     indexed = wrapper.indexed
     return Target(indexed.module, indexed.host, wrapper, "vllm", "vllm", low, high, FLA_CHUNK_STATE_PARAMETERS, group,
-                  (f"indexed:{indexed.kernel}",), inert=stands_aside, chosen_by=("state_io", ("indexed",)))
+                  (f"indexed:{indexed.kernel}",), inert=stands_aside, chosen_by=("state_io", ("indexed", "auto")))

@@ -158,9 +158,10 @@ class IndexedHostWrapper:
 
     def on_apply(self, key: str, original: Any) -> str:
         """Derive the twin of ``original``'s module kernel; return ``indexed`` or ``copy`` (refused)."""
+        from kda_patches import current_flags
         from kda_patches.indexed_chunk.route import prepare_host  # deferred: imports torch and triton
 
-        return prepare_host(self.indexed.key, original, self.indexed.kernel)
+        return prepare_host(self.indexed.key, original, self.indexed.kernel, current_flags().state_io)
 
     def on_revert(self, key: str, original: Any) -> None:
         """Forget the twin (its wrapper was removed)."""

@@ -29,9 +29,9 @@ On vLLM >= 0.34 the Qwen and Kimi Linear seams copy states with upstream's own o
 there unless ``KDA_PATCHES_GDN_OPS=overlay``: the children get ``--gdn-ops`` (default ``overlay``, so the patched
 side routes and the comparison is the plan against upstream's ops). ``--state-io indexed`` (the children's
 ``KDA_PATCHES_STATE_IO``, issue 51) makes the routed prefills read and store the cache rows in the chunk kernel: the
-comparison is then no copy against upstream's ops, and every routed call must be indexed. Kimi K3's layer needs the V1 runner's builder
-path (see ``RUNNER_NOTE``), which 0.34 no longer has: it is left out there by default, with the reason in the
-report (:func:`layers_for`); the engine check runs it on 0.34.
+comparison is then no copy against upstream's ops, and every routed call must be indexed. Kimi K3's layer needs the
+V1 runner's builder path (see ``RUNNER_NOTE``), which 0.34 no longer has: it is left out there by default, with the
+reason in the report (:func:`layers_for`); the engine check runs it on 0.34.
 
 Usage: ``python scripts/gpu/vllm_layers_check.py --out DIR [--bundle ZIP] [--dry-run] [--rounds N]``.
 ``--dry-run`` (CPU machine): same bundle for this interpreter, CPU platform, Triton interpreter, tiny shapes; it
@@ -235,7 +235,8 @@ def child_env(site: pathlib.Path, layer: str, enabled: bool, dry_run: bool,
     hook = [] if dry_run else [str(write_stand_in_hook(site.with_name(site.name + "-standins")))]
     env["PYTHONPATH"] = os.pathsep.join([*hook, str(ROOT), str(site), *filter(None, [env.get("PYTHONPATH")])])
     env.update(KDA_PATCHES="1" if enabled else "0", KDA_PATCHES_STRICT="1", KDA_PATCHES_ONLY=PATCH_OF[layer],
-               KDA_PATCHES_GDN_OPS=gdn_ops, KDA_PATCHES_STATE_IO=state_io, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               KDA_PATCHES_GDN_OPS=gdn_ops, KDA_PATCHES_STATE_IO=state_io, PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false",
                VLLM_LOGGING_LEVEL="WARNING", VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1")
     if KINDS[layer].v1_runner:  # see RUNNER_NOTE
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"

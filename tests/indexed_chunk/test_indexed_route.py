@@ -105,6 +105,30 @@ def test_flags_the_plan_cannot_fold_are_copied_through_the_plan(derived) -> None
     assert packed is not None and route.rows is None and route.plan.copies == ["gather"]
 
 
+def test_auto_binds_a_call_of_at_least_its_crossover_and_copies_a_smaller_one(derived) -> None:
+    """KDA_PATCHES_STATE_IO=auto: the route's ``min_sequences`` alone decides bind (no copy) or the plan's copy."""
+    state = torch.randn(5, HEADS, DIM, DIM)
+    rows, flags = torch.tensor([3, 0, 4]), torch.tensor([True, False, True])
+    small = indexed.IndexedRoute(RecordingPlan(), state, derived, min_sequences=4)
+    assert small.gather(state, rows, flags) is not small.initial
+    assert small.rows is None and small.plan.copies == ["gather"]
+    at_crossover = indexed.IndexedRoute(RecordingPlan(), state, derived, min_sequences=3)
+    assert at_crossover.gather(state, rows, flags) is at_crossover.initial and at_crossover.plan.copies == []
+
+
+@pytest.mark.parametrize(("state_io", "expected"), [("indexed", 0), ("auto", "crossover")])
+def test_prepare_host_records_which_calls_run_the_twin(state_io, expected, derived) -> None:
+    from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, MIN_SEQUENCES
+
+    key = f"test:{state_io}"
+    try:
+        assert indexed.prepare_host(key, derived.host, KERNEL, state_io) == "indexed"
+        assert MIN_SEQUENCES[key] == (AUTO_MIN_SEQUENCES if expected == "crossover" else 0)
+    finally:
+        indexed.forget_host(key)
+    assert key not in MIN_SEQUENCES
+
+
 def test_the_chunk_call_runs_the_twin_on_the_bound_rows(derived) -> None:
     """Inside the bound call the host runs the twin: the cache rows hold what gather, release, scatter give."""
     generator = torch.Generator().manual_seed(2)
@@ -148,3 +172,19 @@ def test_a_scatter_to_other_rows_fails_closed(derived) -> None:
         route.scatter_function_value_first(lambda *_: None, state, final, torch.tensor([3, 0]))
     with pytest.raises(indexed.IndexedStateLost, match="other final states"):
         route.scatter_function_value_first(lambda *_: None, state, final.clone(), route.rows)
+
+
+def test_a_routed_call_gets_the_crossover_its_host_was_prepared_with(derived) -> None:
+    """The wiring: the seam's route (routing.direct.indexed_route) carries the host's MIN_SEQUENCES."""
+    from kda_patches.indexed_chunk import MIN_SEQUENCES, READY
+    from kda_patches.routing.seams import IndexedChunk
+
+    declared = IndexedChunk("m", "host", KERNEL)
+    state = torch.randn(5, HEADS, DIM, DIM)
+    READY[declared.key], MIN_SEQUENCES[declared.key] = derived, 7
+    try:
+        route = direct.indexed_route(declared, RecordingPlan(), state, Layer())
+        assert type(route) is indexed.IndexedRoute and route.min_sequences == 7
+    finally:
+        READY.pop(declared.key), MIN_SEQUENCES.pop(declared.key)
+    assert type(direct.indexed_route(declared, RecordingPlan(), state, Layer())) is direct.DirectRoute
