@@ -145,3 +145,13 @@ def test_no_copy_needs_every_routed_call_indexed_and_folds_no_cast():
 def test_the_children_get_the_state_io_switch_asked_for(state_io, tmp_path: pathlib.Path):
     env = layers_check.child_env(tmp_path / "site", "qwen_gdn", True, dry_run=True, state_io=state_io)
     assert env["KDA_PATCHES_STATE_IO"] == state_io
+
+
+def test_auto_expects_the_twin_only_for_calls_of_at_least_its_crossover():
+    auto = {"state_io": "auto", "final_cast": True, "auto_min_sequences": 40}
+    below = {**auto, "num_prefills": 39}
+    at = {**auto, "num_prefills": 40}
+    assert "PASS" in _verdict({**below, "calls_indexed": 0, "casts_folded": 4})
+    assert "FAIL" in _verdict({**below, "calls_indexed": 4, "casts_folded": 0})
+    assert "PASS" in _verdict({**at, "calls_indexed": 4, "casts_folded": 0})
+    assert "FAIL" in _verdict({**at, "calls_indexed": 0, "casts_folded": 4})

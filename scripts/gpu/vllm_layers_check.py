@@ -299,6 +299,22 @@ def timing_line(layer: str, row: dict[str, Any]) -> str:
             f"{row['baseline_wall_ms']:.3f} / {row['patched_wall_ms']:.3f} ms")
 
 
+def indexes_every_call(case: dict[str, Any]) -> bool:
+    """Return whether the case's routed prefill calls must all have run the indexed twin: under
+    ``KDA_PATCHES_STATE_IO=indexed`` always, under ``auto`` when the call has at least its crossover's prefills
+    (``auto_min_sequences``, recorded by the child), else never (``copy``, or ``auto`` below the crossover)."""
+    if case.get("state_io") == "indexed":
+        return True
+    return case.get("state_io") == "auto" and case.get("num_prefills", 0) >= case.get("auto_min_sequences", 0)
+
+
+def auto_min_sequences() -> int:
+    """The crossover of ``KDA_PATCHES_STATE_IO=auto`` in the installed project (read in the child)."""
+    from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES
+
+    return AUTO_MIN_SEQUENCES
+
+
 def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
     """Return the verdict lines of one layer from its patched (``on``) and unpatched (``off``) children."""
     lines = []
@@ -324,7 +340,7 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
         # cache dtype itself; a copied one folds its cast where the seam declares its final state's source and the
         # cache is not FP32
         indexed = case.get("calls_indexed", 0)
-        indexed_expected = case["calls_routed"] if case.get("state_io") == "indexed" else 0
+        indexed_expected = case["calls_routed"] if indexes_every_call(case) else 0
         folds_expected = case["calls_routed"] - indexed if case.get("final_cast") else 0
         ok = (case["outputs_equal"] and case["cache_equal"] and case["calls_seen"] > 0
               and case["calls_routed"] == case["calls_seen"] and cross != "DIFFERENT" and indexed == indexed_expected
@@ -700,7 +716,7 @@ def run_case(bench: LayerBench, overlay: Overlay | None, name: str, decodes: lis
         casts_folded=after.get("casts_folded", 0) - before.get("casts_folded", 0),
         casts_materialized=after.get("casts_materialized", 0) - before.get("casts_materialized", 0),
         calls_indexed=after.get("calls_indexed", 0) - before.get("calls_indexed", 0),
-        state_io=os.environ.get("KDA_PATCHES_STATE_IO", "copy"),
+        state_io=os.environ.get("KDA_PATCHES_STATE_IO", "copy"), auto_min_sequences=auto_min_sequences(),
         final_cast=bench.kind in FOLDS and bench.layer.kv_cache[1].dtype != torch.float32)
     bench.raw.copy_(snapshot)
     return record
@@ -1067,9 +1083,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-ops", choices=("overlay", "upstream"), default="overlay",
                         help="KDA_PATCHES_GDN_OPS of the children (vLLM >= 0.34: overlay routes the seams where "
                              "upstream's own ops copy the states, so patched vs unpatched is plan vs upstream)")
-    parser.add_argument("--state-io", choices=("copy", "indexed"), default="copy",
-                        help="KDA_PATCHES_STATE_IO of the children (indexed: no copy; every routed call must be "
-                             "indexed)")
+    parser.add_argument("--state-io", choices=("copy", "indexed", "auto"), default="copy",
+                        help="KDA_PATCHES_STATE_IO of the children (indexed: no copy, every routed call must be "
+                             "indexed; auto: those of at least its crossover's prefills)")
     parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
     parser.add_argument("--host-profile", type=int, nargs="*", default=[], metavar="SEQS",
                         help="also profile the layer call's host side at these batch sizes (x512 tokens)")
