@@ -127,8 +127,14 @@ def indexed_fwd_h(derived: DerivedKernel, cache: torch.Tensor, rows: torch.Tenso
     Raises:
         IndexedCallRefused: see :func:`check_indexed_call`.
     """
+    return run_bound(derived, cache, rows, flags, bind_host_call(derived.host, args, kwargs), config)
+
+
+def run_bound(derived: DerivedKernel, cache: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor | None,
+              call: CallShape, config: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+    """:func:`indexed_fwd_h` of a call already bound to the host's signature (:func:`bind_host_call`): the routed
+    path binds once to recognise its placeholder and launches from the same binding."""
     host = derived.host
-    call = bind_host_call(host, args, kwargs)
     k, w, u = call["k"], call["w"], call["u"]
     batch, tokens, key_heads, key_dim = k.shape
     value_dim, heads = u.shape[-1], u.shape[-2]

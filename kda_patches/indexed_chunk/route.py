@@ -29,7 +29,7 @@ import torch
 
 from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, MIN_SEQUENCES, READY
 from kda_patches.indexed_chunk.derive import DerivationRefused, DerivedKernel, KernelDeclaration, derive_indexed_kernel
-from kda_patches.indexed_chunk.launch import bind_host_call, indexed_fwd_h
+from kda_patches.indexed_chunk.launch import bind_host_call, run_bound
 from kda_patches.ledger import get_ledger
 from kda_patches.routing.calls import active_call
 from kda_patches.routing.direct import DirectRoute, _is_vector, foldable
@@ -177,9 +177,8 @@ def route_host(wrapped: Any, args: tuple, kwargs: dict) -> Any:
     call = bind_host_call(route.derived.host, args, kwargs)
     if call["initial_state"] is not route.initial:
         return wrapped(*args, **kwargs)
-    arguments = dict(call.arguments)
-    arguments["initial_state"] = None
-    states, new_values, _ = indexed_fwd_h(route.derived, route.state, route.rows, route.flags, **arguments)
+    call.arguments["initial_state"] = None  # the binding is this call's own dict
+    states, new_values, _ = run_bound(route.derived, route.state, route.rows, route.flags, call)
     route.consumed = True
     if call["output_final_state"]:
         route.final = torch.empty_like(route.initial)

@@ -484,7 +484,7 @@ def install_engine_stand_ins() -> None:
             raise ValueError(f"{MUTANT_ENV}={mutant!r}: known mutants {sorted(MUTANTS)}")
         if mutant == "indexed-halved":  # the route calls the twin by its module-level name
             wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
-                module, "indexed_fwd_h", _halve_after_indexed), "kda_patches.indexed_chunk.route")
+                module, "run_bound", _halve_after_indexed), "kda_patches.indexed_chunk.route")
         else:
             wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
                 module, "StateCopyPlan.scatter_eager", _halve_before_scatter), "kda_patches.state_copy.plan")
