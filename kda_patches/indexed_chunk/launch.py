@@ -49,17 +49,68 @@ class CallShape:
         return self.arguments.get(name)
 
 
-_signatures: dict[Any, inspect.Signature] = {}
+@dataclass(frozen=True)
+class HostSignature:
+    """A host function's parameters as the binder needs them (read once per function).
+
+    Attributes:
+        names: the parameters in order (positional-or-keyword only: the release hosts take no ``*args``,
+            ``**kwargs`` or keyword-only parameters; any other signature is bound by :mod:`inspect`).
+        defaults: each defaulted parameter's default.
+        required: the parameters without a default.
+    """
+
+    names: tuple[str, ...]
+    defaults: dict[str, Any]
+    required: frozenset[str]
+
+
+_signatures: dict[Any, HostSignature | inspect.Signature] = {}
+
+
+def read_signature(host: Any) -> HostSignature | inspect.Signature:
+    """Return ``host``'s :class:`HostSignature`, or its :class:`inspect.Signature` where it has other kinds."""
+    signature = inspect.signature(host)
+    parameters = signature.parameters.values()
+    if any(parameter.kind is not parameter.POSITIONAL_OR_KEYWORD for parameter in parameters):
+        return signature
+    return HostSignature(tuple(signature.parameters),
+                         {p.name: p.default for p in parameters if p.default is not p.empty},
+                         frozenset(p.name for p in parameters if p.default is p.empty))
 
 
 def bind_host_call(host: Any, args: tuple, kwargs: dict) -> CallShape:
-    """Bind a call of the release's host function to its signature (defaults applied; the signature read once)."""
+    """Bind a call of the release's host function to its signature, defaults applied, as :mod:`inspect` binds it.
+
+    A routed prefill binds once per layer call, so the common signature (positional-or-keyword parameters only) is
+    bound from a per-function table instead of :meth:`inspect.Signature.bind`.
+
+    Raises:
+        TypeError: as calling ``host`` would: too many positional arguments, an unknown keyword, a parameter given
+            twice, a required one missing.
+    """
     signature = _signatures.get(host)
     if signature is None:
-        signature = _signatures[host] = inspect.signature(host)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return CallShape(dict(bound.arguments))
+        signature = _signatures[host] = read_signature(host)
+    if not isinstance(signature, HostSignature):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return CallShape(dict(bound.arguments))
+    names = signature.names
+    if len(args) > len(names):
+        raise TypeError(f"{host.__name__}() takes {len(names)} positional arguments but {len(args)} were given")
+    arguments = dict(signature.defaults)
+    arguments.update(zip(names[:len(args)], args, strict=True))
+    for name in kwargs:
+        if name not in signature.defaults and name not in signature.required:
+            raise TypeError(f"{host.__name__}() got an unexpected keyword argument {name!r}")
+        if name in names[:len(args)]:
+            raise TypeError(f"{host.__name__}() got multiple values for argument {name!r}")
+    arguments.update(kwargs)
+    missing = signature.required.difference(arguments)
+    if missing:
+        raise TypeError(f"{host.__name__}() missing required arguments: {', '.join(sorted(missing))}")
+    return CallShape(arguments)
 
 
 def check_indexed_call(call: CallShape, cache: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor | None,
