@@ -61,10 +61,12 @@ $(STAMPASC):
 setup-ascend: $(STAMPASC)
 
 # Every plan variant compiled for A2/A3 and A5 up to bishengir's final HIVM IR, the block-limit table, the
-# hints and the calibration on vllm-ascend's kernels (fetched into the release cache with the main venv's pip).
-# ASCEND_CHECK_ARGS: e.g. --write-matrix, --json FILE, --chips a2a3.
+# hints, the calibration on vllm-ascend's kernels and the indexed twins of its chunk-state kernels (the releases
+# fetched into the release cache with the main venv's pip).
+# ASCEND_CHECK_ARGS: e.g. --write-matrix, --json FILE, --chips a2a3, --no-twins.
 ascend-check: setup setup-ascend
 	$(RUN_PY) $(VPY) -c 'from kda_patches.ascend_check.calibration import release_root; release_root()'
+	$(RUN_PY) $(VPY) -c 'from kda_patches.ascend_check.indexed_twins import release_roots; release_roots()'
 	$(RUN_PY) $(VENVASC)/bin/python -m kda_patches.ascend_check $(ASCEND_CHECK_ARGS)
 
 demo: setup

@@ -1,4 +1,4 @@
-"""``python -m kda_patches.ascend_check``: compile every plan variant for Ascend (``make ascend-check``).
+"""``python -m kda_patches.ascend_check``: compile plan variants and indexed twins for Ascend (``make ascend-check``).
 
 Run it in the Ascend check environment (``make setup-ascend``: triton-ascend + ascendnpu-ir + a CPU
 torch). Prints one summary line per chip class and one for the calibration, then every problem;
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=pathlib.Path, help="write the full report here")
     parser.add_argument("--write-matrix", action="store_true", help=f"regenerate {MATRIX_PATH}")
     parser.add_argument("--no-calibration", action="store_true", help="skip the vllm-ascend calibration kernels")
+    parser.add_argument("--no-twins", action="store_true", help="skip the indexed twins of vllm-ascend's kernels")
     args = parser.parse_args(argv)
     chips = tuple(chip.strip() for chip in args.chips.split(",") if chip.strip())
     unknown = sorted(set(chips) - {"a2a3", "a5"})
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ascend-check: the Ascend toolchain is not importable here ({exc}); run it in .venv-ascend "
               "(make setup-ascend, then make ascend-check)", file=sys.stderr)
         return 2
-    report = run_check(chips, args.jobs, calibrate=not args.no_calibration)
+    report = run_check(chips, args.jobs, calibrate=not args.no_calibration, twins=not args.no_twins)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     if args.write_matrix:

@@ -1,4 +1,5 @@
-"""Run the Ascend compile check: every plan variant, the block-limit table, the hints, the calibration.
+"""Run the Ascend compile check: every plan variant, the block-limit table, the hints, the calibration, and the
+indexed twins of vllm-ascend's chunk-state kernels (:mod:`~kda_patches.ascend_check.indexed_twins`).
 
 :func:`run_check` returns one JSON-serialisable report; :func:`summary_lines` prints one line per chip
 class. Compiles run in a pool of one process per core, fed one compile at a time (so that the processes
@@ -67,8 +68,27 @@ def _compile_probe(task: tuple[str, str, int, str, int | None]) -> dict[str, Any
     return asdict(_toolchain(chip).compile(kernel, signature, constexprs))
 
 
+_TWIN_CACHE: dict[str, list[Any]] = {}
+
+
+def _twins(chip: str) -> list[Any]:
+    from kda_patches.ascend_check.indexed_twins import release_roots, twin_cases
+
+    if chip not in _TWIN_CACHE:
+        _TWIN_CACHE[chip] = twin_cases((chip,), release_roots())
+    return _TWIN_CACHE[chip]
+
+
+def _compile_twin(task: tuple[str, int]) -> dict[str, Any]:
+    chip, index = task
+    case = _twins(chip)[index]
+    return asdict(_toolchain(chip).compile(case.kernel, case.signature, case.constexprs))
+
+
 def _compile_task(task: tuple[str, tuple[Any, ...]]) -> dict[str, Any]:
     kind, arguments = task
+    if kind == "twin":
+        return _compile_twin(arguments)
     return _compile_variant(arguments) if kind == "variant" else _compile_probe(arguments)
 
 
@@ -134,16 +154,19 @@ def _compile_calibration(index: int) -> dict[str, Any]:
 
 
 def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
-              calibrate: bool = True) -> dict[str, Any]:
+              calibrate: bool = True, twins: bool = True) -> dict[str, Any]:
     """Compile everything the check covers and return the report.
 
     Args:
         chips: chip classes to compile for.
         jobs: worker processes (default: the CPU count).
         calibrate: also compile the calibration kernels (the release cache is fetched if needed).
+        twins: also compile the indexed twins of vllm-ascend's chunk-state kernels, and the released kernels
+            they are derived from (every release of ``indexed_twins.RELEASES``, fetched if needed).
     Returns:
         ``{"toolchain": versions, "variants": [...], "limits": [...], "hints": {...}, "calibration": [...],
-        "seconds": wall time}``; each variant entry has the case's facts and its compile result.
+        "indexed_twins": [...], "seconds": wall time}``; each variant and twin entry has the case's facts and its
+        compile result.
     """
     import triton
 
@@ -168,6 +191,8 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
         hint_tasks.extend((chip, family, 1024, stream, None) for family in hint_families
                           for stream in ("default", "stream"))
     kernels_to_calibrate = calibration.calibration_kernels(calibration.release_root()) if calibrate else []
+    twin_cases = {chip: _twins(chip) for chip in chips} if twins else {}
+    twin_tasks = [("twin", (chip, index)) for chip in twin_cases for index in range(len(twin_cases[chip]))]
     tasks = [("variant", task) for task in variant_tasks] + [("probe", task) for task in limit_tasks + hint_tasks]
     keys = [code_key(chip, cases[chip][index].kernel, cases[chip][index].signature, cases[chip][index].constexprs)
             for chip, index in variant_tasks]
@@ -177,6 +202,7 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
             ProcessPoolExecutor(max_workers=jobs or len(os.sched_getaffinity(0)) or 1, initializer=_start_worker,
                                 initargs=(root,)) as pool:
         calibration_results = pool.map(_compile_calibration, range(len(kernels_to_calibrate)))
+        twin_results = pool.map(_compile_task, twin_tasks, chunksize=1)
         compiled = compile_once(pool, tasks, keys)
         variant_results = compiled[:len(variant_tasks)]
         limit_results = compiled[len(variant_tasks):len(variant_tasks) + len(limit_tasks)]
@@ -189,6 +215,8 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
         hint_runs = list(zip(hint_tasks, hint_results, strict=True))
         calibrated = [{"name": declaration.name, "must_compile": declaration.must_compile, **result}
                       for (declaration, _), result in zip(kernels_to_calibrate, calibration_results, strict=True)]
+        indexed = [{**_twin_facts(twin_cases[chip][index]), **result}
+                   for (_, (chip, index)), result in zip(twin_tasks, twin_results, strict=True)]
     hints: dict[str, Any] = {}
     for chip in chips:
         runs = {(family, stream): result for (task_chip, family, _, stream, _), result in hint_runs
@@ -203,7 +231,7 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
     return {"toolchain": {"triton": triton.__version__, "ascendnpu_ir": _version("ascendnpu-ir"),
                           "python": platform.python_version()},
             "variants": variants, "limits": limits, "hints": hints, "calibration": calibrated,
-            "seconds": round(time.monotonic() - started, 1)}
+            "indexed_twins": indexed, "seconds": round(time.monotonic() - started, 1)}
 
 
 def _version(dist: str) -> str | None:
@@ -221,6 +249,13 @@ def _case_facts(case: Any) -> dict[str, Any]:
             "models": case.models, "constexprs": {name: str(value) for name, value in case.constexprs.items()}}
 
 
+def _twin_facts(case: Any) -> dict[str, Any]:
+    return {"chip": case.chip, "name": case.name, "shape": case.shape, "releases": case.releases,
+            "twin": case.twin, "cache_dtype": case.cache_dtype, "nan_rule": case.nan_rule,
+            "declared_fits": case.declared_fits, "constexprs": {name: str(value) for name, value in
+                                                                case.constexprs.items()}}
+
+
 def problems(report: dict[str, Any]) -> list[str]:
     """Return every way the report falls short (empty when the check passes).
 
@@ -229,7 +264,8 @@ def problems(report: dict[str, Any]) -> list[str]:
     every rule (the table is not the compiler's); a family declared unlimited that does not fit
     :data:`PROBE_MAX_ITEMS`; a
     hint declared honoured whose HIVM IR is identical with and without it (or the reverse); a
-    shipping calibration kernel that does not compile, or a canary that does.
+    shipping calibration kernel that does not compile, or a canary that does; an indexed twin (or the released
+    kernel it is derived from) whose fit disagrees with its declaration (``indexed_twins.A2A3_OVERFLOWS``).
     """
     found = []
     for entry in report["variants"]:
@@ -265,11 +301,19 @@ def problems(report: dict[str, Any]) -> list[str]:
         if compiled != entry["must_compile"]:
             found.append(f"calibration {entry['name']}: {'did not compile' if entry['must_compile'] else 'compiled'}"
                          f" ({entry['stage']}: {entry['message'][:200]})")
+    for entry in report.get("indexed_twins", []):
+        fits = entry["stage"] == "hivm" and not entry["ub_retry"]
+        if fits != entry["declared_fits"]:
+            what = "twin" if entry["twin"] else "released kernel"
+            found.append(f"{entry['chip']} indexed {what} {entry['name']} ({entry['cache_dtype']} cache, "
+                         f"{entry['nan_rule']}): declared {'to fit' if entry['declared_fits'] else 'not to fit'}, "
+                         f"{'fits' if fits else 'stopped at ' + entry['stage']}"
+                         f"{' after a UB-overflow retry' if entry['ub_retry'] else ''}: {entry['message'][:200]}")
     return found
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
-    """Return one line per chip class, then one for the calibration."""
+    """Return one line per chip class, then one for the calibration, then one per chip class for the twins."""
     lines = []
     for chip in sorted({entry["chip"] for entry in report["variants"]}):
         entries = [entry for entry in report["variants"] if entry["chip"] == chip]
@@ -287,4 +331,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     rejected = sum(entry["stage"] != "hivm" for entry in canaries)
     lines.append(f"ascend-check calibration (a2a3): {passed}/{len(shipping)} vllm-ascend 0.30 kernels compile; "
                  f"{rejected}/{len(canaries)} canaries rejected")
+    twins = report.get("indexed_twins", [])
+    for chip in sorted({entry["chip"] for entry in twins}):
+        entries = [entry for entry in twins if entry["chip"] == chip and entry["twin"]]
+        released = [entry for entry in twins if entry["chip"] == chip and not entry["twin"]]
+        fit = sum(entry["stage"] == "hivm" and not entry["ub_retry"] for entry in entries)
+        agree = sum((entry["stage"] == "hivm" and not entry["ub_retry"]) == entry["declared_fits"]
+                    for entry in entries + released)
+        lines.append(f"ascend-check indexed twins {chip}: {fit}/{len(entries)} twins reach the final HIVM IR; "
+                     f"{sum(entry['stage'] == 'hivm' for entry in released)}/{len(released)} released kernels; "
+                     f"{agree}/{len(entries) + len(released)} as declared")
     return lines

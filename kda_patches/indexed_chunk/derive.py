@@ -1,10 +1,18 @@
 """Derive the indexed twin of a release's chunk-state kernel from its own source, by declared edits.
 
 The release's kernel (vLLM's vendored FLA ``chunk_gated_delta_rule_fwd_kernel_h_blockdim64``, which the Qwen,
-Olmo, Kimi Linear and Kimi K3 prefills all run) offsets a dense ``h0`` / ``ht`` by the packed row ``i_nh``, loads
-the initial state under ``USE_INITIAL_STATE`` and stores the final state in its epilogue under
-``STORE_FINAL_STATE``. The twin is that source with exactly these edits (:class:`KernelDeclaration` names the
-parts):
+Olmo, Kimi Linear and Kimi K3 prefills all run, and vllm-ascend's own Triton twins of it) offsets a dense ``h0`` /
+``ht`` by the packed row ``i_nh``, loads the initial state under ``USE_INITIAL_STATE`` and stores the final state in
+its epilogue under ``STORE_FINAL_STATE``. Where the offset sits is the kernel's *shape*, declared per kernel
+(:data:`KERNEL_SHAPES`; the edits below are one mechanism for every shape):
+
+- :data:`OWN_BLOCK` (vLLM's FLA, vllm-ascend's KDA kernel): ``if GUARD: P = P + E`` is the only statement of its
+  block, and one later ``if GUARD:`` block reads or writes ``P``;
+- :data:`LEADING` (vllm-ascend's FLA kernel, ``[N, H, K, V]`` states in two 64-wide value halves):
+  ``if GUARD: T = P + E`` is the first statement of the one block that reads or writes through the declared local
+  ``T`` (``h0_ptr`` / ``ht_ptr``), and ``P`` appears nowhere else in it.
+
+The twin is that source with exactly these edits (:class:`KernelDeclaration` names the parts):
 
 1. the decorators are dropped: the twin is jitted here, under the release's own heuristics, without its autotuner
    (an autotuner's timing runs would read and write the cache again, and it compiles while serving);
@@ -14,9 +22,10 @@ parts):
    cache-dtype cast of :func:`~kda_patches.state_copy.casts.cast_bits`);
 3. before the first offset, the sequence's row is read once: ``kda_valid`` (``0 <= row < num_rows``),
    ``kda_read`` (valid and flagged) and ``kda_safe_row`` (the row where valid, else 0);
-4. each offset ``X = X + E`` of the initial and final state (the only statement of its ``if``, ``E`` naming the
-   packed row) becomes ``X = X + kda_safe_row * kda_row_stride + E'``, ``E'`` being ``E`` with the head index for
-   the packed row: the head's slice of the cache row, whose inner ``[H, V, K]`` is contiguous;
+4. each offset ``T = P + E`` of the initial and final state (``E`` naming the packed row; ``T`` is ``P`` in the
+   own-block shape) becomes ``T = P + kda_safe_row * kda_row_stride + E'``, ``E'`` being ``E`` with the head index
+   for the packed row: the head's slice of the cache row, whose inner ``[H, ...]`` is contiguous and laid out as
+   the kernel's dense state (``state_layout``);
 5. the initial-state load block runs only ``if kda_read`` (otherwise the state stays the zeros it starts as), and the
    final-state store block only ``if kda_valid``, each ``Y.to(P.dtype.element_ty)`` stored there becoming the
    exact cast of ``Y`` to the cache dtype.
@@ -24,7 +33,8 @@ parts):
 Anything else in the source is kept as it is. The twin runs in a copy of the kernel module's namespace taken when
 it is derived (plus ``kda_cast_bits``): nothing is added to the release's module, and a name the module rebinds later
 is not seen by the twin. A source that is not of this shape (a block missing or doubled, the
-state read or written elsewhere, a name of the twin's already taken, a non-literal ``jit`` keyword) is refused with
+state read or written elsewhere or past its offset, a name of the twin's already taken, a non-literal ``jit``
+keyword, an undeclared shape) is refused with
 :class:`DerivationRefused` naming the part, and nothing is built.
 """
 
@@ -35,16 +45,20 @@ import hashlib
 import inspect
 import linecache
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import triton
 
+from kda_patches.routing.eras import FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL, FLA_CHUNK_STATE_MODULE
 from kda_patches.state_copy.casts import cast_bits
 
 TWIN_PREFIX = "kda_"
 ROW_ARGUMENTS = ("kda_rows", "kda_flags", "kda_num_rows", "kda_row_stride")
 CAST_CONSTEXPRS = ("KDA_DST", "KDA_NAN_RULE", "KDA_NAN_BITS")
+OWN_BLOCK = "own block"  # `if GUARD: P = P + E` alone in its block; the access in one later `if GUARD:` block
+LEADING = "leading"  # `if GUARD: T = P + E` the first statement of the one block that accesses the state through T
+OFFSET_FORMS = (OWN_BLOCK, LEADING)
 
 
 class DerivationRefused(Exception):
@@ -63,6 +77,9 @@ class KernelDeclaration:
         use_initial, store_final: the constexprs that guard their blocks.
         packed_row, sequence, head: the kernel's packed ``sequence * H + head`` index and its two parts.
         consumers: modules that call ``host`` by their own global name (where the route finds the call).
+        offset: where the offsets sit (:data:`OWN_BLOCK` or :data:`LEADING`).
+        initial_target, final_target: :data:`LEADING` only: the locals the offsets assign (``h0_ptr``, ``ht_ptr``).
+        state_layout: the dense state's layout, which the cache rows keep (the launch's precondition).
     """
 
     module: str
@@ -76,6 +93,41 @@ class KernelDeclaration:
     sequence: str = "i_n"
     head: str = "i_h"
     consumers: tuple[str, ...] = field(default=())
+    offset: str = OWN_BLOCK
+    initial_target: str = ""
+    final_target: str = ""
+    state_layout: str = "[N, H, V, K]"
+
+    def target_of(self, pointer: str) -> str:
+        """The local that ``pointer``'s offset assigns (``pointer`` itself in the own-block shape)."""
+        target = self.initial_target if pointer == self.initial else self.final_target
+        return target if self.offset == LEADING and target else pointer
+
+
+# Every kernel shape the twin is derived for, by the name of the released kernel's family. ``module`` is the
+# released module's own import name; a loader that executes the file under another name replaces it
+# (:func:`declare`). vLLM's own FLA (every release 0.26 and later) is the default declaration.
+KERNEL_SHAPES: dict[str, KernelDeclaration] = {
+    "vllm-fla": KernelDeclaration(module=FLA_CHUNK_STATE_MODULE, kernel=FLA_CHUNK_STATE_KERNEL,
+                                  host=FLA_CHUNK_STATE_HOST),
+    "vllm-ascend-fla": KernelDeclaration(
+        module="vllm_ascend.ops.triton.fla.chunk_delta_h", kernel="chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+        host="chunk_gated_delta_rule_fwd_h", offset=LEADING, initial_target="h0_ptr", final_target="ht_ptr",
+        state_layout="[N, H, K, V]"),
+    "vllm-ascend-kda": KernelDeclaration(
+        module="vllm_ascend.ops.triton.kda.chunk_delta_h", kernel="chunk_gated_delta_rule_fwd_kernel_h_blockdim64_kda",
+        host="chunk_gated_delta_rule_fwd_h_kda"),
+}
+
+
+def declare(shape: str, module: str) -> KernelDeclaration:
+    """Return the declaration of kernel shape ``shape`` (a key of :data:`KERNEL_SHAPES`) for the module loaded as
+    ``module``.
+
+    Raises:
+        KeyError: no such shape is declared.
+    """
+    return replace(KERNEL_SHAPES[shape], module=module)
 
 
 @dataclass
@@ -145,17 +197,25 @@ def _guarded_by(statement: ast.stmt, constexpr: str) -> bool:
         and not statement.orelse
 
 
-def _offset_of(statement: ast.If, pointer: str, packed_row: str) -> ast.expr | None:
-    """``E`` of an ``if GUARD: pointer = pointer + E`` block (E naming the packed row), else None."""
-    if len(statement.body) != 1 or not isinstance(assign := statement.body[0], ast.Assign):
+def _offset_of(statement: ast.stmt, target: str, pointer: str, packed_row: str) -> ast.expr | None:
+    """``E`` of a statement ``target = pointer + E`` (E naming the packed row), else None."""
+    if not isinstance(statement, ast.Assign) or len(statement.targets) != 1:
         return None
-    if len(assign.targets) != 1 or not (isinstance(assign.targets[0], ast.Name) and assign.targets[0].id == pointer):
+    if not (isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == target):
         return None
-    value = assign.value
+    value = statement.value
     if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.left, ast.Name)
             and value.left.id == pointer and packed_row in _names(value.right)):
         return None
     return value.right
+
+
+def _find_offset(statement: ast.If, declaration: KernelDeclaration, pointer: str) -> ast.expr | None:
+    """The packed-row offset ``E`` a guarded block holds where the declared shape puts it, else None."""
+    target = declaration.target_of(pointer)
+    if declaration.offset == OWN_BLOCK and len(statement.body) != 1:
+        return None
+    return _offset_of(statement.body[0], target, pointer, declaration.packed_row)
 
 
 class _Rename(ast.NodeTransformer):
@@ -201,6 +261,10 @@ def edit_kernel_source(source: str, declaration: KernelDeclaration) -> tuple[ast
     Raises:
         DerivationRefused: the source is not the declared shape (the message names the part).
     """
+    if declaration.offset not in OFFSET_FORMS or (declaration.offset == LEADING and not (
+            declaration.initial_target and declaration.final_target)):
+        raise _refuse(declaration, "the declaration", f"offset {declaration.offset!r} is not a declared shape "
+                      f"({', '.join(OFFSET_FORMS)}; {LEADING!r} names both targets)")
     module = ast.parse(source)
     if len(module.body) != 1 or not isinstance(definition := module.body[0], ast.FunctionDef):
         raise _refuse(declaration, "the source", "is not one function definition")
@@ -211,9 +275,7 @@ def edit_kernel_source(source: str, declaration: KernelDeclaration) -> tuple[ast
     jit_keywords = _jit_keywords(definition, declaration)
     definition.decorator_list = []
     parameters = [a.arg for a in definition.args.args]
-    for pointer in (declaration.initial, declaration.final, declaration.packed_row):
-        if pointer == declaration.packed_row:
-            continue
+    for pointer in (declaration.initial, declaration.final):
         if pointer not in parameters:
             raise _refuse(declaration, "the parameters", f"no {pointer!r} argument")
     offsets: dict[str, int] = {}
@@ -223,7 +285,8 @@ def edit_kernel_source(source: str, declaration: KernelDeclaration) -> tuple[ast
                                (declaration.final, declaration.store_final)):
             if not _guarded_by(statement, guard):
                 continue
-            offset = _offset_of(statement, pointer, declaration.packed_row)
+            target = declaration.target_of(pointer)
+            offset = _find_offset(statement, declaration, pointer)
             if offset is not None:
                 if pointer in offsets:
                     raise _refuse(declaration, f"the {pointer} offset", "appears twice")
@@ -231,12 +294,20 @@ def edit_kernel_source(source: str, declaration: KernelDeclaration) -> tuple[ast
                 replaced = _Rename(declaration.packed_row, declaration.head).visit(offset)
                 statement.body[0].value = ast.parse(
                     f"{pointer} + kda_safe_row * kda_row_stride + ({ast.unparse(replaced)})", mode="eval").body
-            elif pointer in _names(statement):
+                if declaration.offset == LEADING:
+                    blocks[pointer].append(position)
+                    later = [item for item in statement.body[1:] if pointer in _names(item)]
+                    if later:
+                        raise _refuse(declaration, "the state pointers", f"{pointer!r} used past its offset to "
+                                      f"{target!r}, at `{ast.unparse(later[0]).splitlines()[0]}`")
+            elif {pointer, target} & _names(statement):
                 blocks[pointer].append(position)
     for pointer in (declaration.initial, declaration.final):
         if pointer not in offsets:
-            raise _refuse(declaration, f"the {pointer} offset", f"no `if GUARD: {pointer} = {pointer} + <packed row "
-                          f"{declaration.packed_row} offset>` block")
+            target = declaration.target_of(pointer)
+            where = "alone in its block" if declaration.offset == OWN_BLOCK else "first in the block that uses it"
+            raise _refuse(declaration, f"the {pointer} offset", f"no `if GUARD: {target} = {pointer} + <packed row "
+                          f"{declaration.packed_row} offset>` {where}")
         if len(blocks[pointer]) != 1:
             raise _refuse(declaration, f"the {pointer} block", f"{len(blocks[pointer])} guarded blocks use it, "
                           "expected exactly one")
@@ -245,8 +316,10 @@ def edit_kernel_source(source: str, declaration: KernelDeclaration) -> tuple[ast
         raise _refuse(declaration, f"the {declaration.use_initial} block", "loads nothing")
     _exact_store_casts(definition.body[store_at], declaration)
     allowed = {offsets[declaration.initial], offsets[declaration.final], load_at, store_at}
+    state_names = {declaration.initial, declaration.final, declaration.target_of(declaration.initial),
+                   declaration.target_of(declaration.final)}
     for position, statement in enumerate(definition.body):
-        used = _names(statement) & {declaration.initial, declaration.final}
+        used = _names(statement) & state_names
         if used and position not in allowed:
             raise _refuse(declaration, "the state pointers", f"{sorted(used)} used outside the declared blocks, at "
                           f"`{ast.unparse(statement).splitlines()[0]}`")

@@ -100,3 +100,34 @@ def test_every_problem_is_reported_not_only_the_first():
     report["variants"][0].update(compiled("ttir"))
     report["calibration"][1].update(compiled())
     assert len(problems(report)) == 2
+
+
+def twin_entry(twin: bool = True, declared_fits: bool = True, **result: object) -> dict:
+    return {"chip": "a2a3", "name": "vllm-ascend-fla@0123456789ab", "shape": "vllm-ascend-fla",
+            "releases": ["0.30.0rc2"], "twin": twin, "cache_dtype": "bfloat16", "nan_rule": "quiet",
+            "declared_fits": declared_fits, "constexprs": {}, **compiled(**result)}
+
+
+def test_an_indexed_twin_declared_to_fit_that_overflows_is_a_problem():
+    report = clean_report()
+    report["indexed_twins"] = [twin_entry(), twin_entry(twin=False)]
+    assert problems(report) == []
+    report["indexed_twins"][0].update(compiled("ttadapter", retry=True, message="error: ub overflow"))
+    found = problems(report)
+    assert len(found) == 1 and "indexed twin" in found[0] and "declared to fit" in found[0]
+    assert summary_lines(report)[-1].startswith("ascend-check indexed twins a2a3: 0/1 twins reach the final HIVM IR")
+
+
+def test_an_indexed_twin_declared_not_to_fit_that_fits_is_a_problem():
+    """The overflow table is checked both ways: a compiler that fits a declared overflow makes it stale."""
+    report = clean_report()
+    report["indexed_twins"] = [twin_entry(declared_fits=False, stage="ttadapter", retry=True)]
+    assert problems(report) == []
+    report["indexed_twins"][0].update(compiled())
+    assert len(problems(report)) == 1 and "declared not to fit" in problems(report)[0]
+
+
+def test_a_released_kernel_of_the_twins_that_does_not_compile_is_a_problem():
+    report = clean_report()
+    report["indexed_twins"] = [twin_entry(twin=False, stage="ttir", message="error")]
+    assert len(problems(report)) == 1 and "indexed released kernel" in problems(report)[0]

@@ -1,4 +1,5 @@
-"""Every state-copy variant the plans can prepare compiles for Ascend A2/A3 and A5 (``make ascend-check``).
+"""Every state-copy variant the plans can prepare compiles for Ascend A2/A3 and A5 (``make ascend-check``); so do the
+indexed twins of vllm-ascend's chunk-state kernels, where their declaration says they fit.
 
 Runs the check once, in the Ascend environment ``.venv-ascend`` (``make setup-ascend``; ``make test``
 builds it; ``KDA_ASCEND_PYTHON`` names another interpreter), with triton-ascend and bishengir up to the
@@ -55,8 +56,9 @@ def test_every_variant_reaches_the_final_hivm_ir_on_both_chip_classes(report: di
     assert {entry["chip"] for entry in report["variants"]} == {"a2a3", "a5"}
     assert problems(report) == []
     lines = summary_lines(report)
-    assert [line.split(":")[0] for line in lines] == ["ascend-check a2a3", "ascend-check a5",
-                                                      "ascend-check calibration (a2a3)"]
+    assert [line.split(":")[0] for line in lines] == [
+        "ascend-check a2a3", "ascend-check a5", "ascend-check calibration (a2a3)", "ascend-check indexed twins a2a3",
+        "ascend-check indexed twins a5"]
     assert all("all variants reach the final HIVM IR" in line for line in lines[:2])
 
 
@@ -91,6 +93,33 @@ def test_the_calibration_accepts_shipping_kernels_and_rejects_the_canary(report:
                         "_gather_ssm_states_kernel": "hivm", "_scatter_ssm_states_kernel": "hivm"}
     canary = [entry for entry in report["calibration"] if not entry["must_compile"]]
     assert len(canary) == 1 and canary[0]["stage"] != "hivm" and "vcast" in canary[0]["message"]
+
+
+@pytest.mark.parametrize("chip", ["a2a3", "a5"])
+def test_the_indexed_twins_of_every_vllm_ascend_release_are_compiled(report: dict, chip: str) -> None:
+    """Per chip class: each kernel shape's released kernel and its twin under every cache dtype and NaN rule, for
+    every release of ``indexed_twins.RELEASES`` (one kernel source each, all releases listed on it)."""
+    from kda_patches.ascend_check.indexed_twins import A2A3_OVERFLOWS, KERNEL_FILES, RELEASES
+
+    entries = [entry for entry in report["indexed_twins"] if entry["chip"] == chip]
+    assert {entry["shape"] for entry in entries} == set(KERNEL_FILES)
+    for shape in KERNEL_FILES:
+        twins = {(entry["cache_dtype"], entry["nan_rule"]) for entry in entries if entry["shape"] == shape
+                 and entry["twin"]}
+        assert twins == {("float32", "bit copy"), *itertools.product(("bfloat16", "float16"),
+                                                                     ("canonical", "quiet", "preserve"))}
+        released = [entry for entry in entries if entry["shape"] == shape and not entry["twin"]]
+        assert len(released) == 1 and released[0]["releases"] == list(RELEASES)
+        assert released[0]["stage"] == "hivm" and not released[0]["ub_retry"]  # the release's own kernel fits
+    fitting = [entry for entry in entries if entry["twin"] and entry["stage"] == "hivm" and not entry["ub_retry"]]
+    if chip == "a5":
+        assert len(fitting) == 14  # every twin reaches the final HIVM IR
+    else:
+        overflowing = {(entry["shape"], entry["cache_dtype"], entry["nan_rule"]) for entry in entries
+                       if entry["twin"] and entry not in fitting}
+        assert overflowing == {(shape, *case) for shape, cases in A2A3_OVERFLOWS.items() for case in cases}
+        assert all(entry["ub_required_bits"] and entry["ub_required_bits"] > entry["ub_available_bits"]
+                   for entry in entries if entry["twin"] and entry not in fitting)
 
 
 def test_evict_first_is_dropped_and_the_targets_say_so(report: dict) -> None:
