@@ -12,8 +12,11 @@ the seam keeps copying). A routed call of such a seam then runs with an :class:`
   the host returns another placeholder as the final state;
 - the seam's scatter of that placeholder to the same rows is then already done.
 
-A seam whose layer may prefill on another backend (Kimi K3's FlashKDA) declares the backends the twin serves
-(``IndexedChunk.backend``); a layer on any other one only copies.
+A seam whose layer may prefill on another backend (Kimi K3's FlashKDA, a pre-0.34 Qwen layer on FlashInfer) declares
+the layers the twin serves (``IndexedChunk.backend``: a :class:`~kda_patches.routing.seams.BackendGate`, or
+:class:`~kda_patches.routing.eras.UncastFinalGate` for a seam whose scatter stores the FP32 final states uncast); any
+other layer only copies, visibly: each such prefill call counts ``calls_copied`` in the ``indexed_chunk`` section and
+the layer's fact ``copies <layer>`` there says why (its seam's ``calls_routed`` counts it, its ``calls_indexed`` not).
 
 Anything the route cannot bind exactly (another tensor under the cache's name, flags the plan could not fold, a gather
 into another dtype) copies through the plan as the copy route does. A bound call whose chunk call did not consume the
@@ -33,6 +36,7 @@ from kda_patches.indexed_chunk.launch import bind_host_call, run_bound
 from kda_patches.ledger import get_ledger
 from kda_patches.routing.calls import active_call
 from kda_patches.routing.direct import DirectRoute, _is_vector, foldable
+from kda_patches.routing.proof import layer_name_of
 
 SECTION = "indexed_chunk"
 
@@ -89,7 +93,8 @@ class IndexedRoute(DirectRoute):
 
     Attributes (beyond the copy route's):
         derived: the indexed twin the chunk call launches.
-        layer: the layer of the call (its backend decides whether the route binds, ``Seam.indexed.backend``).
+        layer: the layer of the call, or a ``_CopyOnly`` holding it where the seam's ``IndexedChunk.backend`` stands
+            aside on it (its backend, or its cache dtype under an uncast scatter): the route then only copies.
         min_sequences: a call binds only when it gathers at least this many rows (``KDA_PATCHES_STATE_IO=auto``);
             a smaller one copies through the plan.
         rows, flags: the bound rows and flags (None until the gather binds).
@@ -104,13 +109,16 @@ class IndexedRoute(DirectRoute):
         super().__init__(plan, state)
         self.derived = derived
         self.min_sequences = min_sequences
-        self.layer = layer if gate is None or gate.stands_aside_on(layer) is None else _COPY_ONLY
+        self.layer = layer if gate is None or gate.stands_aside_on(layer) is None else _CopyOnly(layer, gate)
         self.rows = self.flags = self.initial = self.final = None
         self.consumed = False
 
     def _bind(self, state: torch.Tensor, indices: Any, flags: Any) -> bool:
-        if (state is not self.state or self.rows is not None or self.layer is _COPY_ONLY
-                or not _is_vector(indices) or indices.shape[0] < self.min_sequences):
+        if type(self.layer) is _CopyOnly and state is self.state:
+            self.layer.note()  # a layer the twin does not serve: the plan copies, counted and explained
+            return False
+        if (state is not self.state or self.rows is not None or not _is_vector(indices)
+                or indices.shape[0] < self.min_sequences):
             return False
         if flags is not None and not foldable(flags, indices, state):
             return False
@@ -160,7 +168,21 @@ class IndexedRoute(DirectRoute):
         return super().problem()
 
 
-_COPY_ONLY = object()  # IndexedRoute.layer of a layer whose backend the twin does not serve: the route only copies
+class _CopyOnly:
+    """``IndexedRoute.layer`` of a layer the twin does not serve (its seam's ``IndexedChunk.backend`` stands aside on
+    it): the route only copies, and each of its gathers of the cache is counted with the reason."""
+
+    __slots__ = ("gate", "layer")
+
+    def __init__(self, layer: Any, gate: Any) -> None:
+        self.layer, self.gate = layer, gate
+
+    def note(self) -> None:
+        """Count one copied prefill call (``indexed_chunk`` / ``calls_copied``) and record why for its layer."""
+        ledger = get_ledger()
+        ledger.count(SECTION, "calls_copied")
+        ledger.set_fact(SECTION, f"copies {layer_name_of(self.layer)}",
+                        {"decision": "copy", "reason": self.gate.stands_aside_on(self.layer)})
 
 
 def route_host(wrapped: Any, args: tuple, kwargs: dict) -> Any:

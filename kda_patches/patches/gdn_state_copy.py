@@ -49,6 +49,15 @@ the ``.to()`` is deferred and the plan's scatter reads the FP32 final state and 
 pass (``casts_folded``). vllm-ascend's Triton variant casts a transposed copy (``.transpose(-1, -2)
 .contiguous().to(...)``) and Kimi Linear scatters uncast: those are left as written.
 
+No copy (``KDA_PATCHES_STATE_IO=indexed|auto``, :mod:`kda_patches.indexed_chunk`): every Triton prefill of these
+seams reaches vLLM's vendored FLA ``chunk_gated_delta_rule_fwd_h``; each era declares that host from
+:data:`~kda_patches.routing.eras.FLA_CHUNK_STATE_RELEASES` (:func:`~kda_patches.routing.eras.indexed_host_targets`):
+wrapped, when chosen, from vLLM 0.32 (masked-pointer kernel), a declared gap before (block pointers). The seams'
+``indexed`` declarations say which layers the twin serves: 0.34's Qwen and Kimi Linear (their seam's backend gate),
+Olmo (every layer), pre-0.34 Qwen only on the Triton prefill backend (:data:`QWEN_CHUNK_STATE`; its folded
+``.to(ssm_state.dtype)`` scatter is the twin's own exact cast) and pre-0.34 Kimi Linear only on FP32 caches
+(:data:`KIMI_GDN_CHUNK_STATE`: it scatters the FP32 final states uncast); any other layer copies through the plan.
+
 Decode-only and speculative-only batches pass through untouched and uncounted. Importing this module imports
 neither torch nor vLLM.
 """
@@ -59,13 +68,15 @@ from kda_patches.patches.kimi_prefill import format_status_line as format_sectio
 from kda_patches.registry import Patch, Target
 from kda_patches.routing.eras import (
     CLEAR_PARAMETERS,
+    FLA_CHUNK_STATE_FINAL_DTYPE,
     FLA_CHUNK_STATE_HOST,
     FLA_CHUNK_STATE_KERNEL,
     FLA_CHUNK_STATE_MODULE,
     GATHER_PARAMETERS,
+    UncastFinalGate,
     ascend_runners,
     era,
-    indexed_host_target,
+    indexed_host_targets,
     release_tuple,
     upstream_runners,
 )
@@ -99,12 +110,6 @@ LEDGER_PATH = "gdn_state_copy"
 FORWARD_CORE_PARAMETERS = ("self", "mixed_qkv", "b", "a", "core_attn_out")
 KIMI_GDN_FORWARD_PARAMETERS = ("self", "mixed_qkv", "g1", "g2", "beta", "core_attn_out")
 
-QWEN_SEAM = Seam("vLLM Qwen GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
-                 indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
-                 clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, attribute="chunk_gated_delta_rule"))
-
-KIMI_GDN_SEAM = Seam("vLLM Kimi Linear GDN _forward", LEDGER_PATH, state=KVCacheSlot(1), clear=CLEAR_NONE,
-                     gather_function="gather_initial_states", prefill_gated=True)
 _ASCEND_GDN = {"state": KVCacheSlot(1), "indices": MetadataField("prefill_state_indices"),
                "flags": MetadataField("prefill_has_initial_state"), "clear": CLEAR_FUNCTION,
                "clear_function": "clear_ssm_states", "prefill_gated": True}
@@ -127,8 +132,29 @@ QWEN_FLASHINFER_GATE = BackendGate(
 # the chunk-state host function of vLLM's vendored FLA (every Triton GDN/KDA prefill reaches it), whose kernel has an
 # indexed twin under KDA_PATCHES_STATE_IO=indexed (kda_patches.indexed_chunk)
 FLA_CHUNK_STATE = IndexedChunk(FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL)
-# Olmo's index copies (every release) reach the same host through FLA's chunk_gated_delta_rule: indexed on vLLM 0.34,
-# where that host is wrapped
+# vLLM < 0.34's Qwen (gdn_prefill_backend, 0.31+): only its Triton branch (the CustomOp's forward_native) reaches FLA's
+# chunk rule; FlashInfer, CuTe DSL, AITER FlyDSL and SYCL read the gathered initial states themselves (0.33's
+# FlashInfer checkpoint plan too: it is planned only on that backend), so a layer on any of those only copies
+QWEN_CHUNK_STATE = IndexedChunk(
+    FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL,
+    backend=BackendGate("gdn_prefill_backend", ("triton",), "the FlashInfer, CuTe DSL, AITER FlyDSL and SYCL "
+                        "prefills read the gathered initial states themselves (only the Triton chunk rule reaches "
+                        "the indexed twin)"))
+# vLLM < 0.34's Kimi Linear scatters the host's FP32 final states uncast (``recurrent_state[idx] = last``): the twin
+# stands in for that only on an FP32 cache (into another, the release's index_put raises, and so does the copy route)
+KIMI_GDN_CHUNK_STATE = IndexedChunk(
+    FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL,
+    backend=UncastFinalGate(1, FLA_CHUNK_STATE_FINAL_DTYPE, "the seam scatters the host's final states without a "
+                            "cast, which the release's own index_put refuses into another dtype (it raises): the "
+                            "indexed twin would store them cast, so the layer copies and behaves as the release"))
+QWEN_SEAM = Seam("vLLM Qwen GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
+                 indices=MetadataField("prefill_state_indices"), flags=MetadataField("prefill_has_initial_state"),
+                 clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, attribute="chunk_gated_delta_rule"),
+                 indexed=QWEN_CHUNK_STATE)
+KIMI_GDN_SEAM = Seam("vLLM Kimi Linear GDN _forward", LEDGER_PATH, state=KVCacheSlot(1), clear=CLEAR_NONE,
+                     gather_function="gather_initial_states", prefill_gated=True, indexed=KIMI_GDN_CHUNK_STATE)
+# Olmo's index copies (every release) reach the same host through FLA's chunk_gated_delta_rule: indexed where that
+# host is wrapped (FLA_CHUNK_STATE_RELEASES)
 OLMO_SEAM = Seam("vLLM Olmo hybrid GDN _forward_core", LEDGER_PATH, state=KVCacheSlot(1),
                  indices=MetadataField("non_spec_state_indices_tensor"), flags=MetadataField("has_initial_state"),
                  clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, function="chunk_gated_delta_rule"),
@@ -181,7 +207,8 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
             (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_forward,
              KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_SHAPES),
             (f"{_GDN}.kimi_gdn_linear_attn", "gather_initial_states", wrap_gather, GATHER_PARAMETERS, ())]
-    return era("vllm", low, high, (*members, *upstream_runners(wrap_initialize_kv_cache, low)))
+    targets = era("vllm", low, high, (*members, *upstream_runners(wrap_initialize_kv_cache, low)))
+    return (*targets, *indexed_host_targets(wrap_fla_chunk_state, low, high, targets[0].group, STATE_IO_COPY))
 
 
 UPSTREAM_OPS_CHOSEN = ("vLLM >= 0.34 copies this seam's GDN states with its own startup-warmed Triton ops "
@@ -209,9 +236,10 @@ _KIMI_GDN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recu
 
 
 STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy (the default): routed prefills copy their states through the sealed "
-                 "plan; KDA_PATCHES_STATE_IO=indexed wraps this host function so the Qwen seam's chunk kernel reads "
-                 "and stores the cache rows itself (an indexed twin derived from the release's kernel source; Kimi "
-                 "Linear's too, where KDA_PATCHES_GDN_OPS=overlay routes it)")
+                 "plan; KDA_PATCHES_STATE_IO=indexed wraps this host function so the Qwen and Olmo seams' chunk "
+                 "kernel reads and stores the cache rows itself (an indexed twin derived from the release's kernel "
+                 "source; Kimi Linear's too where its seam is routed: before vLLM 0.34 on FP32 caches, on 0.34 "
+                 "where KDA_PATCHES_GDN_OPS=overlay routes it)")
 
 
 def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
@@ -234,12 +262,12 @@ def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
         (f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_034_forward_core,
          FORWARD_CORE_PARAMETERS, _QWEN_034_SHAPES),), chosen_by=("gdn_ops", QWEN_034_ROUTED_BY),
         stands_aside=QWEN_034_STAND_ASIDE)
-    indexed = indexed_host_target(wrap_fla_chunk_state, low, high, qwen[0].group, STATE_IO_COPY)
+    indexed = indexed_host_targets(wrap_fla_chunk_state, low, high, qwen[0].group, STATE_IO_COPY)
     kimi_linear = era("vllm", low, high, (
         (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_034_forward,
          KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_034_SHAPES),), chosen_by=("gdn_ops", KIMI_GDN_034_ROUTED_BY),
         stands_aside=KIMI_GDN_034_STAND_ASIDE)
-    return (*plain, *qwen, indexed, *kimi_linear)
+    return (*plain, *qwen, *indexed, *kimi_linear)
 
 
 def _ascend_era(low: str, high: str) -> tuple[Target, ...]:

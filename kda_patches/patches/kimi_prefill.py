@@ -24,6 +24,12 @@ Targets, per the released sources (``kda-patches conformance`` re-reads them):
   :mod:`kda_patches.routing.rebind`): upstream gathers through its own ``gather_initial_states`` there but still
   scatters by index assignment, so the seam is routed as before.
 
+No copy (``KDA_PATCHES_STATE_IO=indexed|auto``): every upstream era declares the chunk-state host its Triton KDA
+prefill reaches (vLLM's vendored FLA ``chunk_gated_delta_rule_fwd_h``) from
+:data:`~kda_patches.routing.eras.FLA_CHUNK_STATE_RELEASES`: wrapped when chosen from vLLM 0.32 on, a declared gap
+before (0.27-0.31's block-pointer kernel). The seam's scatter ``final.to(recurrent_state.dtype)`` is the twin's own
+exact cast, so every cache dtype is served; FlashKDA and FlashInfer layers copy (:data:`KIMI_K3_CHUNK_STATE`).
+
 Importing this module imports neither torch nor vLLM.
 """
 
@@ -38,8 +44,7 @@ from kda_patches.routing.eras import (
     GATHER_PARAMETERS,
     ascend_runners,
     era,
-    indexed_host_target,
-    release_tuple,
+    indexed_host_targets,
     upstream_runners,
 )
 from kda_patches.routing.seams import (
@@ -117,10 +122,8 @@ def _upstream_era(low: str, high: str) -> tuple[Target, ...]:
         (_KIMI_K3, "KimiK3DeltaAttention._forward", wrap_upstream_forward, FORWARD_PARAMETERS, _UPSTREAM_SHAPES),
         (_KIMI_K3, "gather_initial_states", wrap_gather, GATHER_PARAMETERS, ()),
         *upstream_runners(wrap_initialize_kv_cache, low, wrap_extend_kv_cache)))
-    if release_tuple(low) < (0, 34):
-        return members
-    chunk_state = indexed_host_target(wrap_chunk_state, low, high, members[0].group, STATE_IO_COPY)
-    return (*members, chunk_state)
+    # the chunk-state host the era's Triton KDA prefill reaches, where eras.FLA_CHUNK_STATE_RELEASES declares it
+    return (*members, *indexed_host_targets(wrap_chunk_state, low, high, members[0].group, STATE_IO_COPY))
 
 
 PATCH = Patch(

@@ -135,24 +135,106 @@ def ascend_runners(wrapper: Any, low: str) -> tuple[tuple[Any, ...], ...]:
 
 
 # KDA_PATCHES_STATE_IO=indexed (kda_patches.indexed_chunk): vLLM's vendored FLA chunk-state host function, which every
-# Triton GDN/KDA prefill of vLLM >= 0.34 reaches (Qwen, Olmo, Kimi Linear, Kimi K3); its kernel has the indexed twin
+# Triton GDN/KDA prefill reaches (Qwen, Olmo, Kimi Linear, Kimi K3); its kernel has the indexed twin
 FLA_CHUNK_STATE_MODULE = "vllm.third_party.flash_linear_attention.ops.chunk_delta_h"
 FLA_CHUNK_STATE_HOST = "chunk_gated_delta_rule_fwd_h"
 FLA_CHUNK_STATE_KERNEL = "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
 FLA_CHUNK_STATE_PARAMETERS = ("k", "w", "u", "g", "gk", "initial_state", "output_final_state", "chunk_size",
                               "save_new_value", "cu_seqlens", "chunk_indices", "chunk_offsets", "use_exp2")
+# the dtype of the final states the host returns (``k.new_empty(N, H, V, K, dtype=torch.float32)`` in every release)
+FLA_CHUNK_STATE_FINAL_DTYPE = "float32"
+BLOCK_POINTER_FORM = (
+    "vLLM 0.26-0.31's chunk-state kernel loads and stores its states through block pointers (tl.make_block_ptr); "
+    "its indexed twin derives, but the Triton interpreter of the CPU tests cannot run that form, so the twin is "
+    "unverified there and these releases keep copying (KDA_PATCHES_STATE_IO has no effect)")
+# The chunk-state host each vLLM release's seams reach, as data: (first release, first release without, module of
+# ``chunk_gated_delta_rule_fwd_h``, None where its kernel has a verified indexed twin, else why the span keeps
+# copying), None = open; read from the released sources (every release 0.26-0.34 ships the host at the same module;
+# 0.32 rewrote its kernel with masked pointers, the form 0.34 keeps). :func:`indexed_host_targets` gives each record
+# era the part of this table it covers: adding a release (or a host moved to another module) is a row here.
+FLA_CHUNK_STATE_RELEASES: tuple[tuple[str | None, str | None, str, str | None], ...] = (
+    ("0.26", "0.32", FLA_CHUNK_STATE_MODULE, BLOCK_POINTER_FORM),
+    ("0.32", None, FLA_CHUNK_STATE_MODULE, None),
+)
 
 
-def indexed_host_target(wrapper: Any, low: str, high: str, group: str | None, stands_aside: str) -> Target:
-    """Return the chunk-state host target of a record's vLLM era, applied only under ``KDA_PATCHES_STATE_IO=indexed``.
+def indexed_host_targets(wrapper: Any, low: str, high: str, group: str | None, stands_aside: str,
+                         releases: tuple[tuple[str | None, str | None, str, str | None], ...] =
+                         FLA_CHUNK_STATE_RELEASES) -> tuple[Target, ...]:
+    """Return the chunk-state host targets of a record's vLLM era, each applied only under
+    ``KDA_PATCHES_STATE_IO=indexed|auto``: one per row of ``releases`` that meets ``[low, high)``, kept to the part
+    of the era it covers.
+
+    A row with a reason is a declared gap (an inert target without a group: the era's seams keep copying there,
+    and the support matrix says why); a row without one is the opted-in host, a member of the era's group (it
+    applies with the seams that reach it).
 
     Args:
         wrapper: the record's :class:`~kda_patches.routing.wrappers.IndexedHostWrapper` (its ``indexed`` names the
-            host).
+            host, module and kernel).
         low, high: the era's version range.
-        group: the era's group (the host applies with the seams that reach it).
-        stands_aside: the inert text (why the host stays unwrapped under ``copy``, the default).
+        group: the era's group.
+        stands_aside: the inert text of an opted-in host (why it stays unwrapped under ``copy``, the default).
+        releases: the table (:data:`FLA_CHUNK_STATE_RELEASES`).
+    Returns:
+        The era's host targets, in the table's order (none where no row meets the era).
+    Raises:
+        ValueError: a row meeting the era names another module than the wrapper's host (the seams' ``indexed``
+            declaration and this table disagree).
     """
     indexed = wrapper.indexed
-    return Target(indexed.module, indexed.host, wrapper, "vllm", "vllm", low, high, FLA_CHUNK_STATE_PARAMETERS, group,
-                  (f"indexed:{indexed.kernel}",), inert=stands_aside, chosen_by=("state_io", ("indexed", "auto")))
+    targets = []
+    for first, last, module, gap in releases:
+        first, last = _later(low, first), _earlier(high, last)
+        if first is not None and last is not None and release_tuple(first) >= release_tuple(last):
+            continue  # the row and the era do not meet
+        if module != indexed.module:
+            raise ValueError(f"vLLM {first}-{last}: the chunk-state host is declared at {module}, but the era's "
+                             f"seams reach {indexed.key}; declare an IndexedChunk for that module")
+        shapes = (f"indexed:{indexed.kernel}",)
+        if gap is not None:
+            targets.append(Target(module, indexed.host, None, "vllm", "vllm", first, last, FLA_CHUNK_STATE_PARAMETERS,
+                                  None, (), inert=gap))
+        else:
+            targets.append(Target(module, indexed.host, wrapper, "vllm", "vllm", first, last,
+                                  FLA_CHUNK_STATE_PARAMETERS, group, shapes, inert=stands_aside,
+                                  chosen_by=("state_io", ("indexed", "auto"))))
+    return tuple(targets)
+
+
+class UncastFinalGate:
+    """An indexed seam whose scatter stores the host's final states without a cast (``S[I] = final``): exact under
+    the twin only into a cache of the host's final dtype (:data:`FLA_CHUNK_STATE_FINAL_DTYPE`).
+
+    Into any other cache the release's own ``index_put`` refuses the FP32 final states (and raises); so does the copy
+    route, which runs that assignment as written. The twin would store them cast instead, so a layer whose cache
+    has another dtype only copies (:meth:`stands_aside_on`), as a :class:`~kda_patches.routing.seams.BackendGate`
+    makes a layer on an unserved backend copy (``IndexedChunk.backend``).
+
+    Attributes:
+        slot: the layer's ``kv_cache`` entry holding the recurrent state.
+        dtype: the one cache dtype the twin serves (``"float32"``).
+        reason: why.
+    """
+
+    __slots__ = ("dtype", "reason", "slot")
+
+    def __init__(self, slot: int, dtype: str, reason: str) -> None:
+        self.slot, self.dtype, self.reason = slot, dtype, reason
+
+    def __repr__(self) -> str:
+        return f"UncastFinalGate(slot={self.slot}, dtype={self.dtype!r})"
+
+    def stands_aside_on(self, layer: Any) -> str | None:
+        """Return why ``layer``'s cache is not served (its dtype named), or None when it is.
+
+        Args:
+            layer: the seam's layer (its ``kv_cache[slot]``).
+        Returns:
+            None for a cache of :attr:`dtype`, else the reason with the dtype found.
+        """
+        cache = getattr(layer, "kv_cache", None)
+        state = cache[self.slot] if isinstance(cache, (tuple, list)) and len(cache) > self.slot else None
+        found = str(getattr(state, "dtype", None)).removeprefix("torch.")
+        return None if found == self.dtype else f"recurrent-state cache dtype {found} (served: {self.dtype}): " \
+            f"{self.reason}"

@@ -18,9 +18,22 @@ through a runner of its own (the overlay's startup hook prepares the plans) and 
 through the layer's own seam inside a real ``ForwardContext`` (:mod:`upstream_gdn_layers`,
 :mod:`upstream_kimi_layers`).
 
+``:indexed`` cases (``KIND:CACHE_DTYPE:CONV_LAYOUT:indexed``, a release only; Qwen, Kimi Linear, Kimi K3): the
+layer's chunk call reaches the release's own chunk rule -- the vendored FLA ``chunk_gated_delta_rule`` (Qwen's
+``chunk_gated_delta_rule`` attribute, its Triton branch) or Kimi K3's ``chunk_kda_with_fused_gate`` (the Kimi
+layers import it per call from its package, set per case) -- executed from the release
+(:data:`upstream034_standins.FLA_MODULES` / ``KDA_MODULES``; their ``vllm.triton_utils`` the real ``triton``, as on
+a device), its Triton kernels run by the interpreter, so
+``KDA_PATCHES_STATE_IO=indexed`` has the release's own chunk-state kernel to derive its twin from. Each of those files
+gets :mod:`fla_interpreter`'s fixes as it is executed, before the overlay's post-import hook sees it (the twin is
+derived from the module as it then is); FP32 -> BF16 stores round as compiled Triton does
+(:func:`upstream034_standins.interpreter_rounds_bf16_downcasts`). The other cases of such a process keep the
+stand-in chunk rules.
+
 Saved per case: ``outputs``, ``snapshots``, ``layer_file``, ``class``, ``wrapped`` (the seam's type on the class),
 ``conv`` (the causal convolution the module binds), ``standins`` (the written list of its kind), for the Kimi
-layers ``gather_wrapped``; per process ``bound``.
+layers ``gather_wrapped``, for ``:indexed`` cases ``chunk_rule`` (the module of the chunk rule that ran); per
+process ``bound``.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ class State:
     modules: dict[str, Any]
     extra_fields: dict[str, Any]
     cases_run: int = 0
+    chunk_rules: bool = False  # the release's chunk rules are loaded (':indexed' cases): each case picks its own
 
 
 def kind_of(case: str) -> str:
@@ -64,8 +78,28 @@ def kind_of(case: str) -> str:
     return case.split(":")[0]
 
 
+def is_indexed(case: str) -> bool:
+    """``"qwen:float32:SD:indexed"`` -> True (the release's own chunk rule runs; see the module docstring)."""
+    return case.split(":")[3:] == ["indexed"]
+
+
+def fix_release_chunk_rules(stack: Any, modules: tuple[str, ...]) -> None:
+    """Apply :mod:`fla_interpreter`'s fixes to each of ``modules`` the stack executes, right after its body ran
+    (before the overlay's post-import hook, which runs after the loader: the twin sees the fixed module)."""
+    from fla_interpreter import fix_for_interpreter
+
+    execute = stack.exec_module
+
+    def exec_module(module: Any) -> None:
+        execute(module)
+        if module.__name__ in modules:
+            fix_for_interpreter(module)  # each autotuner keeps its first config
+
+    stack.exec_module = exec_module
+
+
 def setup(args: list[str], cases: list[str]) -> State:
-    from ascend_standins import REAL
+    from ascend_standins import REAL, triton_utils
     from release_loader import ReleaseStack
     from runner_standin import make_runner_module
 
@@ -73,6 +107,8 @@ def setup(args: list[str], cases: list[str]) -> State:
 
     (source,) = args
     kinds = sorted({kind_of(case) for case in cases})
+    indexed = sorted({kind_of(case) for case in cases if is_indexed(case)})
+    assert source != "installed" or not indexed, "':indexed' cases run a release's files (the chunk rules executed)"
     vllm = importlib.import_module("vllm")  # after the overlay's activation above (not reordered by isort)
     release: tuple[str, ...] = ()
     root = pathlib.Path(vllm.__file__).parent.parent
@@ -85,8 +121,17 @@ def setup(args: list[str], cases: list[str]) -> State:
         extra_fields = dict(RELEASE_FIELDS)
     runner = make_runner_module(root / "vllm/v1/worker/gpu_model_runner.py", upstream_standins.RUNNER_MODULE,
                                 "GPUModelRunner")
-    stack = ReleaseStack(root, "", vllm.__version__, release, real=("vllm", "transformers", *REAL),
-                         absent_inert=True, modules={upstream_standins.RUNNER_MODULE: runner}).install()
+    chunk_rules: tuple[str, ...] = ()
+    if indexed:
+        import upstream034_standins as standins034
+
+        standins034.interpreter_rounds_bf16_downcasts()
+        chunk_rules = (*standins034.FLA_MODULES, *(standins034.KDA_MODULES if set(indexed) - {"qwen"} else ()))
+    stack = ReleaseStack(root, "", vllm.__version__, (*release, *chunk_rules), real=("vllm", "transformers", *REAL),
+                         absent_inert=True, modules={upstream_standins.RUNNER_MODULE: runner},
+                         standins={"vllm.triton_utils": triton_utils()} if indexed else None).install()
+    if indexed:  # the KDA package's __init__ only imports its files
+        fix_release_chunk_rules(stack, tuple(set(chunk_rules) - {standins034.KDA_OPS}))
     # after the stack: importing the kernels' packages may import the layer modules
     if any(kind in GDN_KINDS for kind in kinds):
         gdn_standins.install_upstream()
@@ -96,7 +141,27 @@ def setup(args: list[str], cases: list[str]) -> State:
     modules = {kind: importlib.import_module(KINDS[kind][0]) for kind in kinds}
     if "olmo" in modules:  # its gating is a Triton kernel vLLM's CPU build disables; not an overlay target
         modules["olmo"].fused_olmo_hybrid_gdn_gating = gdn_standins.fused_olmo_hybrid_gdn_gating
-    return State(stack, runner_module, modules, extra_fields)
+    return State(stack, runner_module, modules, extra_fields, chunk_rules=bool(indexed))
+
+
+def chunk_rule_of(layer: Any, kind: str, indexed: bool) -> str:
+    """Put the case's chunk rule in place: the release's own for ``:indexed`` cases, else the stand-in; return the
+    module of the one that will run (Qwen: the layer's attribute; the Kimi layers: their package's name, which
+    ``_forward`` imports per call)."""
+    import sys
+
+    import upstream034_standins as standins034
+
+    if kind in GDN_KINDS:
+        if indexed:
+            object.__setattr__(layer, "chunk_gated_delta_rule",
+                               standins034.released_chunk_rule(sys.modules[f"{standins034.FLA_OPS}.chunk"]))
+        return sys.modules[f"{standins034.FLA_OPS}.chunk"].__name__ if indexed else gdn_standins.__name__
+    package = importlib.import_module(standins034.KDA_OPS)
+    rule = importlib.import_module(f"{standins034.KDA_OPS}.chunk").chunk_kda_with_fused_gate if indexed \
+        else upstream_standins.chunk_kda_with_fused_gate
+    package.chunk_kda_with_fused_gate = rule
+    return rule.__module__
 
 
 def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
@@ -105,7 +170,8 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
     from upstream_kimi_layers import build_layer as build_kimi_layer
     from upstream_kimi_layers import run_forward_batches
 
-    kind, cache_dtype, conv_layout = case.split(":")
+    kind, cache_dtype, conv_layout = case.split(":")[:3]
+    indexed = is_indexed(case)
     upstream_standins.set_conv_layout(conv_layout)
     _, class_name, method, suffix, standins = KINDS[kind]
     module = state.modules[kind]
@@ -115,6 +181,12 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
     first, state.cases_run = LAYERS * state.cases_run, state.cases_run + 1
     names = [f"model.layers.{first + i}.{suffix}" for i in range(LAYERS)]
     layers = {name: build(cls, name, generator) for name in names}
+    chunk_rule = None
+    if state.chunk_rules:
+        chunk_rule = {chunk_rule_of(layer, kind, indexed) for layer in layers.values()}.pop()
+    if kind == "qwen":  # the real layer's __init__ sets it (0.31+): its Triton branch, the one the chunk rule takes
+        for layer in layers.values():
+            object.__setattr__(layer, "gdn_prefill_backend", "triton")
     runner = state.runner_module.GPUModelRunner(layers, MAX_NUM_SEQS, seed)
     spec = PageSpec(BLOCKS, HEADS, HEAD_DIM, getattr(torch, cache_dtype), CONV_WIDTH, conv_layout=conv_layout)
     runner.initialize_kv_cache(dict.fromkeys(layers, spec), False, None)
@@ -125,7 +197,8 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
         outputs, snapshots = run_forward_batches(layers, runner.raw_caches, generator)
     result = {"outputs": outputs, "snapshots": snapshots, "layer_file": getattr(cls, method).__code__.co_filename,
               "class": cls.__qualname__, "wrapped": type(vars(cls)[method]).__name__,
-              "conv": module.causal_conv1d_fn.__name__, "standins": standins, "init_error": None}
+              "conv": module.causal_conv1d_fn.__name__, "standins": standins, "init_error": None,
+              "chunk_rule": chunk_rule}
     if kind not in GDN_KINDS:
         result["gather_wrapped"] = type(module.gather_initial_states).__name__
     return result
