@@ -1,7 +1,7 @@
 """The indexed twin of vLLM's chunk-state kernel, derived from the released source, against its naive twin.
 
 Released code executed (interpreter): vLLM 0.33.0's and 0.34.0's vendored FLA ``chunk_delta_h.py`` (masked
-pointers; 0.26-0.30's block-pointer form is derived here but runs only where Triton still has block pointers) -- the
+pointers; 0.26-0.31's block-pointer form is derived here but runs only where Triton still has block pointers) -- the
 derived twin and the release's own ``chunk_gated_delta_rule_fwd_h`` between a naive gather and scatter.
 Every cache byte is compared bit for bit (NaN-poisoned rows, row padding included).
 """
