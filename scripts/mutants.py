@@ -183,8 +183,8 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{INDEXED_ROUTE_TESTS}::test_a_scatter_whose_binding_was_never_consumed_fails_closed",),
            "F (indexed_chunk)", "a bound prefill whose chunk call never read the cache rows is counted routed"),
     Mutant("auto-indexes-below-the-crossover", "kda_patches/indexed_chunk/route.py",
-           "                or not _is_vector(indices) or indices.shape[0] < self.min_sequences):\n",
-           "                or not _is_vector(indices)):\n",
+           "                or indices.shape[0] < self.min_sequences):\n",
+           "                or False):\n",
            (f"{INDEXED_ROUTE_TESTS}::test_auto_binds_a_call_of_at_least_its_crossover_and_copies_a_smaller_one",),
            "F (indexed_chunk)", "KDA_PATCHES_STATE_IO=auto runs the twin on small batches (the plan measured faster)"),
     # -- issue 50: breakable CUDA graphs replay the routed call, and capture-time dummy batches are counted apart --
