@@ -52,13 +52,16 @@ def test_real_vllm_targets_match_the_installed_signatures():
     assert {target.module for target in check.targets} == {
         "vllm.models.kimi_k3.nvidia.kda", "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
         "vllm.v1.worker.extensible_kv_cache",  # ships from vLLM 0.34 (its era only)
-        "vllm.third_party.flash_linear_attention.ops.chunk_delta_h"}  # 0.34's no-copy host (KDA_PATCHES_STATE_IO)
+        "vllm.third_party.flash_linear_attention.ops.chunk_delta_h"}  # the no-copy host (0.32+, KDA_PATCHES_STATE_IO)
     register_patch(check, strict=True)  # a drifted signature or version would raise PatchSkipped here
     try:
         for module in {target.module for target in check.targets if version_in_range(target, find_version(target))}:
             importlib.import_module(module)
         in_range = [target for target in check.targets if version_in_range(target, find_version(target))]
-        assert len(in_range) == 4 and all(is_applied(check, target) for target in in_range)
+        chosen = [target for target in in_range if target.chosen_by is not None]
+        assert len(in_range) == 5 and [target.qualname for target in chosen] == ["chunk_gated_delta_rule_fwd_h"]
+        assert all(is_applied(check, target) for target in in_range if target not in chosen)
+        assert not any(is_applied(check, target) for target in chosen)  # KDA_PATCHES_STATE_IO=copy: left unwrapped
     finally:
         revert_patch(check)
     from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
