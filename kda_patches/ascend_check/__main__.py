@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-matrix", action="store_true", help=f"regenerate {MATRIX_PATH}")
     parser.add_argument("--no-calibration", action="store_true", help="skip the vllm-ascend calibration kernels")
     parser.add_argument("--no-twins", action="store_true", help="skip the indexed twins of vllm-ascend's kernels")
+    parser.add_argument("--twin-cache-dtypes", help="compile only these cache dtypes' twins, comma-separated "
+                        "(default: float32, bfloat16 and float16)")
     args = parser.parse_args(argv)
     chips = tuple(chip.strip() for chip in args.chips.split(",") if chip.strip())
     unknown = sorted(set(chips) - {"a2a3", "a5"})
@@ -37,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ascend-check: the Ascend toolchain is not importable here ({exc}); run it in .venv-ascend "
               "(make setup-ascend, then make ascend-check)", file=sys.stderr)
         return 2
-    report = run_check(chips, args.jobs, calibrate=not args.no_calibration, twins=not args.no_twins)
+    twin_dtypes = None if args.twin_cache_dtypes is None else tuple(
+        dtype.strip() for dtype in args.twin_cache_dtypes.split(",") if dtype.strip())
+    report = run_check(chips, args.jobs, calibrate=not args.no_calibration, twins=not args.no_twins,
+                       twin_cache_dtypes=twin_dtypes)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     if args.write_matrix:

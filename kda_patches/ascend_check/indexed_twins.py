@@ -237,12 +237,15 @@ def launch_facts(derived: Any, shape: str, cache_dtype: str, nan_rule: int) -> t
     return signature, constexprs
 
 
-def twin_cases(chips: tuple[str, ...], roots: dict[str, pathlib.Path]) -> list[TwinCase]:
+def twin_cases(chips: tuple[str, ...], roots: dict[str, pathlib.Path],
+               cache_dtypes: tuple[str, ...] = tuple(CACHE_TYPES)) -> list[TwinCase]:
     """Return the compile cases of every twin of every release in ``roots``, per chip class.
 
     Args:
         chips: chip classes.
         roots: ``{version: release folder}`` (:func:`release_roots`).
+        cache_dtypes: the cache dtypes whose twins are compiled (each with every NaN rule where it casts); the
+            release's own kernel is compiled whatever they are.
     Returns:
         One :class:`TwinCase` per chip, shape, distinct kernel source, cache dtype and NaN rule, in a stable order.
     Raises:
@@ -262,7 +265,7 @@ def twin_cases(chips: tuple[str, ...], roots: dict[str, pathlib.Path]) -> list[T
             release = _release_case(chip, shape, digest, derived)
             release.releases = list(versions)
             cases.append(release)
-            for cache_dtype in CACHE_TYPES:
+            for cache_dtype in cache_dtypes:
                 rules = (None,) if cache_dtype == "float32" else tuple(casts.NAN_RULES)
                 for rule in rules:
                     signature, constexprs = launch_facts(derived, shape, cache_dtype,

@@ -68,20 +68,22 @@ def _compile_probe(task: tuple[str, str, int, str, int | None]) -> dict[str, Any
     return asdict(_toolchain(chip).compile(kernel, signature, constexprs))
 
 
-_TWIN_CACHE: dict[str, list[Any]] = {}
+_TWIN_CACHE: dict[tuple[str, tuple[str, ...] | None], list[Any]] = {}
 
 
-def _twins(chip: str) -> list[Any]:
+def _twins(chip: str, cache_dtypes: tuple[str, ...] | None = None) -> list[Any]:
     from kda_patches.ascend_check.indexed_twins import release_roots, twin_cases
 
-    if chip not in _TWIN_CACHE:
-        _TWIN_CACHE[chip] = twin_cases((chip,), release_roots())
-    return _TWIN_CACHE[chip]
+    key = (chip, cache_dtypes)
+    if key not in _TWIN_CACHE:
+        _TWIN_CACHE[key] = (twin_cases((chip,), release_roots()) if cache_dtypes is None
+                            else twin_cases((chip,), release_roots(), cache_dtypes))
+    return _TWIN_CACHE[key]
 
 
-def _compile_twin(task: tuple[str, int]) -> dict[str, Any]:
-    chip, index = task
-    case = _twins(chip)[index]
+def _compile_twin(task: tuple[str, int, tuple[str, ...] | None]) -> dict[str, Any]:
+    chip, index, cache_dtypes = task
+    case = _twins(chip, cache_dtypes)[index]
     return asdict(_toolchain(chip).compile(case.kernel, case.signature, case.constexprs))
 
 
@@ -154,7 +156,8 @@ def _compile_calibration(index: int) -> dict[str, Any]:
 
 
 def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
-              calibrate: bool = True, twins: bool = True) -> dict[str, Any]:
+              calibrate: bool = True, twins: bool = True,
+              twin_cache_dtypes: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Compile everything the check covers and return the report.
 
     Args:
@@ -163,6 +166,7 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
         calibrate: also compile the calibration kernels (the release cache is fetched if needed).
         twins: also compile the indexed twins of vllm-ascend's chunk-state kernels, and the released kernels
             they are derived from (every release of ``indexed_twins.RELEASES``, fetched if needed).
+        twin_cache_dtypes: the cache dtypes whose twins are compiled (None: every one, ``indexed_twins.CACHE_TYPES``).
     Returns:
         ``{"toolchain": versions, "variants": [...], "limits": [...], "hints": {...}, "calibration": [...],
         "indexed_twins": [...], "seconds": wall time}``; each variant and twin entry has the case's facts and its
@@ -191,8 +195,9 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
         hint_tasks.extend((chip, family, 1024, stream, None) for family in hint_families
                           for stream in ("default", "stream"))
     kernels_to_calibrate = calibration.calibration_kernels(calibration.release_root()) if calibrate else []
-    twin_cases = {chip: _twins(chip) for chip in chips} if twins else {}
-    twin_tasks = [("twin", (chip, index)) for chip in twin_cases for index in range(len(twin_cases[chip]))]
+    twin_cases = {chip: _twins(chip, twin_cache_dtypes) for chip in chips} if twins else {}
+    twin_tasks = [("twin", (chip, index, twin_cache_dtypes)) for chip in twin_cases
+                  for index in range(len(twin_cases[chip]))]
     tasks = [("variant", task) for task in variant_tasks] + [("probe", task) for task in limit_tasks + hint_tasks]
     keys = [code_key(chip, cases[chip][index].kernel, cases[chip][index].signature, cases[chip][index].constexprs)
             for chip, index in variant_tasks]
@@ -216,7 +221,7 @@ def run_check(chips: tuple[str, ...] = ("a2a3", "a5"), jobs: int | None = None,
         calibrated = [{"name": declaration.name, "must_compile": declaration.must_compile, **result}
                       for (declaration, _), result in zip(kernels_to_calibrate, calibration_results, strict=True)]
         indexed = [{**_twin_facts(twin_cases[chip][index]), **result}
-                   for (_, (chip, index)), result in zip(twin_tasks, twin_results, strict=True)]
+                   for (_, (chip, index, _)), result in zip(twin_tasks, twin_results, strict=True)]
     hints: dict[str, Any] = {}
     for chip in chips:
         runs = {(family, stream): result for (task_chip, family, _, stream, _), result in hint_runs
