@@ -187,6 +187,14 @@ MUTANTS: tuple[Mutant, ...] = (
            "                or False):\n",
            (f"{INDEXED_ROUTE_TESTS}::test_auto_binds_a_call_of_at_least_its_crossover_and_copies_a_smaller_one",),
            "F (indexed_chunk)", "KDA_PATCHES_STATE_IO=auto runs the twin on small batches (the plan measured faster)"),
+    Mutant("uncast-final-indexed-on-any-cache", "kda_patches/routing/eras.py",
+           "        return None if found == self.dtype else f\"recurrent-state cache dtype {found} (served: "
+           "{self.dtype}): \" \\\n",
+           "        return None if True else f\"recurrent-state cache dtype {found} (served: {self.dtype}): \" "
+           "\\\n",
+           ("tests/indexed_chunk/test_indexed_eras.py::test_the_uncast_gate_serves_only_the_hosts_final_dtype",),
+           "F (indexed_chunk)", "pre-0.34 Kimi Linear's uncast FP32 scatter is indexed into a BF16 cache: the twin "
+           "stores cast where vLLM's own index_put raises"),
     # -- issue 50: breakable CUDA graphs replay the routed call, and capture-time dummy batches are counted apart --
     Mutant("eager-break-replays-the-unwrapped-function", "kda_patches/routing/wrappers.py",
            "        self.breaks[original] = found.decorator(self.routed_entry(found.inner))\n",
