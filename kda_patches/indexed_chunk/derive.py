@@ -28,7 +28,9 @@ The twin is that source with exactly these edits (:class:`KernelDeclaration` nam
    the kernel's dense state (``state_layout``);
 5. the initial-state load block runs only ``if kda_read`` (otherwise the state stays the zeros it starts as), and the
    final-state store block only ``if kda_valid``, each ``Y.to(P.dtype.element_ty)`` stored there becoming the
-   exact cast of ``Y`` to the cache dtype.
+   exact cast of ``Y`` to the cache dtype -- for an FP32 cache (``KDA_DST == 0``) the store as written, the FP32 state
+   bit for bit as torch's same-dtype ``.to()`` keeps it (no bit-pattern temporaries: Ascend A2/A3's unified buffer
+   has no room for them beside the FP32 state tile).
 
 Anything else in the source is kept as it is. The twin runs in a copy of the kernel module's namespace taken when
 it is derived (plus ``kda_cast_bits``): nothing is added to the release's module, and a name the module rebinds later
@@ -242,7 +244,8 @@ def _exact_store_casts(block: ast.If, declaration: KernelDeclaration) -> None:
         exact = ast.parse(f"kda_cast_bits(X, 0, KDA_DST, KDA_NAN_RULE, KDA_NAN_BITS).to({ast.unparse(value.args[0])},"
                           " bitcast=True)", mode="eval").body
         exact.func.value.args[0] = value.func.value
-        store.args[1] = exact
+        # a constexpr choice: an FP32 cache keeps the store as written (FP32 to FP32 is the identity)
+        store.args[1] = ast.IfExp(test=ast.parse("KDA_DST == 0", mode="eval").body, body=value, orelse=exact)
 
 
 def _jit_keywords(definition: ast.FunctionDef, declaration: KernelDeclaration) -> dict[str, Any]:
