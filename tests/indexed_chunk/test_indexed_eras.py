@@ -21,6 +21,7 @@ import types
 
 import pytest
 import torch
+from route_doubles import RecordingPlan
 
 from kda_patches.indexed_chunk import route as indexed
 from kda_patches.ledger import get_ledger
@@ -40,22 +41,6 @@ from kda_patches.routing.wrappers import IndexedHostWrapper
 HOST = "chunk_gated_delta_rule_fwd_h"
 DERIVED = types.SimpleNamespace(declaration=types.SimpleNamespace(module=FLA_CHUNK_STATE_MODULE, host=HOST))
 WRAPPER = IndexedHostWrapper(IndexedChunk(FLA_CHUNK_STATE_MODULE, HOST, "kernel"))
-
-
-class RecordingPlan:
-    """Records every copy it is handed (gathers give rows of ones)."""
-
-    final_dtypes = (torch.float32,)
-
-    def __init__(self) -> None:
-        self.copies: list[str] = []
-
-    def gather(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
-        self.copies.append("gather")
-        return torch.ones(indices.shape[0], *state.shape[1:], dtype=state.dtype)
-
-    def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor) -> None:
-        self.copies.append("scatter")
 
 
 @pytest.fixture(autouse=True)

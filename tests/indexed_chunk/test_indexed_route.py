@@ -11,6 +11,7 @@ import fla_interpreter
 import fla_release
 import pytest
 import torch
+from route_doubles import RecordingPlan
 
 from kda_patches.indexed_chunk import route as indexed
 from kda_patches.indexed_chunk.derive import KernelDeclaration, derive_indexed_kernel
@@ -20,22 +21,6 @@ from kda_patches.routing.calls import active_call
 
 KERNEL = "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"
 HEADS, KEY_HEADS, DIM = 2, 1, 32
-
-
-class RecordingPlan:
-    """Records every copy it is handed (gathers give rows of ones)."""
-
-    final_dtypes = (torch.float32,)
-
-    def __init__(self) -> None:
-        self.copies: list[str] = []
-
-    def gather(self, state: torch.Tensor, indices: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
-        self.copies.append("gather")
-        return torch.ones(indices.shape[0], *state.shape[1:], dtype=state.dtype)
-
-    def scatter(self, state: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor) -> None:
-        self.copies.append("scatter")
 
 
 @pytest.fixture(scope="module")
