@@ -8,14 +8,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-# IndexedChunk.key -> its derived twin, for every host function wrapped in this process (filled by route.prepare_host;
+
+class ReadyHost(NamedTuple):
+    """A wrapped host function's twin and the fewest sequences a routed prefill call must have to run it (fewer: the
+    plan copies; 0 under ``KDA_PATCHES_STATE_IO=indexed``, :data:`AUTO_MIN_SEQUENCES` under ``auto``)."""
+
+    derived: Any
+    min_sequences: int
+
+
+# IndexedChunk.key -> its ReadyHost, for every host function wrapped in this process (filled by route.prepare_host;
 # read per routed call by kda_patches.routing.direct without importing the twin's machinery while it is empty)
-READY: dict[str, Any] = {}
-# IndexedChunk.key -> the fewest sequences a routed prefill call must have to run the twin (fewer: the plan copies);
-# 0 under KDA_PATCHES_STATE_IO=indexed, AUTO_MIN_SEQUENCES under auto
-MIN_SEQUENCES: dict[str, int] = {}
+READY: dict[str, ReadyHost] = {}
 # auto's crossover: the smallest batch measured where the twin's layer call beat the plan's on an H100, with the plan
 # ahead at the sizes measured below it (docs/results/no-copy, run 1)
 AUTO_MIN_SEQUENCES = 64

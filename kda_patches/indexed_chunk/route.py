@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, MIN_SEQUENCES, READY
+from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, READY, ReadyHost
 from kda_patches.indexed_chunk.derive import DerivationRefused, DerivedKernel, KernelDeclaration, derive_indexed_kernel
 from kda_patches.indexed_chunk.launch import bind_host_call, run_bound
 from kda_patches.ledger import get_ledger
@@ -63,16 +63,14 @@ def prepare_host(key: str, host: Any, kernel: str, state_io: str = "indexed") ->
         derived = derive_indexed_kernel(module, declaration, host=host)
     except DerivationRefused as refusal:
         READY.pop(key, None)
-        MIN_SEQUENCES.pop(key, None)
         get_ledger().set_fact(SECTION, key, {"decision": "copy", "reason": str(refusal)})
         return "copy"
-    READY[key] = derived
-    MIN_SEQUENCES[key] = AUTO_MIN_SEQUENCES if state_io == "auto" else 0
+    ready = READY[key] = ReadyHost(derived, AUTO_MIN_SEQUENCES if state_io == "auto" else 0)
     get_ledger().set_fact(SECTION, key, {
         "decision": "indexed", "kernel": f"{declaration.module}.{kernel}", "source_sha256": derived.source_sha256,
         "state_io": state_io,
-        "indexed_calls": (f"prefill calls of at least {MIN_SEQUENCES[key]} sequences; fewer copy through the plan"
-                          if MIN_SEQUENCES[key] else "every routed prefill call"),
+        "indexed_calls": (f"prefill calls of at least {ready.min_sequences} sequences; fewer copy through the plan"
+                          if ready.min_sequences else "every routed prefill call"),
         "compiled": "at the first prefill that reaches it (not sealed at start-up)"})
     return "indexed"
 
@@ -80,7 +78,6 @@ def prepare_host(key: str, host: Any, kernel: str, state_io: str = "indexed") ->
 def forget_host(key: str) -> None:
     """Drop the twin of a host whose wrapper was removed."""
     READY.pop(key, None)
-    MIN_SEQUENCES.pop(key, None)
 
 
 class IndexedRoute(DirectRoute):
@@ -109,7 +106,8 @@ class IndexedRoute(DirectRoute):
         super().__init__(plan, state)
         self.derived = derived
         self.min_sequences = min_sequences
-        self.layer = layer if gate is None or gate.stands_aside_on(layer) is None else _CopyOnly(layer, gate)
+        why = None if gate is None else gate.stands_aside_on(layer)
+        self.layer = layer if why is None else _CopyOnly(layer, why)
         self.rows = self.flags = self.initial = self.final = None
         self.consumed = False
 
@@ -172,17 +170,17 @@ class _CopyOnly:
     """``IndexedRoute.layer`` of a layer the twin does not serve (its seam's ``IndexedChunk.backend`` stands aside on
     it): the route only copies, and each of its gathers of the cache is counted with the reason."""
 
-    __slots__ = ("gate", "layer")
+    __slots__ = ("layer", "reason")
 
-    def __init__(self, layer: Any, gate: Any) -> None:
-        self.layer, self.gate = layer, gate
+    def __init__(self, layer: Any, reason: str) -> None:
+        self.layer, self.reason = layer, reason
 
     def note(self) -> None:
         """Count one copied prefill call (``indexed_chunk`` / ``calls_copied``) and record why for its layer."""
         ledger = get_ledger()
         ledger.count(SECTION, "calls_copied")
         ledger.set_fact(SECTION, f"copies {layer_name_of(self.layer)}",
-                        {"decision": "copy", "reason": self.gate.stands_aside_on(self.layer)})
+                        {"decision": "copy", "reason": self.reason})
 
 
 def route_host(wrapped: Any, args: tuple, kwargs: dict) -> Any:

@@ -228,15 +228,14 @@ def indexed_route(indexed: Any, plan: Any, state: torch.Tensor, layer: Any) -> D
     (``Seam.indexed``) has an indexed twin in this process (``KDA_PATCHES_STATE_IO=indexed`` wrapped it), else the
     copy route."""
     global _indexed
-    derived = INDEXED_READY.get(indexed.key) if INDEXED_READY else None
-    if derived is None:
+    ready = INDEXED_READY.get(indexed.key) if INDEXED_READY else None
+    if ready is None:
         return DirectRoute(plan, state)
     if _indexed is None:
         from kda_patches.indexed_chunk import route as module  # deferred: imports triton
 
         _indexed = module
-    return _indexed.IndexedRoute(plan, state, derived, layer, indexed.backend,
-                                 _indexed.MIN_SEQUENCES.get(indexed.key, 0))
+    return _indexed.IndexedRoute(plan, state, ready.derived, layer, indexed.backend, ready.min_sequences)
 
 
 def route_direct(seam: Seam, twin: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -103,15 +103,15 @@ def test_auto_binds_a_call_of_at_least_its_crossover_and_copies_a_smaller_one(de
 
 @pytest.mark.parametrize(("state_io", "expected"), [("indexed", 0), ("auto", "crossover")])
 def test_prepare_host_records_which_calls_run_the_twin(state_io, expected, derived) -> None:
-    from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, MIN_SEQUENCES
+    from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, READY
 
     key = f"test:{state_io}"
     try:
         assert indexed.prepare_host(key, derived.host, KERNEL, state_io) == "indexed"
-        assert MIN_SEQUENCES[key] == (AUTO_MIN_SEQUENCES if expected == "crossover" else 0)
+        assert READY[key].min_sequences == (AUTO_MIN_SEQUENCES if expected == "crossover" else 0)
     finally:
         indexed.forget_host(key)
-    assert key not in MIN_SEQUENCES
+    assert key not in READY
 
 
 def test_the_chunk_call_runs_the_twin_on_the_bound_rows(derived) -> None:
@@ -160,16 +160,16 @@ def test_a_scatter_to_other_rows_fails_closed(derived) -> None:
 
 
 def test_a_routed_call_gets_the_crossover_its_host_was_prepared_with(derived) -> None:
-    """The wiring: the seam's route (routing.direct.indexed_route) carries the host's MIN_SEQUENCES."""
-    from kda_patches.indexed_chunk import MIN_SEQUENCES, READY
+    """The wiring: the seam's route (routing.direct.indexed_route) carries the host's min_sequences."""
+    from kda_patches.indexed_chunk import READY, ReadyHost
     from kda_patches.routing.seams import IndexedChunk
 
     declared = IndexedChunk("m", "host", KERNEL)
     state = torch.randn(5, HEADS, DIM, DIM)
-    READY[declared.key], MIN_SEQUENCES[declared.key] = derived, 7
+    READY[declared.key] = ReadyHost(derived, 7)
     try:
         route = direct.indexed_route(declared, RecordingPlan(), state, Layer())
         assert type(route) is indexed.IndexedRoute and route.min_sequences == 7
     finally:
-        READY.pop(declared.key), MIN_SEQUENCES.pop(declared.key)
+        READY.pop(declared.key)
     assert type(direct.indexed_route(declared, RecordingPlan(), state, Layer())) is direct.DirectRoute
