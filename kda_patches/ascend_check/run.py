@@ -72,12 +72,11 @@ _TWIN_CACHE: dict[tuple[str, tuple[str, ...] | None], list[Any]] = {}
 
 
 def _twins(chip: str, cache_dtypes: tuple[str, ...] | None = None) -> list[Any]:
-    from kda_patches.ascend_check.indexed_twins import release_roots, twin_cases
+    from kda_patches.ascend_check.indexed_twins import CACHE_TYPES, release_roots, twin_cases
 
     key = (chip, cache_dtypes)
     if key not in _TWIN_CACHE:
-        _TWIN_CACHE[key] = (twin_cases((chip,), release_roots()) if cache_dtypes is None
-                            else twin_cases((chip,), release_roots(), cache_dtypes))
+        _TWIN_CACHE[key] = twin_cases((chip,), release_roots(), cache_dtypes or tuple(CACHE_TYPES))
     return _TWIN_CACHE[key]
 
 
