@@ -9,6 +9,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -43,7 +44,10 @@ def test_the_dry_run_writes_models_prompts_and_the_plan_and_starts_nothing(tmp_p
         argv = report["plan"][case.name]
         assert argv[argv.index("--baseline-runs") + 1] == ("1" if case.mutant else "2")
         # a case that stands aside expects no routed call; every other case makes regress require one
-        assert (f"{module.MODELS[case.model].patch}:calls_routed" in argv) is not case.stands_aside
+        assert (f"{module.MODELS[case.model].patch}:calls_routed" in argv) is not (
+            case.stands_aside or bool(case.aside_on_backend))
+        # a case standing aside on its backend requires the calls it left to upstream, counted
+        assert (f"{module.MODELS[case.model].patch}:calls_upstream" in argv) is bool(case.aside_on_backend)
     assert report["runs"] == [] and "vllm.vllm_flash_attn" in report["stood_in"]
     assert set(report["throughput_plan"]) == set(module.THROUGHPUT_SHAPES) == set(report["bisect_plan"])
 
@@ -224,6 +228,25 @@ def test_the_mutant_halves_what_the_plan_is_given_to_scatter():
     assert torch.equal(seen["packed"], packed * 0.5) and seen["indices"] == "idx" and seen["layer"] == "L"
 
 
+def test_the_upstream_mutant_halves_upstream_s_scatter_in_patched_processes_only(monkeypatch):
+    module = load_script()
+    target = types.ModuleType("kda_test_upstream_scatter_target")
+    stored = {}
+
+    def scatter_states(state, source, indices):
+        stored.update(source=source, indices=indices)
+
+    target.scatter_states = scatter_states
+    monkeypatch.setitem(sys.modules, target.__name__, target)
+    monkeypatch.setattr(module, "UPSTREAM_SCATTER", (target.__name__, "scatter_states"))
+    assert module.install_mutant("upstream-scatter-halved", patched=False) == []
+    assert target.scatter_states is scatter_states  # a baseline process runs upstream's scatter as released
+    source = torch.randn(3, 2, 4, 4)
+    assert module.install_mutant("upstream-scatter-halved", patched=True) == [f"{target.__name__}:scatter_states"]
+    target.scatter_states("cache", source, "idx")
+    assert torch.equal(stored["source"], source * 0.5) and stored["indices"] == "idx"
+
+
 def test_an_unknown_mutant_is_refused_by_name(monkeypatch):
     module = load_script()
     monkeypatch.setenv(module.MUTANT_ENV, "no-such-mutant")
@@ -252,6 +275,25 @@ def test_a_model_whose_library_was_not_carried_is_not_run_and_says_why(tmp_path)
     (tmp_path / "vllm" / module.MOE_LIBRARY).write_bytes(b"\x7fELF")
     ready, not_run = module.runnable(cases, tmp_path, gpus=1)
     assert len(ready) == 2 and not_run == {}
+
+
+def test_a_case_at_the_defaults_runs_only_where_the_package_vllm_picks_there_was_carried(tmp_path):
+    module = load_script()
+    cases = module.validate_cases(["qwen3_next-v2-prefix-defaults-034", "qwen3_next-v2-prefix-eager-034"])
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / module.MOE_LIBRARY).write_bytes(b"\x7fELF")
+    ready, not_run = module.runnable(cases, tmp_path, gpus=1, version="0.34.0")
+    assert [c.name for c in ready] == ["qwen3_next-v2-prefix-eager-034"]
+    assert "carry --with-flashinfer" in not_run["qwen3_next-v2-prefix-defaults-034"]
+    sampler = "VLLM_USE_FLASHINFER_SAMPLER"
+    assert module.case_env(cases[0], tmp_path, tmp_path)[sampler] == "0"  # FlashInfer absent: vLLM's own sampler
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text("")
+    assert len(module.runnable(cases, tmp_path, gpus=1, version="0.34.0")[0]) == 2
+    assert sampler not in module.case_env(cases[0], tmp_path, tmp_path)  # carried: vLLM's default sampler
+    assert module.case_env(cases[1], tmp_path, tmp_path)[sampler] == "0"  # a forced-backend case keeps its override
+    assert sampler not in module.bench_env("b", tmp_path, tmp_path, "qwen3_next-short-defaults")
+    assert module.bench_env("b", tmp_path, tmp_path, "short")[sampler] == "0"
 
 
 def test_a_case_needing_more_gpus_than_the_machine_has_is_not_run_and_names_the_kind(tmp_path):
@@ -702,6 +744,34 @@ def test_a_case_at_the_defaults_passes_only_on_the_backend_vllm_picks_there():
     assert not passed and "triton" in why
     forced = case(module, model="kimi_k3", eager=False, release="0.34.0", extensible=True)
     assert module.judge_case(forced, kimi_report(["triton"] * 3), passing_outputs(module))[0]  # no such claim
+
+
+def aside_report(facts, seen=0, upstream=12):
+    """A Qwen3-Next report whose patched ledger holds the given layer facts and counters."""
+    ledger = {"facts": {"gdn_state_copy": {f"model.layers.{i}.linear_attn": fact for i, fact in enumerate(facts)}}}
+    totals = {"gdn_state_copy": {"calls_seen": seen, "calls_routed": seen, "calls_upstream": upstream}}
+    return {"verdict": "equal", "patched_counter_totals": totals, "runs": {"patched": {"ledgers": [ledger]}}}
+
+
+def test_a_case_at_the_defaults_standing_aside_on_its_backend_passes_only_with_every_layer_left_to_upstream():
+    module = load_script()
+    qwen = {c.name: c for c in module.CASES}["qwen3_next-v2-prefix-defaults-034"]
+    assert qwen.aside_on_backend == "flashinfer"
+    aside = {"decision": "stands-aside", "backend": "flashinfer", "reason": "one call, two owners"}
+    outputs = dict(passing_outputs(module), baseline={"jit": {"monitor_on": True, "events": []}})
+    outputs["patched"]["jit"] = {"monitor_on": True, "events": []}
+    passed, why = module.judge_case(qwen, aside_report([aside] * 3), outputs)
+    assert passed and "left 12 calls to upstream" in why and "3 layer facts stand aside on flashinfer" in why
+    for report in (aside_report([aside] * 3, seen=2),  # a call the seam saw
+                   aside_report([aside] * 3, upstream=0),  # no call reached the layers at all
+                   aside_report([aside, dict(aside, backend="triton")]),  # a layer on another backend
+                   aside_report([aside, dict(aside, reason="")]),  # standing aside without a reason
+                   aside_report([aside, {"plan_kind": "fused", "prefill_backend": "flashinfer"}]),  # a planned layer
+                   aside_report([])):  # nothing recorded
+        assert not module.judge_case(qwen, report, outputs)[0], report
+    # the same run fails the forced-Triton case, which must route
+    assert not module.judge_case({c.name: c for c in module.CASES}["qwen3_next-v2-prefix-eager-034"],
+                                 aside_report([aside] * 3), outputs)[0]
 
 
 def test_capture_time_calls_must_all_be_routed_and_are_named():

@@ -144,7 +144,14 @@ FLASHKDA_LIBRARY = "_flashkda_C.abi3.so"
 # what vLLM 0.34 picks by default on SM90 for a model, beyond the op library: Kimi K3's KDA prefill is FlashKDA
 # (`resolve_kda_prefill_backend`: head_dim 128, BF16, a bounded gate); its native fused decode is in the op library
 DEFAULT_BACKEND_LIBRARIES = {"kimi_k3": (FLASHKDA_LIBRARY,)}
-DEFAULT_PREFILL_BACKENDS = {"kimi_k3": "flashkda"}  # what a case at the defaults must find its layers running
+# ... and the carried packages it picks: Qwen's GDN prefill is FlashInfer's on every SM90 device
+# (`_resolve_gdn_prefill_backend`), a wheel set in the site (vllm_bundle.py carry --with-flashinfer)
+DEFAULT_BACKEND_PACKAGES = {"qwen3_next": ("flashinfer",)}
+# what a case at the defaults must find its layers running
+DEFAULT_PREFILL_BACKENDS = {"kimi_k3": "flashkda", "qwen3_next": "flashinfer"}
+# models whose seam stands aside on that default backend (its BackendGate: the Qwen seam's FlashInfer layers keep
+# both of upstream's copies, counted calls_upstream) instead of routing it
+DEFAULT_BACKEND_STANDS_ASIDE = frozenset({"qwen3_next"})
 DEFAULT_RELEASE = "0.33.0"
 RELEASE_RUNNERS = {"0.34.0": ("v2",)}  # 0.34's Worker always builds the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1)
 
@@ -186,6 +193,19 @@ class Case:
         """vLLM compiled libraries (files in ``vllm/``) the case needs beyond the op library."""
         extra = DEFAULT_BACKEND_LIBRARIES.get(self.model, ()) if self.at_defaults else ()
         return (*MODELS[self.model].libraries, *extra)
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """Carried packages (folders of the site) the case needs: those vLLM picks at its defaults."""
+        return DEFAULT_BACKEND_PACKAGES.get(self.model, ()) if self.at_defaults else ()
+
+    @property
+    def aside_on_backend(self) -> str | None:
+        """The prefill backend whose layers the seam must stand aside on (a case at the defaults of a model in
+        :data:`DEFAULT_BACKEND_STANDS_ASIDE`), else None."""
+        if self.at_defaults and self.model in DEFAULT_BACKEND_STANDS_ASIDE:
+            return DEFAULT_PREFILL_BACKENDS[self.model]
+        return None
 
     @property
     def profiles_memory(self) -> bool:
@@ -248,6 +268,14 @@ CASES = (
          at_defaults=True),
     Case("kimi_k3-v2-prefix-defaults-034-NEGATIVE", "kimi_k3", "v2", True, False, release="0.34.0", extensible=True,
          at_defaults=True, mutant="scatter-halved"),
+    # Qwen3-Next as vLLM 0.34 serves it by default on SM90 (FlashInfer carried): no backend argument, FlashInfer's GDN
+    # prefill, whose layers the Qwen seam stands aside on (QWEN_FLASHINFER_GATE: upstream keeps both copies),
+    # torch.compile + piecewise CUDA graphs; the negative control halves the states upstream's own scatter stores in
+    # the patched processes: at these settings the A/B must still see a wrong store
+    Case("qwen3_next-v2-prefix-defaults-034", "qwen3_next", "v2", True, False, release="0.34.0", extensible=True,
+         at_defaults=True, jit_watch=True),
+    Case("qwen3_next-v2-prefix-defaults-034-NEGATIVE", "qwen3_next", "v2", True, False, release="0.34.0",
+         extensible=True, at_defaults=True, mutant="upstream-scatter-halved"),
     # the same with the Triton prefill/decode backends forced (FlashKDA not carried): breakable graphs alone
     Case("kimi_k3-v2-prefix-graphs-034", "kimi_k3", "v2", True, False, release="0.34.0", extensible=True),
     # issue 51: no copy -- Qwen's seam routed (Triton GDN prefill, forced as in every Qwen3-Next case), its chunk
@@ -276,7 +304,12 @@ PREEMPT_MAX_MODEL_LEN = 1408  # the longest request holds 1340 tokens; a small c
 MUTANTS = {"scatter-halved": "every final state the plan scatters is halved first (a wrong store): the cache "
                              "then holds states the unpatched engine never wrote",
            "indexed-halved": "every cache row the indexed twin stored is halved after it (a wrong store without a "
-                             "scatter: KDA_PATCHES_STATE_IO=indexed)"}
+                             "scatter: KDA_PATCHES_STATE_IO=indexed)",
+           "upstream-scatter-halved": "in the patched processes only, every final state vLLM's own scatter_states "
+                                      "stores from the Qwen GDN layer is halved first (a seam standing aside leaves "
+                                      "that store to upstream; the A/B must still catch a wrong one)"}
+# where the upstream-scatter-halved mutant wraps vLLM's own scatter (the name the Qwen GDN layer calls)
+UPSTREAM_SCATTER = ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "scatter_states")
 OP_LOOKUP_ONLY = {
     "silu_and_mul": "SiluAndMul.__init__ (layers/activation.py) stores it on CUDA; with custom_ops none its native "
     "forward runs",
@@ -428,6 +461,11 @@ def _halve_before_scatter(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     return wrapped(state, packed * 0.5, *rest, **kwargs)
 
 
+def _halve_upstream_source(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    state, source, *rest = args
+    return wrapped(state, source * 0.5, *rest, **kwargs)
+
+
 def _halve_after_indexed(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     _, cache, rows, *_ = args
     result = wrapped(*args, **kwargs)
@@ -478,16 +516,36 @@ def install_engine_stand_ins() -> None:
         wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
             module, "DummyModelLoader.load_weights", _seed_after_dummy_load),
             "vllm.model_executor.model_loader.dummy_loader")
-    mutant = os.environ.get(MUTANT_ENV)
-    if mutant:
-        if mutant not in MUTANTS:
-            raise ValueError(f"{MUTANT_ENV}={mutant!r}: known mutants {sorted(MUTANTS)}")
-        if mutant == "indexed-halved":  # the route calls the twin by its module-level name
-            wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
-                module, "run_bound", _halve_after_indexed), "kda_patches.indexed_chunk.route")
-        else:
-            wrapt.register_post_import_hook(lambda module: wrapt.wrap_function_wrapper(
-                module, "StateCopyPlan.scatter_eager", _halve_before_scatter), "kda_patches.state_copy.plan")
+    if os.environ.get(MUTANT_ENV):
+        install_mutant(os.environ[MUTANT_ENV], patched=os.environ.get("KDA_PATCHES") != "0")
+
+
+def install_mutant(mutant: str, patched: bool) -> list[str]:
+    """Register the post-import wrap of one of :data:`MUTANTS` in this process.
+
+    Args:
+        mutant: the mutant's name.
+        patched: this is a patched process (``KDA_PATCHES`` not 0); ``upstream-scatter-halved`` wraps nothing in a
+            baseline process, whose upstream scatter must run as released.
+    Returns:
+        The ``module:attribute`` targets registered (empty where the mutant leaves this process alone).
+    Raises:
+        ValueError: an unknown mutant.
+    """
+    import wrapt
+
+    if mutant not in MUTANTS:
+        raise ValueError(f"{MUTANT_ENV}={mutant!r}: known mutants {sorted(MUTANTS)}")
+    if mutant == "upstream-scatter-halved":
+        if not patched:
+            return []
+        module, name, wrapper = *UPSTREAM_SCATTER, _halve_upstream_source
+    elif mutant == "indexed-halved":  # the route calls the twin by its module-level name
+        module, name, wrapper = "kda_patches.indexed_chunk.route", "run_bound", _halve_after_indexed
+    else:
+        module, name, wrapper = "kda_patches.state_copy.plan", "StateCopyPlan.scatter_eager", _halve_before_scatter
+    wrapt.register_post_import_hook(lambda loaded: wrapt.wrap_function_wrapper(loaded, name, wrapper), module)
+    return [f"{module}:{name}"]
 
 
 # ---------------------------------------------------------------- the plan of a run (parent)
@@ -633,13 +691,18 @@ def case_env(case: Case, hook: pathlib.Path, site: pathlib.Path) -> dict[str, st
         env["KDA_PATCHES_STATE_IO"] = case.state_io
     if case.pdl:
         env.pop("KDA_PATCHES_PDL", None)
+    if case.at_defaults and (site / "flashinfer" / "__init__.py").is_file():
+        env.pop("VLLM_USE_FLASHINFER_SAMPLER")  # the override stands only for FlashInfer not carried
     return env
 
 
-def bench_env(name: str, hook: pathlib.Path, site: pathlib.Path) -> dict[str, str]:
-    """A benchmark's environment: a V2-runner Qwen3.5 case's (:func:`case_env`) without seeded weights (a benchmark
-    needs none; the dummy loader's run as they are)."""
-    env = case_env(Case(name, "qwen3_5", "v2", True, False), hook, site)
+def bench_env(name: str, hook: pathlib.Path, site: pathlib.Path, shape: str | None = None) -> dict[str, str]:
+    """A benchmark's environment: a V2-runner case's (:func:`case_env`) of the shape's model, at the defaults for a
+    shape of :data:`SHAPES_AT_DEFAULTS`, without seeded weights (a benchmark needs none; the dummy loader's run as
+    they are)."""
+    at_defaults = shape in SHAPES_AT_DEFAULTS
+    env = case_env(Case(name, SHAPE_MODELS.get(shape or "", "qwen3_5"), "v2", True, False, at_defaults=at_defaults),
+                   hook, site)
     env.pop(SEEDED_WEIGHTS_ENV)
     return env
 
@@ -648,7 +711,9 @@ def regress_argv(case: Case, params: dict[str, Any], work: pathlib.Path) -> list
     """The ``kda-patches regress`` command line of a case (baseline twice; a negative control once)."""
     argv = [sys.executable, "-m", "kda_patches", "regress", "--workload", "vllm", "--json", "--work-dir", str(work),
             "--baseline-runs", "1" if case.mutant else "2", "--timeout", "400"]
-    if not case.stands_aside:
+    if case.aside_on_backend:  # the seam's layers leave every call to upstream, counted
+        argv += ["--expect", f"{MODELS[case.model].patch}:calls_upstream"]
+    elif not case.stands_aside:
         argv += ["--expect", f"{MODELS[case.model].patch}:calls_routed"]
     for key, value in params.items():
         argv += ["--param", f"{key}={json.dumps(value)}"]
@@ -665,6 +730,7 @@ def runnable(cases: list[Case], site: pathlib.Path, gpus: int, version: str | No
     ready, not_run = [], {}
     for case in cases:
         missing = [file for file in case.libraries if not gpu_harness.library_present(site, file)]
+        absent = [package for package in case.packages if not (site / package / "__init__.py").is_file()]
         if case.release != version:
             not_run[case.name] = (f"needs vLLM {case.release}'s bundle (vllm_bundle.py carry --vllm-version "
                                   f"{case.release}); vLLM {version} is unpacked")
@@ -676,6 +742,9 @@ def runnable(cases: list[Case], site: pathlib.Path, gpus: int, version: str | No
         elif missing:
             not_run[case.name] = (f"vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe / "
                                   f"--with-flashkda); {MODELS[case.model].note}")
+        elif absent:
+            not_run[case.name] = (f"{', '.join(absent)} was not carried (vllm_bundle.py carry --with-flashinfer): "
+                                  "vLLM picks it at its defaults on this GPU")
         else:
             ready.append(case)
     return ready, not_run
@@ -738,6 +807,22 @@ def seam_stood_aside(ledgers: list[dict[str, Any]], patch: str, seam: str) -> tu
     return True, ""
 
 
+def layers_stood_aside(ledgers: list[dict[str, Any]], patch: str, backend: str) -> tuple[bool, str]:
+    """Return whether the patched processes' layers of ``patch`` all stood aside on ``backend``, visibly: at least
+    one ``stands-aside`` layer fact, each on ``backend`` with a reason, and no layer with a plan."""
+    facts = [fact for ledger in ledgers for fact in ((ledger.get("facts") or {}).get(patch) or {}).values()
+             if isinstance(fact, dict) and ("plan_kind" in fact or fact.get("decision") == "stands-aside")]
+    planned = [fact for fact in facts if "plan_kind" in fact]
+    aside = [fact for fact in facts if fact.get("decision") == "stands-aside"]
+    if planned or not aside:
+        return False, f"{len(planned)} layer(s) with a plan, {len(aside)} standing aside (expected none, some)"
+    wrong = sorted({str(fact.get("backend")) for fact in aside if fact.get("backend") != backend
+                    or not fact.get("reason")})
+    if wrong:
+        return False, f"layers standing aside on {wrong} or without a reason, expected {backend}"
+    return True, f"{len(aside)} layer facts stand aside on {backend}"
+
+
 def plans_launched_with_pdl(ledgers: list[dict[str, Any]]) -> tuple[bool, str]:
     """Return whether the patched processes' state-copy plans were compiled with PDL: at least one layer's ledger
     fact, and every one of them, says ``pdl: true``."""
@@ -781,6 +866,14 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         aside, why = seam_stood_aside(patched_ledgers(report), patch, seam)
         if not aside:
             return False, why
+    elif case.aside_on_backend:
+        upstream = int((counters.get(patch) or {}).get("calls_upstream", 0))
+        aside, aside_note = layers_stood_aside(patched_ledgers(report), patch, case.aside_on_backend)
+        if seen or routed or not upstream:
+            return False, (f"{patch} should stand aside on every {case.aside_on_backend} layer: seen {seen}, routed "
+                           f"{routed}, left to upstream {upstream}")
+        if not aside:
+            return False, aside_note
     elif seen == 0 or routed == 0:
         return False, f"{patch} routed {routed} of {seen} seen: the state copy never ran"
     elif not case.mutant and routed != seen:
@@ -793,7 +886,7 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
     if case.kv_blocks and not preemptions:
         return False, f"{case.kv_blocks} KV blocks, but the engine reported {preemptions} preemptions"
     rebinds = int((counters.get(patch) or {}).get("rebinds", 0))
-    if case.extensible and not case.stands_aside and rebinds == 0:
+    if case.extensible and not (case.stands_aside or case.aside_on_backend) and rebinds == 0:
         return False, f"the extensible KV cache was on, but {patch} republished no plan after the rebind"
     if case.extensible is False and rebinds:
         return False, f"the extensible KV cache was off, but {patch} rebound {rebinds} layer(s)"
@@ -808,7 +901,9 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         if not launched:
             return False, why
         notes += f"; {why}"
-    if case.at_defaults and (wanted := DEFAULT_PREFILL_BACKENDS.get(case.model)):
+    if case.aside_on_backend:
+        notes += f"; {aside_note}"
+    elif case.at_defaults and (wanted := DEFAULT_PREFILL_BACKENDS.get(case.model)):
         ran = layer_prefill_backends(patched_ledgers(report), patch)
         if set(ran) != {wanted}:
             return False, f"at vLLM's defaults the layers should prefill with {wanted}, the ledgers say {ran}"
@@ -826,6 +921,8 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         notes += f"; indexed {indexed} == routed"
     if case.stands_aside:
         return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen){notes}"
+    if case.aside_on_backend:
+        return True, f"{verdict}; {patch} left {upstream} calls to upstream (0 seen){notes}"
     return True, (f"{verdict}; {patch} routed {routed} == seen {seen}" + (f"; rebinds {rebinds}" if rebinds else "")
                   + notes)
 
@@ -1007,10 +1104,17 @@ THROUGHPUT_SHAPES = {
                                "Kimi K3 (every layer KDA, 12 heads x 128) at vLLM 0.34's defaults: no backend argument "
                                "(FlashKDA prefill, native decode), torch.compile + breakable CUDA graphs; 4096 "
                                "requests of 64 prompt + 32 output tokens, 256 at a time"),
+    # needs --with-moe --with-flashinfer
+    "qwen3_next-short-defaults": (("--random-input-len", "64", "--random-output-len", "32", "--num-prompts", "4096",
+                                   "--max-num-seqs", "256"),
+                                  "Qwen3-Next (MoE GDN hybrid) at vLLM 0.34's defaults: no backend argument "
+                                  "(FlashInfer GDN prefill, which the Qwen seam stands aside on), torch.compile + "
+                                  "piecewise CUDA graphs; 4096 requests of 64 prompt + 32 output tokens, 256 at a "
+                                  "time"),
 }
 # the model a shape serves (default qwen3_5), and the shapes that set no backend argument (vLLM picks them)
-SHAPE_MODELS = {"kimi_k3-short-defaults": "kimi_k3"}
-SHAPES_AT_DEFAULTS = frozenset({"kimi_k3-short-defaults"})
+SHAPE_MODELS = {"kimi_k3-short-defaults": "kimi_k3", "qwen3_next-short-defaults": "qwen3_next"}
+SHAPES_AT_DEFAULTS = frozenset({"kimi_k3-short-defaults", "qwen3_next-short-defaults"})
 
 
 def shape_backend_args(shape: str) -> dict[str, Any]:
@@ -1127,17 +1231,19 @@ def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook:
     is serve-ab stopping for ``time_budget_s`` between rounds: the same command continues it.
     """
     model = SHAPE_MODELS.get(shape, "qwen3_5")
-    needed = (*MODELS[model].libraries, *(DEFAULT_BACKEND_LIBRARIES.get(model, ()) if shape in SHAPES_AT_DEFAULTS
-                                          else ()))
+    at_defaults = shape in SHAPES_AT_DEFAULTS
+    needed = (*MODELS[model].libraries, *(DEFAULT_BACKEND_LIBRARIES.get(model, ()) if at_defaults else ()))
     missing = [file for file in needed if not gpu_harness.library_present(site, file)]
+    missing += [f"{package} package" for package in (DEFAULT_BACKEND_PACKAGES.get(model, ()) if at_defaults else ())
+                if not (site / package / "__init__.py").is_file()]
     if shape_gpus(shape) > gpus or missing:
         why = (f"not run: needs {shape_gpus(shape)} GPUs, this machine has {gpus}" if not missing else
                f"not run: vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe / "
-               "--with-flashkda)")
+               "--with-flashkda / --with-flashinfer)")
         return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": None, "metrics": {},
                 "problems": [why], "output_tail": ""}
     target = out / f"throughput-{shape}"
-    env = bench_env(f"throughput-{shape}", hook, site)
+    env = bench_env(f"throughput-{shape}", hook, site, shape)
     done = subprocess.run(throughput_argv(shape, model_dir, rounds, target, time_budget_s), env=env,
                           capture_output=True, text=True, cwd=ROOT)
     result_file = target / "serve_ab.json"
@@ -1223,7 +1329,7 @@ def run_parent(args: argparse.Namespace) -> int:
         return subprocess.run(argv, env=env, cwd=ROOT).returncode
     if args.bisect:
         target = out / f"bisect-{args.bisect}"
-        env = bench_env(f"bisect-{args.bisect}", hook, site)
+        env = bench_env(f"bisect-{args.bisect}", hook, site, args.bisect)
         env[STEP_TIMES_ENV] = "1"
         model = write_bench_model(out / "models", SHAPE_MODELS.get(args.bisect, "qwen3_5"))
         argv = bisect_argv(args.bisect, model, target, args.arms, args.repeats, args.num_prompts, args.profile,
