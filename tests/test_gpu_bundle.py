@@ -78,6 +78,12 @@ def test_every_declared_release_names_its_artifacts_by_its_version():
         assert [harness.artifact_version(name) for name in names] == [version] * 3 + [None]
         assert [harness.library_file_of(name) for name in names[:2]] == [
             pathlib.PurePosixPath(release.libraries[key]).name for key in ("core", "moe")]
+    # every declared library's artifact names where it lies under vllm/ (FlashAttention 3 in vllm_flash_attn/)
+    for release in bundle.RELEASES.values():
+        for member in release.libraries.values():
+            artifact = bundle.library_artifact(member, release.version)
+            assert "vllm/" + harness.library_file_of(artifact) == member, artifact
+    assert bundle.RELEASES["0.34.0"].libraries["fa3"] == "vllm/" + harness.FA3_LIBRARY
 
 
 def test_a_library_the_release_does_not_declare_is_refused():

@@ -284,6 +284,10 @@ def test_a_case_at_the_defaults_runs_only_where_the_package_vllm_picks_there_was
     (tmp_path / "vllm" / module.MOE_LIBRARY).write_bytes(b"\x7fELF")
     ready, not_run = module.runnable(cases, tmp_path, gpus=1, version="0.34.0")
     assert [c.name for c in ready] == ["qwen3_next-v2-prefix-eager-034"]
+    assert "--with-fa3" in not_run["qwen3_next-v2-prefix-defaults-034"]  # its attention layers: FlashAttention 3
+    (tmp_path / "vllm" / "vllm_flash_attn").mkdir()
+    (tmp_path / "vllm" / module.gpu_harness.FA3_LIBRARY).write_bytes(b"\x7fELF")
+    ready, not_run = module.runnable(cases, tmp_path, gpus=1, version="0.34.0")
     assert "carry --with-flashinfer" in not_run["qwen3_next-v2-prefix-defaults-034"]
     sampler = "VLLM_USE_FLASHINFER_SAMPLER"
     assert module.case_env(cases[0], tmp_path, tmp_path)[sampler] == "0"  # FlashInfer absent: vLLM's own sampler

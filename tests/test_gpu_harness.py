@@ -212,9 +212,24 @@ def test_the_site_gets_the_staged_bundle_and_libraries(tmp_path):
 
 def test_a_library_artifact_names_its_file_and_anything_else_is_refused():
     assert harness.library_file_of("vllm-0.33.0-_moe_C_stable_libtorch.abi3.so.xz") == "_moe_C_stable_libtorch.abi3.so"
-    for name in ("vllm-0.33.0-cp312.zip", "lib.so.xz", "torch-2.11-_C.so.xz"):
+    # a library in a folder of vllm/ (FlashAttention 3): the folder is marked in the name
+    assert harness.library_file_of("vllm-0.34.0-vllm_flash_attn+_vllm_fa3_C.abi3.so.xz") == harness.FA3_LIBRARY
+    for name in ("vllm-0.33.0-cp312.zip", "lib.so.xz", "torch-2.11-_C.so.xz", "vllm-0.34.0-..+_C.so.xz",
+                 "vllm-0.34.0-+_C.so.xz"):
         with pytest.raises(harness.CarryError, match="not a carried library"):
             harness.library_file_of(name)
+
+
+@pytest.mark.parametrize("fa3_carried", [False, True])
+def test_flash_attention_is_stood_in_only_where_fa3_was_not_carried(tmp_path, fa3_carried):
+    site = tmp_path / "site"
+    (site / "vllm" / "vllm_flash_attn").mkdir(parents=True)
+    if fa3_carried:
+        (site / "vllm" / harness.FA3_LIBRARY).write_bytes(b"\x7fELF")
+    assert ("vllm.vllm_flash_attn" in harness.stood_in_record(True, site)) is not fa3_carried
+    spec = harness.StandInFinder().find_spec("vllm.vllm_flash_attn", [str(site / "vllm")])
+    assert (spec is None) is fa3_carried  # carried: the released package imports with its real extension
+    assert "vllm.vllm_flash_attn" in harness.stood_in_record(True)  # no site named: stood in as before
 
 
 # ---------------------------------------------------------------- one vLLM release per carry plan, stage and site
@@ -310,20 +325,24 @@ def test_a_library_artifact_names_its_version():
     assert harness.artifact_version("ray-wheels-cp312.zip") is None and harness.artifact_version("library.xz") is None
 
 
-def fake_site_with_msa_warmup(tmp_path: pathlib.Path, monkeypatch, with_cutlass: bool) -> pathlib.Path:
-    """An unpacked bundle with vLLM 0.34's MiniMax M3 warm-up module (which imports ``cutlass``), optionally the
-    CuTe DSL package beside it."""
+# which of the CuTe DSL packages the warm-up module imports are carried beside it: stood in unless both are
+CUTE_DSL_CARRIED = [(), ("cutlass",), ("quack",), ("cutlass", "quack")]
+
+
+def fake_site_with_msa_warmup(tmp_path: pathlib.Path, monkeypatch, carried: tuple[str, ...]) -> pathlib.Path:
+    """An unpacked bundle with vLLM 0.34's MiniMax M3 warm-up module (which imports ``cutlass`` and ``quack``), with
+    the ``carried`` packages beside it."""
     site = tmp_path / "site"
     warmup = site / harness.MSA_WARMUP_FILE
     warmup.parent.mkdir(parents=True)
     for folder in (site / "vllm", site / "vllm" / "model_executor", warmup.parent):
         (folder / "__init__.py").write_text("")
-    warmup.write_text("import cutlass\n\ndef minimax_m3_msa_warmup(worker):\n    return 'release'\n")
-    if with_cutlass:
-        (site / "cutlass").mkdir()
-        (site / "cutlass" / "__init__.py").write_text("")
+    warmup.write_text("import cutlass\nimport quack\n\ndef minimax_m3_msa_warmup(worker):\n    return 'release'\n")
+    for package in carried:
+        (site / package).mkdir()
+        (site / package / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(site))
-    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.") or n == "cutlass"]:
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.") or n in ("cutlass", "quack")]:
         monkeypatch.delitem(sys.modules, name)
     return site
 
@@ -337,17 +356,17 @@ def modules_imported_here_dropped():
         del sys.modules[name]
 
 
-@pytest.mark.parametrize("with_cutlass", [False, True])
-def test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_cutlass(tmp_path, monkeypatch,
-                                                                                 with_cutlass,
-                                                                                 modules_imported_here_dropped):
+@pytest.mark.parametrize("carried", CUTE_DSL_CARRIED)
+def test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_its_cute_dsl_packages(
+        tmp_path, monkeypatch, carried, modules_imported_here_dropped):
     import importlib
 
-    site = fake_site_with_msa_warmup(tmp_path, monkeypatch, with_cutlass)
+    site = fake_site_with_msa_warmup(tmp_path, monkeypatch, carried)
     monkeypatch.setattr(sys, "meta_path", [harness.StandInFinder(), *sys.meta_path])
     module = importlib.import_module(harness.MSA_WARMUP)
-    assert (module.minimax_m3_msa_warmup is harness.stand_in_msa_warmup) != with_cutlass
-    assert (harness.MSA_WARMUP in harness.stood_in_record(True, site)) != with_cutlass
+    complete = set(carried) == {"cutlass", "quack"}
+    assert (module.minimax_m3_msa_warmup is harness.stand_in_msa_warmup) != complete
+    assert (harness.MSA_WARMUP in harness.stood_in_record(True, site)) != complete
     assert harness.MSA_WARMUP not in harness.stood_in_record(True)  # no site: a 0.33 run stands nothing in there
 
 
@@ -371,17 +390,17 @@ def test_the_msa_warmup_is_stood_in_only_where_the_release_would_have_warmed_not
             assert harness.stand_in_msa_warmup(worker(*layers)) is None
 
 
-@pytest.mark.parametrize("with_cutlass", [False, True])
-def test_the_parent_s_record_reads_the_unpacked_site_it_does_not_import(tmp_path, with_cutlass):
+@pytest.mark.parametrize("carried", CUTE_DSL_CARRIED)
+def test_the_parent_s_record_reads_the_unpacked_site_it_does_not_import(tmp_path, carried):
     """The engine check's parent process never puts the unpacked bundle on its path: the record follows the files."""
     site = tmp_path / "site"
     (site / harness.MSA_WARMUP_FILE).parent.mkdir(parents=True)
-    (site / harness.MSA_WARMUP_FILE).write_text("import cutlass\n")
-    if with_cutlass:
-        (site / "cutlass").mkdir()
-        (site / "cutlass" / "__init__.py").write_text("")
+    (site / harness.MSA_WARMUP_FILE).write_text("import cutlass\nimport quack\n")
+    for package in carried:
+        (site / package).mkdir()
+        (site / package / "__init__.py").write_text("")
     assert str(site) not in sys.path
-    assert (harness.MSA_WARMUP in harness.stood_in_record(True, site)) != with_cutlass
+    assert (harness.MSA_WARMUP in harness.stood_in_record(True, site)) != (set(carried) == {"cutlass", "quack"})
 
 
 # ---------------------------------------------------------------- xz-compressed wheel sets and their .pth files
@@ -447,10 +466,13 @@ def test_only_the_carried_pth_files_are_processed_and_each_once(tmp_path, monkey
 
 @pytest.mark.parametrize("layout", ["none", "top", "nvidia-cutlass-dsl"])
 def test_a_cute_dsl_carried_in_its_wheel_s_layout_is_not_stood_in(tmp_path, layout):
-    """The nvidia-cutlass-dsl wheel puts ``cutlass`` under ``nvidia_cutlass_dsl/dsl_packages`` (its .pth adds it)."""
+    """The nvidia-cutlass-dsl wheel puts ``cutlass`` under ``nvidia_cutlass_dsl/dsl_packages`` (its .pth adds it);
+    quack-kernels is carried beside it at the top."""
     site = tmp_path / "site"
     (site / harness.MSA_WARMUP_FILE).parent.mkdir(parents=True)
-    (site / harness.MSA_WARMUP_FILE).write_text("import cutlass\n")
+    (site / harness.MSA_WARMUP_FILE).write_text("import cutlass\nimport quack\n")
+    (site / "quack").mkdir()
+    (site / "quack" / "__init__.py").write_text("")
     folder = {"top": "cutlass", "nvidia-cutlass-dsl": "nvidia_cutlass_dsl/dsl_packages/cutlass"}.get(layout)
     if folder:
         (site / folder).mkdir(parents=True)

@@ -43,6 +43,7 @@ STAGE_DIR = TMP / "kda-stage"
 SITE_DIR = TMP / "kda-vllm-bundle"
 CACHE_ROOT = TMP / "kda-compile-cache"
 LIBRARY_FILE = "_C_stable_libtorch.abi3.so"  # in the wheel's vllm/ folder
+FA3_LIBRARY = "vllm_flash_attn/_vllm_fa3_C.abi3.so"  # FlashAttention 3, under vllm/ (vllm_bundle.py carry --with-fa3)
 CALL_BYTES = 64 << 20  # what one device call carries, the working tree included
 MANIFEST = "carry-manifest.json"
 
@@ -257,16 +258,25 @@ def discard_site(site: pathlib.Path = SITE_DIR) -> list[str]:
     return removed
 
 
+# marks a folder in a carried library's artifact name: vllm-0.34.0-vllm_flash_attn+_vllm_fa3_C.abi3.so.xz is
+# vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so (vllm_bundle.library_artifact writes it)
+LIBRARY_FOLDER_MARK = "+"
+
+
 def library_file_of(artifact: str) -> str:
-    """Return the file name in ``vllm/`` of a carried library artifact ``vllm-<version>-<file>.xz``.
+    """Return the path under ``vllm/`` of a carried library artifact ``vllm-<version>-<file>.xz`` (folders marked by
+    :data:`LIBRARY_FOLDER_MARK`).
 
     Raises:
-        CarryError: the name is not of that form.
+        CarryError: the name is not of that form, or it climbs out of ``vllm/``.
     """
     parts = artifact.split("-", 2)
     if len(parts) != 3 or parts[0] != "vllm" or not parts[2].endswith(".so.xz"):
         raise CarryError(f"{artifact!r} is not a carried library (vllm-<version>-<file>.so.xz)")
-    return parts[2].removesuffix(".xz")
+    folders = parts[2].removesuffix(".xz").split(LIBRARY_FOLDER_MARK)
+    if any(part in ("", ".", "..") for part in folders):
+        raise CarryError(f"{artifact!r} is not a carried library (an empty or relative folder in its name)")
+    return "/".join(folders)
 
 
 def install_library(compressed: pathlib.Path, expected_sha256: str, site: pathlib.Path = SITE_DIR,
@@ -518,13 +528,14 @@ STOOD_IN = {
     "vllm._C_stable_libtorch": "vLLM's compiled custom-op library, only when its real file is not carried (92 MB "
     "in the wheel; it loads on the H200's torch 2.11): vllm/platforms/cuda.py imports it unconditionally to "
     "register torch.ops._C.*",
-    "vllm.vllm_flash_attn": "package __init__ raises ImportError without the compiled FA2/FA3 extensions (~480 MB); "
+    "vllm.vllm_flash_attn": "only where FlashAttention 3 is not carried (vllm_bundle.py carry --with-fa3): package "
+    "__init__ raises ImportError without the compiled FA2/FA3 extensions (~480 MB); "
     "vllm.v1.worker.utils imports it through vllm.model_executor.layers.attention. Stood in by the package's own "
     "flash_attn_interface module (FA2_AVAILABLE = FA3_AVAILABLE = False there): no FlashAttention kernel runs",
     MSA_WARMUP: "vLLM >= 0.34's kernel_warmup imports it on every CUDA GPU, and it imports MiniMax M3's CuTe DSL "
-    "kernels (`import cutlass`, the nvidia-cutlass-dsl wheel, carried only with --with-flashinfer). Stood in only "
-    "when the release has "
-    "the file and `cutlass` is absent, by a minimax_m3_msa_warmup(worker) that returns None where the release's "
+    "kernels (`import cutlass` and `quack`: the nvidia-cutlass-dsl and quack-kernels wheels, carried only with "
+    "--with-flashinfer). Stood in only when the release has "
+    "the file and either package is absent, by a minimax_m3_msa_warmup(worker) that returns None where the release's "
     "returns None before any kernel (the model has no MiniMaxM3SparseAttention, or the GPU is not SM100-family: "
     "the H200 is SM90) and raises otherwise",
 }
@@ -539,25 +550,34 @@ def stood_in_names(library: bool, site: pathlib.Path | None = None) -> tuple[str
     Args:
         library: vLLM's real compiled library is carried (then its import is not stood in).
         site: the unpacked bundle; the MiniMax M3 warm-up module is stood in only where it holds that file and no
-            ``cutlass`` package (None: not stood in).
+            ``cutlass`` package (None: not stood in); FlashAttention's package is not stood in where it holds
+            FlashAttention 3's library (:data:`FA3_LIBRARY`).
     Returns:
-        FlashAttention's package always; the library's import only without it; the warm-up module as above.
+        FlashAttention's package unless carried; the library's import only without it; the warm-up module as above.
     """
     left_out = {"vllm._C_stable_libtorch": library,
-                MSA_WARMUP: site is None or not msa_warmup_needs_stand_in(site)}
+                MSA_WARMUP: site is None or not msa_warmup_needs_stand_in(site),
+                "vllm.vllm_flash_attn": site is not None and library_present(site, FA3_LIBRARY)}
     return tuple(name for name in STOOD_IN if not left_out.get(name, False))
 
 
-# where a carried CuTe DSL's ``cutlass`` package lies in the site: the top (a plain wheel) or the folder the
-# nvidia-cutlass-dsl wheel's .pth adds to the path (vllm_bundle.py carry --with-flashinfer)
-CUTLASS_FOLDERS = (pathlib.PurePosixPath("cutlass"), pathlib.PurePosixPath("nvidia_cutlass_dsl/dsl_packages/cutlass"))
+# the packages the MiniMax M3 warm-up module's import chain needs, and where each lies in a site when carried: the top
+# (a plain wheel) or, for ``cutlass``, the folder the nvidia-cutlass-dsl wheel's .pth adds to the path (vllm_bundle.py
+# carry --with-flashinfer; H100 run 21: with ``cutlass`` carried and ``quack`` not, every 0.34 engine stopped at
+# warm-up on ``No module named 'quack'``)
+CUTE_DSL_PACKAGES = {
+    "cutlass": (pathlib.PurePosixPath("cutlass"), pathlib.PurePosixPath("nvidia_cutlass_dsl/dsl_packages/cutlass")),
+    "quack": (pathlib.PurePosixPath("quack"),),
+}
 
 
 def msa_warmup_needs_stand_in(site: pathlib.Path) -> bool:
-    """Return whether the bundle in ``site`` has vLLM >= 0.34's MiniMax M3 warm-up module but not the CuTe DSL."""
-    if not (site / MSA_WARMUP_FILE).is_file() or any((site / folder).is_dir() for folder in CUTLASS_FOLDERS):
+    """Return whether the bundle in ``site`` has vLLM >= 0.34's MiniMax M3 warm-up module but not every package of
+    :data:`CUTE_DSL_PACKAGES` (neither in the site nor importable)."""
+    if not (site / MSA_WARMUP_FILE).is_file():
         return False
-    return importlib.util.find_spec("cutlass") is None
+    return any(not any((site / folder).is_dir() for folder in folders) and importlib.util.find_spec(name) is None
+               for name, folders in CUTE_DSL_PACKAGES.items())
 
 
 def stand_in_msa_warmup(worker: Any) -> None:
@@ -594,6 +614,8 @@ class StandInFinder:
             site = pathlib.Path(next(iter(path))).parents[2]  # .../site/vllm/model_executor/warmup
             return importlib.machinery.ModuleSpec(fullname, self) if msa_warmup_needs_stand_in(site) else None
         if fullname == "vllm.vllm_flash_attn" and path:
+            if os.path.isfile(os.path.join(next(iter(path)), FA3_LIBRARY)):
+                return None  # FlashAttention 3 carried: the package imports as released
             spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
             spec.submodule_search_locations = [os.path.join(next(iter(path)), "vllm_flash_attn")]
             return spec

@@ -107,7 +107,11 @@ STABLE_LIBRARIES: Mapping[str, str] = {"core": "vllm/_C_stable_libtorch.abi3.so"
                                        "moe": "vllm/_moe_C_stable_libtorch.abi3.so"}
 # vLLM 0.34 also ships FlashKDA (Kimi K3's SM90+ prefill default, `kda_prefill_backend=auto`): 7.5 MB, 1.5 MB as xz;
 # stable ABI too -- every torch symbol it needs is one the core library needs (read with nm, 2026-12-07)
-STABLE_LIBRARIES_034: Mapping[str, str] = {**STABLE_LIBRARIES, "flashkda": "vllm/_flashkda_C.abi3.so"}
+# ... and FlashAttention 3 (vLLM's attention default on SM90: without it the attention selector stops on "FlashAttention
+# version not detected", H100 run 21): 56 MB, 19.7 MB as xz; stable ABI (only aoti_torch_* symbols of torch, nm
+# 2026-12-07), in the wheel's vllm/vllm_flash_attn/ (its artifact names that folder: gpu_harness.library_file_of)
+STABLE_LIBRARIES_034: Mapping[str, str] = {**STABLE_LIBRARIES, "flashkda": "vllm/_flashkda_C.abi3.so",
+                                           "fa3": "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"}
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,9 @@ FLASHINFER_034 = WheelSetCarry(
         ("nvidia-cutlass-dsl-libs-core==4.8.0", "nvidia-cutlass-dsl-libs-base"),
         ("nvidia-cutlass-dsl-libs-cu13==4.8.0", "nvidia-cutlass-dsl[cu13], vLLM 0.34's own requirement: the CUDA 13 "
          "compiler (_cutlass_ir.cu13, libcute_dsl_runtime), chosen where the driver is CUDA 13"),
+        ("quack-kernels==0.6.5", "vLLM 0.34's own requirement: kernel_warmup imports the MiniMax M3 warm-up module on "
+         "every CUDA GPU, whose op package imports quack.compile_utils once `cutlass` is importable (H100 run 21: "
+         "with the CuTe DSL carried and quack not, every 0.34 engine stopped at warm-up)"),
     ),
     release_pin_exceptions={"flashinfer-python": "vLLM 0.34.0 pins flashinfer-python==0.7.3, which the registry "
                             "lacks; 0.7.4 defines every name vLLM 0.34.0 imports from flashinfer (each "
@@ -166,6 +173,9 @@ FLASHINFER_034 = WheelSetCarry(
         "cuda-tile": "imported only by FlashInfer's cuTile attention kernels (attention/kernels/cutile), not on import",
         "nccl4py": "flashinfer.comm only (multi-GPU communication), not imported by flashinfer.gdn_prefill",
         "nccl-extensions": "flashinfer.comm only, as nccl4py",
+        "torch-c-dlpack-ext": "quack-kernels' code never imports it; apache-tvm-ffi (in the bundle) loads it only "
+        "optionally, to speed up DLPack conversion (tvm_ffi._optional_torch_c_dlpack), and it is compiled against "
+        "one torch release",
     },
     evidence="read, not yet run on a GPU (2026-12-07): with only these wheels beside a torch, `import "
              "flashinfer.gdn_prefill` succeeded and chunk_gated_delta_rule_sm90 / cp_delta_rule_dsl_sm90 were "
@@ -224,8 +234,10 @@ def release_of(version: str) -> ReleaseCarry:
 
 
 def library_artifact(member: str, version: str) -> str:
-    """Return the carried artifact's name of a wheel member: ``vllm-<version>-<file>.xz`` (gpu_harness reads both)."""
-    return f"vllm-{version}-{pathlib.PurePosixPath(member).name}.xz"
+    """Return the carried artifact's name of a wheel member: ``vllm-<version>-<file>.xz``, ``<file>`` its path under
+    ``vllm/`` with each folder marked by :data:`gpu_harness.LIBRARY_FOLDER_MARK` (gpu_harness reads both)."""
+    inside = pathlib.PurePosixPath(member).relative_to("vllm")
+    return f"vllm-{version}-{gpu_harness.LIBRARY_FOLDER_MARK.join(inside.parts)}.xz"
 
 
 def bundle_name(python_version: str, version: str) -> str:
@@ -764,13 +776,17 @@ def main(argv: list[str] | None = None) -> int:
                               help="also carry Ray and its missing dependencies (the Ray executor; two more calls)")
     carry_parser.add_argument("--with-flashkda", action="store_true",
                               help="also carry FlashKDA (vLLM >= 0.34: Kimi K3's default prefill backend on SM90+)")
+    carry_parser.add_argument("--with-fa3", action="store_true",
+                              help="also carry FlashAttention 3 (vLLM >= 0.34: the attention default on SM90, for "
+                                   "cases at vLLM's defaults with attention layers)")
     carry_parser.add_argument("--with-flashinfer", action="store_true",
                               help="also carry FlashInfer and the CuTe DSL (vLLM 0.34: Qwen's default GDN prefill "
                                    "on SM90; about two more calls)")
     args = parser.parse_args(argv)
     release = release_of(args.vllm_version)
     if args.command == "carry":
-        libraries = ("core", *(("moe",) if args.with_moe else ()), *(("flashkda",) if args.with_flashkda else ()))
+        libraries = ("core", *(key for key, wanted in (("moe", args.with_moe), ("flashkda", args.with_flashkda),
+                                                       ("fa3", args.with_fa3)) if wanted))
         try:
             manifest = carry(args.dest, args.python_version, libraries, args.with_ray, release, args.with_flashinfer)
         except (KeyError, RuntimeError) as error:

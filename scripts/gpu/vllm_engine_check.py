@@ -143,7 +143,9 @@ MODELS = {
 FLASHKDA_LIBRARY = "_flashkda_C.abi3.so"
 # what vLLM 0.34 picks by default on SM90 for a model, beyond the op library: Kimi K3's KDA prefill is FlashKDA
 # (`resolve_kda_prefill_backend`: head_dim 128, BF16, a bounded gate); its native fused decode is in the op library
-DEFAULT_BACKEND_LIBRARIES = {"kimi_k3": (FLASHKDA_LIBRARY,)}
+# ... and Qwen3-Next's attention layers FlashAttention 3 (vLLM's attention default on SM90; H100 run 21: without it the
+# selector stops on "FlashAttention version not detected")
+DEFAULT_BACKEND_LIBRARIES = {"kimi_k3": (FLASHKDA_LIBRARY,), "qwen3_next": (gpu_harness.FA3_LIBRARY,)}
 # ... and the carried packages it picks: Qwen's GDN prefill is FlashInfer's on every SM90 device
 # (`_resolve_gdn_prefill_backend`), a wheel set in the site (vllm_bundle.py carry --with-flashinfer)
 DEFAULT_BACKEND_PACKAGES = {"qwen3_next": ("flashinfer",)}
@@ -741,7 +743,7 @@ def runnable(cases: list[Case], site: pathlib.Path, gpus: int, version: str | No
             not_run[case.name] = "Ray was not carried (vllm_bundle.py carry --with-ray)"
         elif missing:
             not_run[case.name] = (f"vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe / "
-                                  f"--with-flashkda); {MODELS[case.model].note}")
+                                  f"--with-flashkda / --with-fa3); {MODELS[case.model].note}")
         elif absent:
             not_run[case.name] = (f"{', '.join(absent)} was not carried (vllm_bundle.py carry --with-flashinfer): "
                                   "vLLM picks it at its defaults on this GPU")
@@ -1239,7 +1241,7 @@ def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook:
     if shape_gpus(shape) > gpus or missing:
         why = (f"not run: needs {shape_gpus(shape)} GPUs, this machine has {gpus}" if not missing else
                f"not run: vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe / "
-               "--with-flashkda / --with-flashinfer)")
+               "--with-flashkda / --with-fa3 / --with-flashinfer)")
         return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": None, "metrics": {},
                 "problems": [why], "output_tail": ""}
     target = out / f"throughput-{shape}"
