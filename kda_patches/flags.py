@@ -49,12 +49,14 @@ SWITCHES: dict[str, str] = {
     "docs/results/bench-peer (rule: PDL plans at or below the plain plan's graph-replay time) and "
     "docs/results/h200-vllm-engine (rule: vLLM 0.34's engine EQUAL with PDL plans and its negative control "
     "DIFFERENT). Figures: kda-patches status",
-    "KDA_PATCHES_STATE_IO": "copy (default): a routed prefill gathers initial states and scatters final states "
-    "through the sealed plan; indexed: where a seam's chunk-state kernel has an indexed twin (derived at apply time "
-    "from the release's own kernel source), the kernel reads the initial states from the cache rows and stores the "
-    "final states into them -- no gather, no scatter; auto: indexed for a prefill call of at least "
-    "kda_patches.indexed_chunk.AUTO_MIN_SEQUENCES sequences, the plan's copy below (where each was measured faster: "
-    "docs/results/no-copy). Neither is the default until measured in the engine",
+    "KDA_PATCHES_STATE_IO": "measured (default): auto on the seams whose own layer was measured at least as fast "
+    "with it at every batch size as unpatched and as the plan's copy (docs/results/no-copy; vLLM 0.34's Qwen and "
+    "Kimi Linear GDN seams, each where routed), copy on every other seam; copy: a routed prefill gathers initial "
+    "states and scatters final states through the sealed plan; indexed: where a seam's chunk-state kernel has an "
+    "indexed twin (derived at apply time from the release's own kernel source), the kernel reads the initial states "
+    "from the cache rows and stores the final states into them -- no gather, no scatter; auto: indexed for a "
+    "prefill call of at least kda_patches.indexed_chunk.AUTO_MIN_SEQUENCES sequences, the plan's copy below (where "
+    "each was measured faster). Figures: kda-patches status",
     "KDA_PATCHES_ROLE": "label for this process in the ledger (set by the launcher; optional)",
     "KDA_PATCHES_RELEASE_CACHE": "folder of released sources for `kda-patches conformance` and `bench peer` "
     "(default ~/.cache/kda-patches/releases); not read at activation",
@@ -68,7 +70,7 @@ _KIMI_PLANS = ("fork", "overlay")
 _GDN_PLANS = ("fork", "overlay")
 _GDN_OPS = ("measured", "upstream", "overlay")
 _ROUTINGS = ("rewrite", "alias")
-_STATE_IOS = ("copy", "indexed", "auto")
+_STATE_IOS = ("measured", "copy", "indexed", "auto")
 # what a plan's ``pdl`` argument is for each choice (kda_patches.state_copy.device.PDL_WHERE_AVAILABLE is "auto")
 _PDL_REQUESTS = {"auto": "auto", "on": True, "off": False}
 # every spelling KDA_PATCHES_PDL accepts -> its choice: auto, or any boolean spelling
@@ -93,7 +95,7 @@ class Flags:
                  preload: tuple[str, ...] = (), kv_state_mode: str = "auto", role: str | None = None,
                  warnings: tuple[str, ...] = (), kimi_plan: str = "fork", routing: str = "rewrite",
                  gdn_plan: str = "fork", gdn_ops: str = "measured", pdl: str = "auto",
-                 state_io: str = "copy") -> None:
+                 state_io: str = "measured") -> None:
         values = dict(enabled=enabled, disable=frozenset(disable), only=None if only is None else frozenset(only),
                       force_triton=force_triton, strict=strict, status_dir=status_dir, log_level=log_level,
                       custom_opp=tuple(custom_opp), preload=tuple(preload), kv_state_mode=kv_state_mode,
@@ -239,7 +241,7 @@ def parse_flags(environ: Mapping[str, str] | None = None,
     if routing not in _ROUTINGS:
         raise ValueError(f"KDA_PATCHES_ROUTING={env.get('KDA_PATCHES_ROUTING')!r} is not a mechanism; "
                          f"use one of {', '.join(_ROUTINGS)}")
-    state_io = (env.get("KDA_PATCHES_STATE_IO") or "copy").strip().lower()
+    state_io = (env.get("KDA_PATCHES_STATE_IO") or "measured").strip().lower()
     if state_io not in _STATE_IOS:
         raise ValueError(f"KDA_PATCHES_STATE_IO={env.get('KDA_PATCHES_STATE_IO')!r} is not a choice; "
                          f"use one of {', '.join(_STATE_IOS)}")

@@ -187,6 +187,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "                or False):\n",
            (f"{INDEXED_ROUTE_TESTS}::test_auto_binds_a_call_of_at_least_its_crossover_and_copies_a_smaller_one",),
            "F (indexed_chunk)", "KDA_PATCHES_STATE_IO=auto runs the twin on small batches (the plan measured faster)"),
+    Mutant("measured-indexes-unmeasured-seams", "kda_patches/routing/direct.py",
+           "    if ready is None or (ready.measured_only and not indexed.measured):\n",
+           "    if ready is None:\n",
+           (f"{INDEXED_ROUTE_TESTS}::test_the_default_runs_the_twin_only_in_seams_measured_faster_with_it",),
+           "F (indexed_chunk)", "KDA_PATCHES_STATE_IO=measured (the default) runs the twin in a seam never measured "
+           "with it (Olmo on vLLM 0.34)"),
     Mutant("uncast-final-indexed-on-any-cache", "kda_patches/routing/eras.py",
            "        return None if found == self.dtype else f\"recurrent-state cache dtype {found} (served: "
            "{self.dtype}): \" \\\n",
@@ -632,14 +638,21 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_jit_watch_case_fails_only_on_a_compile_the_baseline_did_not_have",), "H (bench)",
            "a compile while serving that only the patched engine had passes the JIT watch"),
     Mutant("msa-warmup-stood-in-with-cutlass", "scripts/gpu/gpu_harness.py",
-           "    if not (site / MSA_WARMUP_FILE).is_file() or any((site / folder).is_dir() for folder in "
-           "CUTLASS_FOLDERS):",
-           "    if not (site / MSA_WARMUP_FILE).is_file():",
+           "    return any(not any((site / folder).is_dir() for folder in folders)",
+           "    return True or any(not any((site / folder).is_dir() for folder in folders)",
            ("tests/test_gpu_harness.py::"
-            "test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_cutlass",
+            "test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_its_cute_dsl_packages",
             "tests/test_gpu_harness.py::test_the_parent_s_record_reads_the_unpacked_site_it_does_not_import"),
            "H (bench)",
            "the MiniMax M3 warm-up is stood in even where the CuTe DSL is carried"),
+    Mutant("msa-warmup-real-without-quack", "scripts/gpu/gpu_harness.py",
+           '    "quack": (pathlib.PurePosixPath("quack"),),\n',
+           "",
+           ("tests/test_gpu_harness.py::"
+            "test_the_msa_warmup_is_stood_in_only_where_the_release_has_it_without_its_cute_dsl_packages",),
+           "H (bench)",
+           "the real MiniMax M3 warm-up imported where cutlass is carried and quack is not (H100 run 21: every "
+           "0.34 engine stopped at warm-up)"),
     Mutant("stack-twice-fetched-first", "kda_patches/releases/matrix.py",
            "    if len(dists) < len(specs):",
            "    if False:",

@@ -73,6 +73,15 @@ def test_gdn_ops_switch_defaults_to_measured_and_accepts_upstream_and_overlay():
         parse_flags({"KDA_PATCHES_GDN_OPS": "fork"}, KNOWN)
 
 
+def test_state_io_switch_defaults_to_measured_and_accepts_copy_indexed_and_auto():
+    assert parse_flags({}, KNOWN).state_io == "measured"
+    assert parse_flags({}, KNOWN).as_dict()["KDA_PATCHES_STATE_IO"] == "measured"
+    for choice in ("copy", "indexed", "auto"):
+        assert parse_flags({"KDA_PATCHES_STATE_IO": f" {choice.upper()} "}, KNOWN).state_io == choice
+    with pytest.raises(ValueError, match="KDA_PATCHES_STATE_IO='inplace' is not a choice; use one of measured"):
+        parse_flags({"KDA_PATCHES_STATE_IO": "inplace"}, KNOWN)
+
+
 def test_pdl_switch_is_auto_by_default_and_otherwise_parsed_as_a_boolean():
     assert parse_flags({}, KNOWN).pdl == "auto" and parse_flags({"KDA_PATCHES_PDL": " Auto "}, KNOWN).pdl == "auto"
     assert parse_flags({"KDA_PATCHES_PDL": "1"}, KNOWN).as_dict()["KDA_PATCHES_PDL"] == "on"

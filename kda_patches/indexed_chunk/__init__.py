@@ -12,11 +12,14 @@ from typing import Any, NamedTuple
 
 
 class ReadyHost(NamedTuple):
-    """A wrapped host function's twin and the fewest sequences a routed prefill call must have to run it (fewer: the
-    plan copies; 0 under ``KDA_PATCHES_STATE_IO=indexed``, :data:`AUTO_MIN_SEQUENCES` under ``auto``)."""
+    """A wrapped host function's twin, the fewest sequences a routed prefill call must have to run it (fewer: the
+    plan copies; 0 under ``KDA_PATCHES_STATE_IO=indexed``, :data:`AUTO_MIN_SEQUENCES` under ``auto`` and
+    ``measured``), and whether only seams measured faster with it run it (``measured``: any other seam that reaches
+    the host copies through the plan; ``IndexedChunk.measured``)."""
 
     derived: Any
     min_sequences: int
+    measured_only: bool = False
 
 
 # IndexedChunk.key -> its ReadyHost, for every host function wrapped in this process (filled by route.prepare_host;

@@ -52,8 +52,9 @@ def prepare_host(key: str, host: Any, kernel: str, state_io: str = "indexed") ->
         key: the wrapped target's ``module:qualname``.
         host: the release's host function just wrapped (its globals hold the kernel).
         kernel: the kernel's name in that module.
-        state_io: ``KDA_PATCHES_STATE_IO``: ``indexed`` (every bound call runs the twin) or ``auto`` (only calls of
-            at least :data:`~kda_patches.indexed_chunk.AUTO_MIN_SEQUENCES` sequences; fewer copy through the plan).
+        state_io: ``KDA_PATCHES_STATE_IO``: ``indexed`` (every bound call runs the twin), ``auto`` (only calls of
+            at least :data:`~kda_patches.indexed_chunk.AUTO_MIN_SEQUENCES` sequences; fewer copy through the plan)
+            or ``measured`` (as ``auto``, in the seams whose ``IndexedChunk.measured`` is set; others copy).
     Returns:
         ``"indexed"`` when the twin was built, else ``"copy"`` (the refusal's reason is the ledger fact).
     """
@@ -65,12 +66,16 @@ def prepare_host(key: str, host: Any, kernel: str, state_io: str = "indexed") ->
         READY.pop(key, None)
         get_ledger().set_fact(SECTION, key, {"decision": "copy", "reason": str(refusal)})
         return "copy"
-    ready = READY[key] = ReadyHost(derived, AUTO_MIN_SEQUENCES if state_io == "auto" else 0)
+    ready = READY[key] = ReadyHost(derived, AUTO_MIN_SEQUENCES if state_io in ("auto", "measured") else 0,
+                                   state_io == "measured")
+    calls = (f"prefill calls of at least {ready.min_sequences} sequences; fewer copy through the plan"
+             if ready.min_sequences else "every routed prefill call")
+    if ready.measured_only:
+        calls += ("; only in the seams measured at least as fast with it (docs/results/no-copy), the others copy "
+                  "through the plan")
     get_ledger().set_fact(SECTION, key, {
         "decision": "indexed", "kernel": f"{declaration.module}.{kernel}", "source_sha256": derived.source_sha256,
-        "state_io": state_io,
-        "indexed_calls": (f"prefill calls of at least {ready.min_sequences} sequences; fewer copy through the plan"
-                          if ready.min_sequences else "every routed prefill call"),
+        "state_io": state_io, "indexed_calls": calls,
         "compiled": "at the first prefill that reaches it (not sealed at start-up)"})
     return "indexed"
 

@@ -73,6 +73,7 @@ from kda_patches.routing.eras import (
     FLA_CHUNK_STATE_KERNEL,
     FLA_CHUNK_STATE_MODULE,
     GATHER_PARAMETERS,
+    STATE_IO_WRAPS_MEASURED,
     UncastFinalGate,
     ascend_runners,
     era,
@@ -132,6 +133,11 @@ QWEN_FLASHINFER_GATE = BackendGate(
 # the chunk-state host function of vLLM's vendored FLA (every Triton GDN/KDA prefill reaches it), whose kernel has an
 # indexed twin under KDA_PATCHES_STATE_IO=indexed (kda_patches.indexed_chunk)
 FLA_CHUNK_STATE = IndexedChunk(FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL)
+# ... and as the seams of vLLM 0.34's Qwen and Kimi Linear layers reach it: their own layers were measured at least as
+# fast with no copy (auto) at every batch size as unpatched and as the plan (docs/results/no-copy, rule
+# STATE_IO_RULE), so KDA_PATCHES_STATE_IO=measured (the default) runs them as auto; Olmo's seam, not measured, copies
+FLA_CHUNK_STATE_MEASURED = IndexedChunk(FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL,
+                                        measured=True)
 # vLLM < 0.34's Qwen (gdn_prefill_backend, 0.31+): only its Triton branch (the CustomOp's forward_native) reaches FLA's
 # chunk rule; FlashInfer, CuTe DSL, AITER FlyDSL and SYCL read the gathered initial states themselves (0.33's
 # FlashInfer checkpoint plan too: it is planned only on that backend), so a layer on any of those only copies
@@ -160,8 +166,9 @@ OLMO_SEAM = Seam("vLLM Olmo hybrid GDN _forward_core", LEDGER_PATH, state=KVCach
                  clear=CLEAR_NATIVE, prefill_gated=True, final=FinalFrom(1, function="chunk_gated_delta_rule"),
                  indexed=FLA_CHUNK_STATE)
 QWEN_034_SEAM = Seam("vLLM 0.34 Qwen GDN _forward_core", LEDGER_PATH, **_UPSTREAM_OPS, backend=QWEN_FLASHINFER_GATE,
-                     indexed=FLA_CHUNK_STATE)
-KIMI_GDN_034_SEAM = Seam("vLLM 0.34 Kimi Linear GDN _forward", LEDGER_PATH, **_UPSTREAM_OPS, indexed=FLA_CHUNK_STATE)
+                     indexed=FLA_CHUNK_STATE_MEASURED)
+KIMI_GDN_034_SEAM = Seam("vLLM 0.34 Kimi Linear GDN _forward", LEDGER_PATH, **_UPSTREAM_OPS,
+                         indexed=FLA_CHUNK_STATE_MEASURED)
 ASCEND_FUSED_CHUNK = "AscendGatedDeltaNetAttention._chunk_gated_delta_rule_fused"
 # 0.27-0.29: the same seam, plus the fused variant's chunk as the final state's source (the folded cast)
 ASCEND_FOLD_SEAM = Seam("vllm-ascend GDN _forward_core", LEDGER_PATH, **_ASCEND_GDN,
@@ -235,11 +242,16 @@ _KIMI_GDN_034_SHAPES = ("read:self.kv_cache", "gather:gather_initial_states(recu
                         "scatter:scatter_states(recurrent_state, ...)")
 
 
-STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy (the default): routed prefills copy their states through the sealed "
-                 "plan; KDA_PATCHES_STATE_IO=indexed wraps this host function so the Qwen and Olmo seams' chunk "
-                 "kernel reads and stores the cache rows itself (an indexed twin derived from the release's kernel "
-                 "source; Kimi Linear's too where its seam is routed: before vLLM 0.34 on FP32 caches, on 0.34 "
-                 "where KDA_PATCHES_GDN_OPS=overlay routes it)")
+STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy, or measured (the default) in a release where no seam reaching this "
+                 "host was measured faster with no copy: routed prefills copy their states through the sealed "
+                 "plan; KDA_PATCHES_STATE_IO=indexed (or auto) wraps this host function so the Qwen and Olmo seams' "
+                 "chunk kernel reads and stores the cache rows itself (an indexed twin derived from the release's "
+                 "kernel source; Kimi Linear's too where its seam is routed: before vLLM 0.34 on FP32 caches, on "
+                 "0.34 where KDA_PATCHES_GDN_OPS=overlay routes it)")
+# the rule that turns the no-copy measurement of a release's own layer into IndexedChunk.measured
+STATE_IO_RULE = ("per docs/results/no-copy: a seam runs KDA_PATCHES_STATE_IO=auto by default only where its own "
+                 "layer with it was at least as fast as unpatched and as the plan's copy at every batch size "
+                 "(unpatched/patched per engine step >= 1.00 at 1, 8, 64 and 256 sequences, in two runs)")
 
 
 def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
@@ -262,7 +274,8 @@ def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:
         (f"{_GDN}.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention._forward_core", wrap_qwen_034_forward_core,
          FORWARD_CORE_PARAMETERS, _QWEN_034_SHAPES),), chosen_by=("gdn_ops", QWEN_034_ROUTED_BY),
         stands_aside=QWEN_034_STAND_ASIDE)
-    indexed = indexed_host_targets(wrap_fla_chunk_state, low, high, qwen[0].group, STATE_IO_COPY)
+    indexed = indexed_host_targets(wrap_fla_chunk_state, low, high, qwen[0].group, STATE_IO_COPY,
+                                   chosen=STATE_IO_WRAPS_MEASURED)
     kimi_linear = era("vllm", low, high, (
         (f"{_GDN}.kimi_gdn_linear_attn", "KimiGatedDeltaNetAttention._forward", wrap_kimi_gdn_034_forward,
          KIMI_GDN_FORWARD_PARAMETERS, _KIMI_GDN_034_SHAPES),), chosen_by=("gdn_ops", KIMI_GDN_034_ROUTED_BY),

@@ -225,11 +225,11 @@ _indexed: Any = None  # kda_patches.indexed_chunk.route, imported when a seam wi
 
 def indexed_route(indexed: Any, plan: Any, state: torch.Tensor, layer: Any) -> DirectRoute:
     """Return the :class:`~kda_patches.indexed_chunk.route.IndexedRoute` of a seam whose host function
-    (``Seam.indexed``) has an indexed twin in this process (``KDA_PATCHES_STATE_IO=indexed`` wrapped it), else the
-    copy route."""
+    (``Seam.indexed``) has an indexed twin in this process (``KDA_PATCHES_STATE_IO`` wrapped it) for this seam (under
+    ``measured`` only a seam whose ``IndexedChunk.measured`` is set), else the copy route."""
     global _indexed
     ready = INDEXED_READY.get(indexed.key) if INDEXED_READY else None
-    if ready is None:
+    if ready is None or (ready.measured_only and not indexed.measured):
         return DirectRoute(plan, state)
     if _indexed is None:
         from kda_patches.indexed_chunk import route as module  # deferred: imports triton

@@ -158,11 +158,17 @@ FLA_CHUNK_STATE_RELEASES: tuple[tuple[str | None, str | None, str, str | None], 
 )
 
 
+# the KDA_PATCHES_STATE_IO choices that wrap a chunk-state host: everywhere, and in an era with a seam measured faster
+# with no copy (``IndexedChunk.measured``) also the default, which runs only that seam's calls indexed
+STATE_IO_WRAPS = ("indexed", "auto")
+STATE_IO_WRAPS_MEASURED = (*STATE_IO_WRAPS, "measured")
+
+
 def indexed_host_targets(wrapper: Any, low: str, high: str, group: str | None, stands_aside: str,
                          releases: tuple[tuple[str | None, str | None, str, str | None], ...] =
-                         FLA_CHUNK_STATE_RELEASES) -> tuple[Target, ...]:
-    """Return the chunk-state host targets of a record's vLLM era, each applied only under
-    ``KDA_PATCHES_STATE_IO=indexed|auto``: one per row of ``releases`` that meets ``[low, high)``, kept to the part
+                         FLA_CHUNK_STATE_RELEASES, chosen: tuple[str, ...] = STATE_IO_WRAPS) -> tuple[Target, ...]:
+    """Return the chunk-state host targets of a record's vLLM era, each applied only under a
+    ``KDA_PATCHES_STATE_IO`` of ``chosen``: one per row of ``releases`` that meets ``[low, high)``, kept to the part
     of the era it covers.
 
     A row with a reason is a declared gap (an inert target without a group: the era's seams keep copying there,
@@ -174,8 +180,10 @@ def indexed_host_targets(wrapper: Any, low: str, high: str, group: str | None, s
             host, module and kernel).
         low, high: the era's version range.
         group: the era's group.
-        stands_aside: the inert text of an opted-in host (why it stays unwrapped under ``copy``, the default).
+        stands_aside: the inert text of an opted-in host (why it stays unwrapped under a choice not in ``chosen``).
         releases: the table (:data:`FLA_CHUNK_STATE_RELEASES`).
+        chosen: the choices that wrap it (:data:`STATE_IO_WRAPS`; :data:`STATE_IO_WRAPS_MEASURED` in an era with a
+            measured seam).
     Returns:
         The era's host targets, in the table's order (none where no row meets the era).
     Raises:
@@ -198,7 +206,7 @@ def indexed_host_targets(wrapper: Any, low: str, high: str, group: str | None, s
         else:
             targets.append(Target(module, indexed.host, wrapper, "vllm", "vllm", first, last,
                                   FLA_CHUNK_STATE_PARAMETERS, group, shapes, inert=stands_aside,
-                                  chosen_by=("state_io", ("indexed", "auto"))))
+                                  chosen_by=("state_io", chosen)))
     return tuple(targets)
 
 

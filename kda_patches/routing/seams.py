@@ -146,12 +146,17 @@ class IndexedChunk:
         kernel: the kernel's name in ``module``.
         backend: a :class:`BackendGate` naming the layer backends whose chunk call reaches ``host`` (Kimi K3's
             ``triton``, not FlashKDA), or None (every call of the seam does).
+        measured: the seam's own layer was measured at least as fast with no copy (``auto``) at every batch size
+            as unpatched and as the plan's copy (docs/results/no-copy): ``KDA_PATCHES_STATE_IO=measured``, the
+            default, runs it as ``auto``; a seam without it copies there.
     """
 
-    __slots__ = ("backend", "host", "kernel", "module")
+    __slots__ = ("backend", "host", "kernel", "measured", "module")
 
-    def __init__(self, module: str, host: str, kernel: str, backend: BackendGate | None = None) -> None:
+    def __init__(self, module: str, host: str, kernel: str, backend: BackendGate | None = None,
+                 measured: bool = False) -> None:
         self.module, self.host, self.kernel, self.backend = module, host, kernel, backend
+        self.measured = measured
 
     @property
     def key(self) -> str:

@@ -101,14 +101,19 @@ def test_auto_binds_a_call_of_at_least_its_crossover_and_copies_a_smaller_one(de
     assert at_crossover.gather(state, rows, flags) is at_crossover.initial and at_crossover.plan.copies == []
 
 
-@pytest.mark.parametrize(("state_io", "expected"), [("indexed", 0), ("auto", "crossover")])
-def test_prepare_host_records_which_calls_run_the_twin(state_io, expected, derived) -> None:
+@pytest.mark.parametrize(("state_io", "expected", "measured_only"), [
+    ("indexed", 0, False), ("auto", "crossover", False), ("measured", "crossover", True)])
+def test_prepare_host_records_which_calls_run_the_twin(state_io, expected, measured_only, derived) -> None:
     from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, READY
+    from kda_patches.ledger import get_ledger
 
     key = f"test:{state_io}"
     try:
         assert indexed.prepare_host(key, derived.host, KERNEL, state_io) == "indexed"
         assert READY[key].min_sequences == (AUTO_MIN_SEQUENCES if expected == "crossover" else 0)
+        assert READY[key].measured_only is measured_only
+        fact = get_ledger().snapshot()["facts"][indexed.SECTION][key]
+        assert fact["state_io"] == state_io and ("only in the seams measured" in fact["indexed_calls"]) is measured_only
     finally:
         indexed.forget_host(key)
     assert key not in READY
@@ -173,3 +178,27 @@ def test_a_routed_call_gets_the_crossover_its_host_was_prepared_with(derived) ->
     finally:
         READY.pop(declared.key)
     assert type(direct.indexed_route(declared, RecordingPlan(), state, Layer())) is direct.DirectRoute
+
+
+def test_the_default_runs_the_twin_only_in_seams_measured_faster_with_it(derived) -> None:
+    """KDA_PATCHES_STATE_IO=measured: a host prepared for it routes a measured seam (vLLM 0.34's Qwen / Kimi Linear)
+    through the twin at auto's crossover, and gives any other seam reaching the same host (Olmo) the copy route."""
+    from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES, READY, ReadyHost
+    from kda_patches.patches import gdn_state_copy
+    from kda_patches.routing.seams import IndexedChunk
+
+    measured, unmeasured = IndexedChunk("m", "host", KERNEL, measured=True), IndexedChunk("m", "host", KERNEL)
+    state = torch.randn(5, HEADS, DIM, DIM)
+    READY[measured.key] = ReadyHost(derived, AUTO_MIN_SEQUENCES, measured_only=True)
+    try:
+        route = direct.indexed_route(measured, RecordingPlan(), state, Layer())
+        assert type(route) is indexed.IndexedRoute and route.min_sequences == AUTO_MIN_SEQUENCES
+        assert type(direct.indexed_route(unmeasured, RecordingPlan(), state, Layer())) is direct.DirectRoute
+        READY[measured.key] = ReadyHost(derived, AUTO_MIN_SEQUENCES)  # auto: every seam reaching the host
+        assert type(direct.indexed_route(unmeasured, RecordingPlan(), state, Layer())) is indexed.IndexedRoute
+    finally:
+        READY.pop(measured.key)
+    # the declarations: which seams were measured (docs/results/no-copy) and which were not
+    assert gdn_state_copy.QWEN_034_SEAM.indexed.measured and gdn_state_copy.KIMI_GDN_034_SEAM.indexed.measured
+    assert not any(seam.indexed.measured for seam in (gdn_state_copy.OLMO_SEAM, gdn_state_copy.QWEN_SEAM,
+                                                      gdn_state_copy.KIMI_GDN_SEAM))
