@@ -229,9 +229,11 @@ QWEN_034_STAND_ASIDE = (f"{UPSTREAM_OPS_CHOSEN}; KDA_PATCHES_GDN_OPS=upstream ch
                         "aside; the default (measured) and overlay route those two calls through the overlay's "
                         f"sealed plan ({LAYER_RULE}, which Qwen's layer meets)")
 KIMI_GDN_034_STAND_ASIDE = (f"{UPSTREAM_OPS_CHOSEN}, and 0.34's own Kimi Linear layer does not meet the rule "
-                            f"({LAYER_RULE}), so the overlay stands aside (KDA_PATCHES_GDN_OPS=measured, the "
-                            "default, or upstream); KDA_PATCHES_GDN_OPS=overlay routes those two calls through the "
-                            "overlay's sealed plan")
+                            f"({LAYER_RULE}) with the plan's copy, so the overlay stands aside "
+                            "(KDA_PATCHES_GDN_OPS=measured, the default, or upstream); with no copy from 64 sequences "
+                            "(KDA_PATCHES_STATE_IO=measured or auto) the layer meets it (per docs/results/no-copy), "
+                            "but no engine A/B of Kimi Linear on 0.34 has run yet; KDA_PATCHES_GDN_OPS=overlay "
+                            "routes those two calls through the overlay's sealed plan (and the indexed twin)")
 # which KDA_PATCHES_GDN_OPS values route each 0.34 seam: the default follows LAYER_RULE on the layer measurement
 # (docs/results/h200-vllm-layers: vllm_layers_check.py's DEFAULT lines)
 QWEN_034_ROUTED_BY = ("measured", "overlay")

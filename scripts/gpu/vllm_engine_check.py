@@ -280,6 +280,13 @@ CASES = (
          extensible=True, at_defaults=True, mutant="upstream-scatter-halved"),
     # the same with the Triton prefill/decode backends forced (FlashKDA not carried): breakable graphs alone
     Case("kimi_k3-v2-prefix-graphs-034", "kimi_k3", "v2", True, False, release="0.34.0", extensible=True),
+    # Kimi Linear on vLLM 0.34 (none ran before): its seam routed (KDA_PATCHES_GDN_OPS=overlay; the default leaves it
+    # to upstream until this case passes), the Triton prefill forced as in every forced case, breakable CUDA graphs
+    # (KimiLinearForCausalLM's default), the default KDA_PATCHES_STATE_IO (measured: auto on this seam)
+    Case("kimi_linear-v2-prefix-graphs-034-overlay-jit-watch", "kimi_linear", "v2", True, False, release="0.34.0",
+         extensible=True, gdn_ops="overlay", jit_watch=True),
+    Case("kimi_linear-v2-prefix-eager-034-overlay-NEGATIVE", "kimi_linear", "v2", True, True, release="0.34.0",
+         extensible=True, gdn_ops="overlay", mutant="scatter-halved"),
     # issue 51: no copy -- Qwen's seam routed (Triton GDN prefill, forced as in every Qwen3-Next case), its chunk
     # kernel the indexed twin; compiled + CUDA graphs with the JIT watch (the twin compiles before serving), and a
     # negative control whose twin leaves halved states in the cache
