@@ -192,6 +192,20 @@ def test_round_two_continues_a_chunked_round_one_prompt(tmp_path):
     assert [json.loads(line) for line in lines] == records
 
 
+def test_the_wide_round_prefills_more_sequences_than_the_auto_crossover_in_one_step(tmp_path):
+    from kda_patches.indexed_chunk import AUTO_MIN_SEQUENCES
+
+    module = load_script()
+    default = module.write_prompts(tmp_path / "p.jsonl")
+    records = module.write_prompts(tmp_path / "w.jsonl", wide=True)
+    assert records[:len(default)] == default  # the default rounds first, unchanged
+    wide = [r for r in records if r.get("round") == 3]
+    params = module.engine_params(case(module, wide=True), tmp_path, tmp_path / "w.jsonl")
+    assert len(wide) > AUTO_MIN_SEQUENCES and len(wide) <= params["max_num_seqs"]  # one step holds them all
+    assert sum(len(r["prompt_token_ids"]) for r in wide) <= params["max_num_batched_tokens"]
+    assert case(module, wide=True).prompt_set == "wide" and case(module).prompt_set == "default"
+
+
 def test_seeded_weights_depend_on_the_name_not_the_order_and_have_a_realistic_scale():
     module = load_script()
     first = module.seeded_values("model.layers.0.mlp.down_proj.weight", (256, 512), 7)
@@ -822,6 +836,19 @@ def test_a_no_copy_case_passes_only_when_every_routed_call_was_indexed():
     passed, why = module.judge_case(indexed, full, passing_outputs(module))
     assert passed and "indexed 6 == routed" in why
     assert module.judge_case(case(module), short, passing_outputs(module))[0]  # a copy case does not ask
+
+
+def test_a_wide_case_at_the_default_passes_only_when_the_twin_and_the_plan_both_ran():
+    module = load_script()
+    wide = case(module, wide=True)
+    totals = {"calls_routed": 6, "calls_seen": 6}
+    for indexed, passes in ((0, False), (2, True), (6, False)):  # none / the wide step only / every call
+        report = {"verdict": "equal", "patched_counter_totals": {"gdn_state_copy": {**totals,
+                                                                                   "calls_indexed": indexed}}}
+        passed, why = module.judge_case(wide, report, passing_outputs(module))
+        assert passed is passes, (indexed, why)
+    assert "indexed 2 of 6 routed" in module.judge_case(wide, {"verdict": "equal", "patched_counter_totals": {
+        "gdn_state_copy": {**totals, "calls_indexed": 2}}}, passing_outputs(module))[1]
 
 
 def test_the_indexed_mutant_halves_the_valid_rows_the_twin_stored():

@@ -189,12 +189,21 @@ class Case:
     # KDA_PATCHES_STATE_IO (issue 51: ``indexed`` -- the chunk kernel reads and stores the cache rows, no copy); an
     # indexed case must find every routed call indexed (``calls_indexed == calls_routed``)
     state_io: str | None = None
+    # a third round of WIDE_PREFILL_REQUESTS short prompts prefilled in one step (max_num_seqs WIDE_MAX_NUM_SEQS): at
+    # the default KDA_PATCHES_STATE_IO (measured: auto on a measured seam) that step's call runs the indexed twin and
+    # the narrower ones copy, so the case must find both (0 < calls_indexed < calls_routed)
+    wide: bool = False
 
     @property
     def libraries(self) -> tuple[str, ...]:
         """vLLM compiled libraries (files in ``vllm/``) the case needs beyond the op library."""
         extra = DEFAULT_BACKEND_LIBRARIES.get(self.model, ()) if self.at_defaults else ()
         return (*MODELS[self.model].libraries, *extra)
+
+    @property
+    def prompt_set(self) -> str:
+        """The prompts file the case serves: ``preempt`` (a small cache), ``wide`` or ``default``."""
+        return "preempt" if self.kv_blocks else "wide" if self.wide else "default"
 
     @property
     def packages(self) -> tuple[str, ...]:
@@ -287,6 +296,13 @@ CASES = (
          extensible=True, gdn_ops="overlay", jit_watch=True),
     Case("kimi_linear-v2-prefix-eager-034-overlay-NEGATIVE", "kimi_linear", "v2", True, True, release="0.34.0",
          extensible=True, gdn_ops="overlay", mutant="scatter-halved"),
+    # the default KDA_PATCHES_STATE_IO (measured) in the engine: Qwen's seam copies narrow prefills through the plan
+    # and runs the indexed twin for the wide round's step (>= AUTO_MIN_SEQUENCES sequences); JIT watch on (the twin
+    # must not compile while serving); the negative control halves only what the twin stored
+    Case("qwen3_next-v2-prefix-compiled-034-wide-jit-watch", "qwen3_next", "v2", True, False, release="0.34.0",
+         extensible=True, jit_watch=True, wide=True),
+    Case("qwen3_next-v2-prefix-eager-034-wide-NEGATIVE", "qwen3_next", "v2", True, True, release="0.34.0",
+         extensible=True, wide=True, mutant="indexed-halved"),
     # issue 51: no copy -- Qwen's seam routed (Triton GDN prefill, forced as in every Qwen3-Next case), its chunk
     # kernel the indexed twin; compiled + CUDA graphs with the JIT watch (the twin compiles before serving), and a
     # negative control whose twin leaves halved states in the cache
@@ -568,7 +584,13 @@ def write_model_dir(model: str, root: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def write_prompts(path: pathlib.Path, seed: int = PROMPT_SEED, preempt: bool = False) -> list[dict[str, Any]]:
+WIDE_PREFILL_REQUESTS = 80  # one step's prefill of this many sequences: above the auto crossover (64)
+WIDE_PROMPT_TOKENS = 3  # 80 x 3 tokens fit the 256-token step budget
+WIDE_MAX_NUM_SEQS = 96  # every wide request scheduled at once
+
+
+def write_prompts(path: pathlib.Path, seed: int = PROMPT_SEED, preempt: bool = False,
+                  wide: bool = False) -> list[dict[str, Any]]:
     """Write a prompts file (JSON lines, token ids below :data:`VOCAB`) and return its records.
 
     Default: round 1 (one step) has two long prompts prefilled in chunks of the 256-token budget, a middle one, and
@@ -576,7 +598,8 @@ def write_prompts(path: pathlib.Path, seed: int = PROMPT_SEED, preempt: bool = F
     (with prefix caching its prefill starts from a cached state) and a fresh prompt. ``preempt``: eight requests of
     200-340 prompt tokens that each decode 1000 tokens: the scheduler admits a request for the blocks its prompt
     needs, so with a small cache the running requests outgrow it while decoding and vLLM preempts (and later
-    prefills again) some of them.
+    prefills again) some of them. ``wide``: the default, then a third round of :data:`WIDE_PREFILL_REQUESTS`
+    prompts of :data:`WIDE_PROMPT_TOKENS` tokens, all prefilled in one step, each decoding from the state it stored.
     """
     generator = random.Random(seed)
 
@@ -596,6 +619,9 @@ def write_prompts(path: pathlib.Path, seed: int = PROMPT_SEED, preempt: bool = F
         records += [{"name": CONTINUATION, "prompt_token_ids": long_prompt + draw(150), "max_tokens": 16,
                      "round": 2},
                     {"name": "r2-fresh-300", "prompt_token_ids": draw(300), "max_tokens": 16, "round": 2}]
+        if wide:
+            records += [{"name": f"r3-wide-{number}", "prompt_token_ids": draw(WIDE_PROMPT_TOKENS), "max_tokens": 4,
+                         "round": 3} for number in range(WIDE_PREFILL_REQUESTS)]
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return records
 
@@ -617,6 +643,8 @@ def engine_params(case: Case, model_dir: pathlib.Path, prompts: pathlib.Path) ->
         del params["attention_backend"], params["additional_config"]
     if case.kv_blocks:
         params.update(num_gpu_blocks_override=case.kv_blocks, max_model_len=PREEMPT_MAX_MODEL_LEN)
+    if case.wide:
+        params["max_num_seqs"] = WIDE_MAX_NUM_SEQS
     if case.tp > 1:
         params.update(tensor_parallel_size=case.tp, distributed_executor_backend=case.executor)
     if case.extensible:  # vLLM 0.34 turns the extensible cache off when a fixed KV budget is given: profile instead
@@ -923,11 +951,16 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
             return False, (f"{patch} at graph capture routed {captured.get('calls_routed')} of "
                            f"{captured.get('calls_seen')}")
         notes += f"; at graph capture routed {captured.get('calls_routed', 0)} == seen {captured.get('calls_seen', 0)}"
+    indexed = int((counters.get(patch) or {}).get("calls_indexed", 0))
     if case.state_io == "indexed":  # no copy: every routed call ran the indexed twin
-        indexed = int((counters.get(patch) or {}).get("calls_indexed", 0))
         if indexed != routed:
             return False, f"{patch} indexed {indexed} of {routed} routed calls (KDA_PATCHES_STATE_IO=indexed)"
         notes += f"; indexed {indexed} == routed"
+    elif case.wide:  # the default's auto: the wide step ran the twin, the narrower prefills copied
+        if not 0 < indexed < routed:
+            return False, (f"{patch} indexed {indexed} of {routed} routed calls: the wide round should run the "
+                           "twin and the narrower prefills the plan's copy")
+        notes += f"; indexed {indexed} of {routed} routed (the wide step), the rest copied"
     if case.stands_aside:
         return True, f"{verdict}; {patch} stands aside on {MODELS[case.model].seam} (0 calls seen){notes}"
     if case.aside_on_backend:
@@ -1026,11 +1059,11 @@ def judge_jit(outputs: dict[str, Any]) -> tuple[bool, str]:
 
 
 def run_case(case: Case, out: pathlib.Path, model_dirs: dict[str, pathlib.Path],
-             prompts: dict[bool, pathlib.Path], hook: pathlib.Path, site: pathlib.Path,
+             prompts: dict[str, pathlib.Path], hook: pathlib.Path, site: pathlib.Path,
              timeout_s: float) -> dict[str, Any]:
     """Run one case's regress to the end and return its record (report, judgment, digests, wall time)."""
     work = pathlib.Path(gpu_harness.TMP) / "kda-engine-work" / case.name
-    params = engine_params(case, model_dirs[case.model], prompts[bool(case.kv_blocks)])
+    params = engine_params(case, model_dirs[case.model], prompts[case.prompt_set])
     env = case_env(case, hook, site)
     env[ENV_RECORD_ENV] = str(work / "envs")
     started = time.perf_counter()
@@ -1298,16 +1331,17 @@ def run_parent(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cases = validate_cases(args.cases)
     model_dirs = {name: write_model_dir(name, out / "models") for name in sorted({c.model for c in cases})}
-    prompts = {False: out / "prompts.jsonl", True: out / "prompts-preempt.jsonl"}
-    for preempt, path in prompts.items():
-        write_prompts(path, preempt=preempt)
+    prompts = {"default": out / "prompts.jsonl", "preempt": out / "prompts-preempt.jsonl",
+               "wide": out / "prompts-wide.jsonl"}
+    for name, path in prompts.items():
+        write_prompts(path, preempt=name == "preempt", wide=name == "wide")
     site = gpu_harness.SITE_DIR
     models = {name: asdict(spec) for name, spec in MODELS.items()}
     report: dict[str, Any] = {"vllm": report_version(None), "models": models, "not_run": {}, "mutants": MUTANTS,
                               "weight_seed": WEIGHT_SEED, "cases": [asdict(c) for c in cases], "runs": []}
     if args.dry_run:
         report["stood_in"] = gpu_harness.stood_in_record(library=False)
-        report["plan"] = {c.name: regress_argv(c, engine_params(c, model_dirs[c.model], prompts[bool(c.kv_blocks)]),
+        report["plan"] = {c.name: regress_argv(c, engine_params(c, model_dirs[c.model], prompts[c.prompt_set]),
                                                pathlib.Path("WORK")) for c in cases}
         report["throughput_plan"] = {
             shape: throughput_argv(shape, out / "models" / f"{SHAPE_MODELS.get(shape, 'qwen3_5')}_bench", args.rounds,
