@@ -24,6 +24,10 @@ CHILD = os.path.join(HERE, "engine_ab_child.py")
 FAST_EXIT = os.path.join(os.path.dirname(HERE), "fast_exit")  # engine_shim's sitecustomize installs it
 GDN_LAYERS = ("model.layers.0.linear_attn", "model.layers.2.linear_attn")
 PROMPT_LENGTHS = "5,17,40"  # tokens that do not move with the block count (see test_kv_engine_ab)
+# the conv-state layout of each activation run (conftest's activation_run): vLLM's CPU default (SD, no layout set)
+# except the plugin's, which runs DS and so is also the patched side of the DS layout A/B (test_kv_engine_ab[DS]):
+# one engine start for both
+ACTIVATION_LAYOUTS = {("plugin", "separate"): "DS"}
 
 
 def build_tiny_model(path: str) -> None:
@@ -119,3 +123,9 @@ def run_activation_path(path: str, model: str, workdir: pathlib.Path, name: str,
             if not key.startswith("KDA_PATCHES") and key != "PYTHONPATH"}
     # the test-only fast exit of spawned children (tests/fast_exit; it does not activate the overlay)
     return run_child(command, model, workdir, name, base, dict(env, PYTHONPATH=FAST_EXIT))
+
+
+def activation_layout(path: str, mode: str) -> str:
+    """Return the conv-state layout (``SD`` / ``DS``) of the ``(path, mode)`` activation run
+    (:data:`ACTIVATION_LAYOUTS`)."""
+    return ACTIVATION_LAYOUTS.get((path, mode), "SD")

@@ -8,36 +8,30 @@ changing only ``num_gpu_blocks_override`` (4096 -> 2688, prefix caching off) alr
 of a 77-token prompt. The separate mode shrinks the block count by design (its memory is taken from the KV
 budget), so the A/B workload is one whose baseline tokens do not move with the block count.
 
-The SD runs are the session's (``conftest.py``), shared with ``test_kv_activation_paths``: the baseline is
-``sd_baseline``, the patched runs are ``activation_run``'s ``.pth`` runs in separate and auto mode (STRICT, the
-overlay imported at interpreter start in every process). The DS runs are this test's own, activated by
-``engine_shim``'s sitecustomize.
+Every run is the session's (``conftest.py``), shared with ``test_kv_activation_paths``: SD's baseline is
+``sd_baseline``, its patched runs ``activation_run``'s ``.pth`` runs in separate and auto mode (STRICT, the overlay
+imported at interpreter start in every process); DS's baseline is ``ds_baseline``, its patched run the plugin
+activation path's separate-mode run (STRICT, DS conv states: ``engine_runs.ACTIVATION_LAYOUTS``), so the DS
+A/B adds one engine start (its baseline), not two.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from engine_runs import GDN_LAYERS, layout_facts, run_engine
+from engine_runs import GDN_LAYERS, activation_layout, layout_facts
+
+SEPARATE_RUNS = (("pth", "separate"), ("plugin", "separate"))  # activation runs in separate mode: one per layout
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("conv_layout", ["SD", "DS"])
-def test_engine_ab_identical_tokens_and_ledger_verdicts(tiny_model: str, tmp_path: Any, conv_layout: str,
-                                                        request: pytest.FixtureRequest) -> None:
-    workdir = str(tmp_path)
-    layout = {"VLLM_SSM_CONV_STATE_LAYOUT": conv_layout}
-    if conv_layout == "SD":  # the same unpatched process as the activation paths' baseline: run once (conftest)
-        baseline, base_ledgers = request.getfixturevalue("sd_baseline")
-    else:
-        baseline, base_ledgers = run_engine(tiny_model, workdir, "baseline", KDA_PATCHES="0", **layout)
+def test_engine_ab_identical_tokens_and_ledger_verdicts(conv_layout: str, request: pytest.FixtureRequest) -> None:
+    # the same unpatched processes as the activation paths' baselines: run once per session (conftest)
+    baseline, base_ledgers = request.getfixturevalue({"SD": "sd_baseline", "DS": "ds_baseline"}[conv_layout])
     assert "summary" not in layout_facts(base_ledgers)
-    if conv_layout == "SD":  # the same patched processes as the .pth activation path's: run once (conftest)
-        separate, sep_ledgers = request.getfixturevalue("activation_run")("pth", "separate")
-    else:
-        separate, sep_ledgers = run_engine(tiny_model, workdir, "separate", KDA_PATCHES_KV_STATE_MODE="separate",
-                                           KDA_PATCHES_STRICT="1", **layout)
+    # the same patched process as an activation path's separate-mode run of this layout: run once (conftest)
+    path = next(path for path, mode in SEPARATE_RUNS if activation_layout(path, mode) == conv_layout)
+    separate, sep_ledgers = request.getfixturevalue("activation_run")(path, "separate")
     assert separate == baseline
     facts = layout_facts(sep_ledgers)
     for name in GDN_LAYERS:
