@@ -15,7 +15,10 @@ its epilogue under ``STORE_FINAL_STATE``. Where the offset sits is the kernel's 
 The twin is that source with exactly these edits (:class:`KernelDeclaration` names the parts):
 
 1. the decorators are dropped: the twin is jitted here, under the release's own heuristics, without its autotuner
-   (an autotuner's timing runs would read and write the cache again, and it compiles while serving);
+   (an autotuner's timing runs would read and write the cache again, and it compiles while serving), with the
+   release's ``jit`` keywords and the four row arguments below never specialized (``do_not_specialize``: a row
+   count that changes with the extensible cache's rebind, index vectors sliced at any offset -- none may compile
+   another variant while serving);
 2. four arguments follow the final state -- ``kda_rows`` (the sequences' cache rows), ``kda_flags`` (whether each
    has an initial state), ``kda_num_rows`` and ``kda_row_stride`` (the cache's ``shape[0]`` and ``stride(0)`` in
    items) -- and three constexprs end the list (``KDA_DST``, ``KDA_NAN_RULE``, ``KDA_NAN_BITS``: the exact FP32 to
@@ -276,6 +279,7 @@ def edit_kernel_source(source: str, declaration: KernelDeclaration) -> tuple[ast
     if taken:
         raise _refuse(declaration, "the twin's names", f"{taken} already appear in the source")
     jit_keywords = _jit_keywords(definition, declaration)
+    jit_keywords["do_not_specialize"] = [*jit_keywords.get("do_not_specialize", ()), *ROW_ARGUMENTS]
     definition.decorator_list = []
     parameters = [a.arg for a in definition.args.args]
     for pointer in (declaration.initial, declaration.final):

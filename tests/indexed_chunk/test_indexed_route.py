@@ -35,9 +35,13 @@ def derived():
 def clean_call_state():
     direct._checked_pair = (None, None, None)
     active_call.route = None
+    indexed.WARMED.clear()
+    indexed.LOOKED_AT.clear()
     yield
     direct._checked_pair = (None, None, None)
     active_call.route = None
+    indexed.WARMED.clear()
+    indexed.LOOKED_AT.clear()
 
 
 def chunk_arguments(generator: torch.Generator, lengths: list[int], initial_state=None) -> dict:
@@ -202,3 +206,55 @@ def test_the_default_runs_the_twin_only_in_seams_measured_faster_with_it(derived
     assert gdn_state_copy.QWEN_034_SEAM.indexed.measured and gdn_state_copy.KIMI_GDN_034_SEAM.indexed.measured
     assert not any(seam.indexed.measured for seam in (gdn_state_copy.OLMO_SEAM, gdn_state_copy.QWEN_SEAM,
                                                       gdn_state_copy.KIMI_GDN_SEAM))
+
+
+def warmups() -> int:
+    from kda_patches.ledger import get_ledger
+
+    return int((get_ledger().snapshot()["counters"].get(indexed.SECTION) or {}).get("twin_warmups", 0))
+
+
+def copied_call(derived, generator: torch.Generator):
+    """A routed call below auto's crossover: its gather copied through the plan, its chunk call the release's."""
+    state = torch.randn(5, HEADS, DIM, DIM, generator=generator)
+    route = indexed.IndexedRoute(RecordingPlan(), state, derived, min_sequences=4)
+    packed = route.gather(state, torch.tensor([3, 0]), torch.tensor([True, False]))
+    assert route.rows is None and route.plan.copies == ["gather"]
+    return route, state, chunk_arguments(generator, [5, 2], packed)
+
+
+def test_a_copied_call_warms_the_twin_once_storing_nothing_and_runs_the_release(derived) -> None:
+    """auto below its crossover: the first copied call launches the twin once with every row invalid (compiling it
+    before any wide prefill needs it); the cache is untouched to the bit and the call's results are the release's."""
+    generator = torch.Generator().manual_seed(4)
+    route, state, arguments = copied_call(derived, generator)
+    state[1] = float("nan")  # poison: a row no sequence names; every row must keep its bytes
+    before = state.clone()
+    expected = derived.host(**arguments)
+    active_call.route = route
+    start = warmups()
+    results = indexed.route_host(derived.host, (), arguments)
+    assert warmups() == start + 1 and torch.equal(state.view(torch.int32), before.view(torch.int32))
+    assert all(torch.equal(got, want) for got, want in zip(results, expected))
+    indexed.route_host(derived.host, (), arguments)  # the same layer again: looked at once
+    other, _, more = copied_call(derived, generator)  # another layer of the same shapes: the compile is shared
+    active_call.route = other
+    indexed.route_host(derived.host, (), more)
+    assert warmups() == start + 1 and not route.consumed
+
+
+def test_no_warm_up_inside_a_graph_capture_or_before_the_cache_was_gathered(derived, monkeypatch) -> None:
+    generator = torch.Generator().manual_seed(5)
+    route, _, arguments = copied_call(derived, generator)
+    active_call.route = route
+    start = warmups()
+    monkeypatch.setattr(indexed, "capturing", lambda tensor: True)
+    indexed.route_host(derived.host, (), arguments)
+    assert warmups() == start and not indexed.LOOKED_AT  # a capture would replay it: tried again later
+    monkeypatch.setattr(indexed, "capturing", lambda tensor: False)
+    route.seen = None  # no gather of the cache in this call: nothing known of the indices a bound call passes
+    indexed.route_host(derived.host, (), arguments)
+    assert warmups() == start
+    route.seen = (torch.int64, True)
+    indexed.route_host(derived.host, (), arguments)
+    assert warmups() == start + 1
