@@ -27,6 +27,11 @@ def test_released_files_share_one_unit() -> None:
     assert units == {xdist_scheduling.RELEASED_UNIT}
     assert xdist_scheduling.work_unit("tests/releases/test_support_matrix.py::test_x") == \
         "tests/releases/test_support_matrix.py"
+    # a file elsewhere sharing a released batch (vLLM 0.34's no-copy cases: the 0.34 layer batch) joins the unit
+    assert xdist_scheduling.work_unit("tests/indexed_chunk/test_indexed_034_layers.py::test_x[a]") == \
+        xdist_scheduling.RELEASED_UNIT
+    assert xdist_scheduling.work_unit("tests/indexed_chunk/test_indexed_route.py::test_x") == \
+        "tests/indexed_chunk/test_indexed_route.py"
 
 
 def test_every_engine_file_exists_and_marks_an_engine_test() -> None:

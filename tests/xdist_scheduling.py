@@ -8,9 +8,9 @@ session's engine runs (``tests/kv_layout/conftest.py``), and the regress files. 
 another on one worker; the two units start first, one on each worker, and each worker's vLLM engines bind their
 compute threads to that worker's own core (:func:`engine_core_binding`), so two engines never share a core's
 OpenMP threads (vLLM's ``auto`` binding puts every single-rank engine on core 0). The files of ``tests/released``
-are one unit too: their batches of released-code processes run once per pytest process and several files assert on
-the same batch. ``tests/conftest.py`` refuses a run where a test marked ``engine`` lives in a file missing from the
-units.
+are one unit too (with :data:`RELEASED_GUESTS`, files elsewhere that share one of its batches): their batches of
+released-code processes run once per pytest process and several files assert on the same batch.
+``tests/conftest.py`` refuses a run where a test marked ``engine`` lives in a file missing from the units.
 """
 
 from __future__ import annotations
@@ -33,17 +33,20 @@ ENGINE_FILES = frozenset().union(*ENGINE_UNITS.values())
 
 RELEASED_UNIT = "released"
 RELEASED_FOLDER = "tests/released/"  # its batches run once per pytest process and serve several files
+# files elsewhere that assert on a tests/released batch: vLLM 0.34's no-copy cases share the 0.34 layer batch (one
+# baseline process for both: released_batches.upstream034)
+RELEASED_GUESTS = frozenset({"tests/indexed_chunk/test_indexed_034_layers.py"})
 
 
 def work_unit(nodeid: str) -> str:
     """Return the scheduling unit of a test: its :data:`ENGINE_UNITS` name for an engine file, ``released`` for every
-    file of ``tests/released`` (one worker runs each released-code batch once for all the files that assert on it),
-    else its file."""
+    file of ``tests/released`` and each of :data:`RELEASED_GUESTS` (one worker runs each released-code batch once for
+    all the files that assert on it), else its file."""
     path = nodeid.split("::", 1)[0]
     for unit, files in ENGINE_UNITS.items():
         if path in files:
             return unit
-    return RELEASED_UNIT if path.startswith(RELEASED_FOLDER) else path
+    return RELEASED_UNIT if path.startswith(RELEASED_FOLDER) or path in RELEASED_GUESTS else path
 
 
 def queue_position(nodeid: str) -> int:

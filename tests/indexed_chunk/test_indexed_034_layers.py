@@ -1,8 +1,10 @@
 """No copy on vLLM 0.34.0's own Qwen, Olmo hybrid, Kimi Linear and Kimi K3 layers: ``KDA_PATCHES_STATE_IO=indexed``
 against ``KDA_PATCHES=0``, on the CPU.
 
-:mod:`upstream034_child` (tests/released) twice, ``:indexed`` cases only: each layer's chunk call reaches the
-release's own chunk rule -- the vendored FLA ``chunk_gated_delta_rule`` (Qwen, Olmo), Kimi K3's
+:mod:`upstream034_child` (tests/released), ``:indexed`` cases on two sides of the batch that tests/released's 0.34
+layer A/B runs (:func:`released_batches.upstream034`: its baseline process runs both files' cases, the ``indexed``
+process these only; xdist runs both files on one worker, ``tests/xdist_scheduling.py``): each layer's chunk call
+reaches the release's own chunk rule -- the vendored FLA ``chunk_gated_delta_rule`` (Qwen, Olmo), Kimi K3's
 ``chunk_kda_with_fused_gate`` (Kimi Linear and Kimi K3, per-key gates) -- executed, its Triton kernels run by the
 interpreter, so
 
@@ -23,14 +25,12 @@ from __future__ import annotations
 
 import pytest
 import released_ab
+import released_batches
 from batch_plan import PREFILL_CALLS
 from released_pages import page_problems
 
 RELEASE = "0.34.0"
-# BF16 and FP32 caches, both conv layouts, every 0.34 seam once (each case costs the interpreter's chunk rule twice)
-CASES = ("qwen:bfloat16:DS:indexed", "linear:float32:DS:indexed", "k3:bfloat16:SD:indexed", "olmo:float32:SD:indexed")
-SIDES = (("baseline", released_ab.Side(False)),
-         ("indexed", released_ab.Side(True, (("KDA_PATCHES_STATE_IO", "indexed"), ("KDA_PATCHES_GDN_OPS", "overlay")))))
+CASES = released_batches.UPSTREAM034_INDEXED_CASES
 SECTION = {"qwen": "gdn_state_copy", "linear": "gdn_state_copy", "k3": "kimi_prefill", "olmo": "gdn_state_copy"}
 # upstream's copy kernels each layer launches per batch plan in the baseline (Kimi K3 scatters by index)
 BASELINE_LAUNCHES = {"qwen": (PREFILL_CALLS, PREFILL_CALLS), "linear": (PREFILL_CALLS, PREFILL_CALLS),
@@ -41,11 +41,10 @@ COPY_KERNELS = ("_gather_initial_states_kernel", "_scatter_states_kernel")
 
 @pytest.fixture(scope="module")
 def runs() -> released_ab.BatchRun:
+    """The batch of tests/released's 0.34 layer A/B too (its baseline process runs these cases as well)."""
     from kda_patches.releases.fetch import release_dir
 
-    batch = released_ab.Batch(f"vLLM {RELEASE}'s Qwen layer, no copy (upstream034_child.py)", "upstream034_child.py",
-                              (str(release_dir("vllm", RELEASE)),), CASES, SIDES)
-    return released_ab.run_batch(batch)
+    return released_ab.run_batch(released_batches.upstream034(str(release_dir("vllm", RELEASE))))
 
 
 @pytest.mark.parametrize("case", CASES)

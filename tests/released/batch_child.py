@@ -10,7 +10,9 @@ A child script declares three functions and hands them to :func:`serve` (its ``_
   returns the case's saved dict (``outputs``, ``snapshots``, ...);
 - ``describe(state)``: what the whole process reports once (``bound``, ...).
 
-``python CHILD.py SPEC OUT``: ``SPEC`` is JSON ``{"args": [...], "cases": [[case, seed], ...]}``; ``OUT`` gets a
+``python CHILD.py SPEC OUT``: ``SPEC`` is JSON ``{"args": [...], "cases": [[case, seed, slot], ...]}`` (``slot``:
+the case's position in its batch's full case list, the same on every side even where a side runs only some of the
+cases; a child that numbers per-case objects, e.g. layer names, reads it as :data:`current_slot`); ``OUT`` gets a
 ``torch.save`` dict ``{"cases": {case: dict}, "ledger": final snapshot, **describe(state)}``. A case that
 raises is recorded as ``{"error": traceback}`` and the next case runs (its test reports it; the others keep
 their results). Each case's dict also gets ``counters`` (the ledger counters that changed during the case, as
@@ -38,6 +40,8 @@ sys.path.insert(1, str(HERE.parent / "fast_exit"))  # tests/fast_exit: kda_test_
 
 import kda_test_fast_exit  # noqa: E402  (after its folder is on sys.path)
 
+current_slot = 0  # the running case's slot (see the module docstring), set before each run_case
+
 
 def counter_delta(before: dict, after: dict) -> dict[str, dict[str, int]]:
     """Return the ledger counters that changed between two snapshots, as increments per section."""
@@ -64,12 +68,15 @@ def run_batch(spec: dict[str, Any], out: str, setup: Callable[[list[str], list[s
     """Set up once, run every case of ``spec`` (errors recorded per case) and save the results to ``out``."""
     import torch
 
-    cases = [(str(case), int(seed)) for case, seed in spec["cases"]]
-    state = setup(list(spec["args"]), [case for case, _ in cases])
+    global current_slot
+    cases = [(str(case), int(seed), int(slot[0]) if slot else position)
+             for position, (case, seed, *slot) in enumerate(spec["cases"])]
+    state = setup(list(spec["args"]), [case for case, _, _ in cases])
     ledger = sys.modules["kda_patches"].get_ledger()  # setup activated the overlay
     at_setup = counter_delta({}, ledger.snapshot())
     results = {}
-    for case, seed in cases:
+    for case, seed, slot in cases:
+        current_slot = slot
         before = ledger.snapshot()
         try:
             result = run_case(state, case, seed)

@@ -155,7 +155,7 @@ def run_batch(batch: Batch) -> BatchRun:
         procs, outs = {}, {}
         for side, spec in batch.sides:
             outs[side] = os.path.join(folder, f"{side}.pt")
-            cases = [[case, seeds[case]] for case in batch.cases if batch.runs_on(case, side)]
+            cases = [[case, seeds[case], slot] for slot, case in enumerate(batch.cases) if batch.runs_on(case, side)]
             command = [sys.executable, str(HERE / batch.script),
                        json.dumps({"args": list(batch.args), "cases": cases}), outs[side]]
             procs[side] = subprocess.Popen(command, env=spec.env(), cwd=str(HERE), stdout=subprocess.PIPE,

@@ -42,6 +42,44 @@ GDN030_SIDES = (("baseline", Side(False)), ("second", Side(False)), ("fork", Sid
 KIMI_FORK_SIDES = ("baseline", "fork")  # the fork's plan refuses CPU caches: the overlay standing aside only
 
 
+# vLLM 0.34.0's layers (upstream034_child.py): the overlay off vs on in each GDN-ops choice
+# (test_upstream034_layers), and the no-copy cases off vs KDA_PATCHES_STATE_IO=indexed (tests/indexed_chunk's
+# test_indexed_034_layers), in one batch: one baseline process runs both files' cases
+UPSTREAM034_CASES = ("qwen:float32:SD", "qwen:bfloat16:DS", "linear:float32:DS", "linear:bfloat16:SD",
+                     "k3:float32:SD", "k3:bfloat16:DS", "olmo:bfloat16:SD", "olmo:float32:DS",
+                     # each layer call captured under 0.34's own breakable CUDA graph (its default for both Kimi
+                     # models on CUDA), then replayed: the replays are the served calls, the capture-time run a dummy's
+                     "k3:bfloat16:SD:breakable", "linear:float32:DS:breakable",
+                     # Qwen on 0.34's FlashInfer prefill backend (`auto` on SM90): the released
+                     # _forward_flashinfer_prefill gathers and the seam scatters -- the seam stands aside on that
+                     # backend, both copies upstream's
+                     "qwen:bfloat16:DS:flashinfer",
+                     # Kimi K3 on FlashKDA (0.34's `auto` on SM90+): its copies stand outside the backend branch,
+                     # routed as ever
+                     "k3:bfloat16:DS:flashkda")
+# BF16 and FP32 caches, both conv layouts, every 0.34 seam once (each case costs the interpreter's chunk rule twice)
+UPSTREAM034_INDEXED_CASES = ("qwen:bfloat16:DS:indexed", "linear:float32:DS:indexed", "k3:bfloat16:SD:indexed",
+                             "olmo:float32:SD:indexed")
+UPSTREAM034_SIDES = (("baseline", Side(False)), ("measured", Side(True)),
+                     ("upstream", Side(True, (("KDA_PATCHES_GDN_OPS", "upstream"),))),
+                     ("overlay", Side(True, (("KDA_PATCHES_GDN_OPS", "overlay"),))))
+UPSTREAM034_INDEXED_SIDE = ("indexed", Side(True, (("KDA_PATCHES_STATE_IO", "indexed"),
+                                                   ("KDA_PATCHES_GDN_OPS", "overlay"))))
+
+
+def upstream034(root: str) -> Batch:
+    """vLLM 0.34.0's layers (``root``: the release's folder), both files' cases in one batch: the layer cases on the
+    baseline and the three GDN-ops sides, the no-copy cases on the baseline and the ``indexed`` side -- one baseline
+    process for both (the layer cases first: their slots, so their layer names, are those of a batch of their own)."""
+    layer_sides = tuple(side for side, _ in UPSTREAM034_SIDES)
+    only = (*((case, layer_sides) for case in UPSTREAM034_CASES),
+            *((case, ("baseline", UPSTREAM034_INDEXED_SIDE[0])) for case in UPSTREAM034_INDEXED_CASES))
+    return Batch("vLLM 0.34.0's four seam layers, overlay off / on in each GDN-ops choice / no copy "
+                 "(upstream034_child.py)", "upstream034_child.py", (root,),
+                 (*UPSTREAM034_CASES, *UPSTREAM034_INDEXED_CASES), (*UPSTREAM034_SIDES, UPSTREAM034_INDEXED_SIDE),
+                 only=only)
+
+
 def upstream_case(kind: str, cache_dtype: str, conv_layout: str) -> str:
     """Return the case id of an upstream layer case (:mod:`upstream_child`)."""
     return f"{kind}:{cache_dtype}:{conv_layout}"

@@ -1,7 +1,8 @@
 """vLLM 0.34.0's Qwen, Kimi Linear, Kimi K3 and Olmo seams on the CPU, overlay off vs on in both GDN-ops choices.
 
 :mod:`upstream034_child` four times, all cases in each process (:func:`released_ab.run_batch`; the 0.34 coverage costs
-four fresh processes, not a pair per case: issue 28), each case with its own fresh seed, the same on every side:
+four fresh processes, not a pair per case: issue 28; the baseline process also runs tests/indexed_chunk's no-copy
+cases, :func:`released_batches.upstream034`), each case with its own fresh seed, the same on every side:
 
 - ``baseline``: ``KDA_PATCHES=0`` (STRICT): upstream's own ``gather_initial_states`` / ``scatter_states`` copy the
   states of Qwen and Kimi Linear, ``gather_initial_states`` and an index assignment those of Kimi K3, indexing
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import pytest
 import released_ab
+import released_batches
 import torch
 from batch_plan import BLOCKS, CONV_WIDTH, HEAD_DIM, HEADS, PREFILL_CALLS
 from runner_standin import PageSpec, poison_problems
@@ -41,16 +43,7 @@ from upstream034_standins import BREAK_REPLAYS, GATHER_MODULE, LAYERS, SCATTER_M
 from kda_patches.routing.seams import capture_section
 
 RELEASE = "0.34.0"
-CASES = ("qwen:float32:SD", "qwen:bfloat16:DS", "linear:float32:DS", "linear:bfloat16:SD",
-         "k3:float32:SD", "k3:bfloat16:DS", "olmo:bfloat16:SD", "olmo:float32:DS",
-         # each layer call captured under 0.34's own breakable CUDA graph (its default for both Kimi models on CUDA),
-         # then replayed BREAK_REPLAYS times: the replays are the served calls, the capture-time run a dummy's
-         "k3:bfloat16:SD:breakable", "linear:float32:DS:breakable",
-         # Qwen on 0.34's FlashInfer prefill backend (`auto` on SM90): the released _forward_flashinfer_prefill gathers
-         # and the seam scatters -- the seam stands aside on that backend, both copies upstream's
-         "qwen:bfloat16:DS:flashinfer",
-         # Kimi K3 on FlashKDA (0.34's `auto` on SM90+): its copies stand outside the backend branch, routed as ever
-         "k3:bfloat16:DS:flashkda",)
+CASES = released_batches.UPSTREAM034_CASES
 GATHER, SCATTER = "_gather_initial_states_kernel", "_scatter_states_kernel"
 # which layers each side routes through the overlay's plans
 ROUTED = {"baseline": (), "measured": ("qwen", "k3", "olmo"), "upstream": ("k3", "olmo"),
@@ -81,20 +74,17 @@ def served_per_call(case: str) -> int:
     return BREAK_REPLAYS if case.endswith(":breakable") else 1
 
 
-SIDES = (("baseline", released_ab.Side(False)), ("measured", released_ab.Side(True)),
-         ("upstream", released_ab.Side(True, (("KDA_PATCHES_GDN_OPS", "upstream"),))),
-         ("overlay", released_ab.Side(True, (("KDA_PATCHES_GDN_OPS", "overlay"),))))
+SIDES = released_batches.UPSTREAM034_SIDES
 
 
 @pytest.fixture(scope="module")
 def runs() -> tuple[str, released_ab.BatchRun]:
-    """The three sides over every case: ``(release root, the batch's run)``."""
+    """The four sides over every case: ``(release root, the batch's run)``; the batch also serves
+    tests/indexed_chunk's no-copy cases (one baseline process: :func:`released_batches.upstream034`)."""
     from kda_patches.releases.fetch import release_dir
 
     root = str(release_dir("vllm", RELEASE))
-    batch = released_ab.Batch(f"vLLM {RELEASE}'s four seam layers (upstream034_child.py)", "upstream034_child.py",
-                              (root,), CASES, SIDES)
-    return root, released_ab.run_batch(batch)
+    return root, released_ab.run_batch(released_batches.upstream034(root))
 
 
 def context_of(runs: tuple, case: str, side: str) -> str:

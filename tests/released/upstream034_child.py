@@ -17,8 +17,12 @@ each case's runner binds poisoned pages for its two layers, and the overlay's st
 Here the overlay is activated late, after 0.34's runner-group members (see :func:`setup`).
 
 Each case draws its layers and inputs from its own generator (its own fresh seed), so a case's results do not
-depend on the others. vLLM caches the conv-state layout per process (``get_conv_state_layout``): each case sets
-its own (:func:`upstream_standins.set_conv_layout`, the cache cleared).
+depend on the others. A process with ``:indexed`` cases executes the release's FLA (and, for Kimi cases, KDA)
+chunk-rule files; where it runs other cases too (one baseline process serving the 0.34 layer A/B and the no-copy
+A/B, :func:`released_batches.upstream034`), Olmo's and the Kimi layers' chunk rules are set per case -- the
+release's for ``:indexed`` cases, the stand-ins elsewhere, as in a process without ``:indexed`` cases. vLLM caches
+the conv-state layout per process (``get_conv_state_layout``): each case sets its own
+(:func:`upstream_standins.set_conv_layout`, the cache cleared).
 
 Saved (``torch.save``): ``cases`` -> per case ``outputs``, ``snapshots``, ``counters`` (the case's ledger counter
 increments per section), ``launches`` (upstream's two kernels launched during the case), ``facts`` (its layers'
@@ -50,7 +54,9 @@ class State:
     runner_module: Any
     modules: dict[str, Any]
     kernel_tables: list[dict[str, int]]
-    cases_run: int = 0
+    # a process with ':indexed' and other cases (a baseline serving both): (owner, name, stand-in, release's rule)
+    # per chunk rule that the release's own replaced process-wide, set per case (see run_case)
+    chunk_rules: tuple[tuple[Any, str, Any, Any], ...] = ()
 
     def launched(self) -> dict[str, int]:
         """Return upstream's two kernels' launches so far."""
@@ -119,7 +125,18 @@ def setup(args: list[str], cases: list[str]) -> State:
     modules = {kind: importlib.import_module(module) for kind, (module, _, _) in standins.LAYERS.items()}
     standins.install_layer_standins(modules)
     tables = [count_kernel_launches(importlib.import_module(module), (kernel,)) for module, kernel in standins.KERNELS]
-    return State(stack, runner_module, modules, tables)
+    chunk_rules = []
+    if indexed and not all(parse_case(case)[3] == "indexed" for case in cases):  # each case picks its own rule
+        import gdn_standins
+        import upstream_standins
+
+        if "olmo" in modules:  # bound by name at the layer module's import: the release's here
+            chunk_rules.append((modules["olmo"], "chunk_gated_delta_rule", gdn_standins.chunk_gated_delta_rule,
+                                modules["olmo"].chunk_gated_delta_rule))
+        if kda_indexed:  # imported from the package per call
+            chunk_rules.append((kda, "chunk_kda_with_fused_gate", upstream_standins.chunk_kda_with_fused_gate,
+                                kda.chunk_kda_with_fused_gate))
+    return State(stack, runner_module, modules, tables, tuple(chunk_rules))
 
 
 def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
@@ -131,10 +148,12 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
 
     kind, cache_dtype, conv_layout, mode = parse_case(case)
     standins.set_conv_layout(conv_layout)
+    for owner, name, standin, release in state.chunk_rules:  # a mixed process: as in a process of this case's kind
+        setattr(owner, name, release if mode == "indexed" else standin)
     _, class_name, method = standins.LAYERS[kind]
     cls = getattr(state.modules[kind], class_name)
     generator = torch.Generator().manual_seed(seed)
-    first, state.cases_run = 2 * state.cases_run, state.cases_run + 1
+    first = 2 * batch_child.current_slot  # the case's slot in its batch: the same layer names on every side
     names = [f"model.layers.{first + i}.{standins.SUFFIX[kind]}" for i in range(2)]
     backend = mode if mode in ("flashinfer", "flashkda") else "triton"
     layers = {name: standins.build_layer(kind, cls, name, generator, backend, getattr(torch, cache_dtype))

@@ -69,7 +69,6 @@ class State:
     runner_module: Any
     modules: dict[str, Any]
     extra_fields: dict[str, Any]
-    cases_run: int = 0
     chunk_rules: bool = False  # the release's chunk rules are loaded (':indexed' cases): each case picks its own
 
 
@@ -178,7 +177,7 @@ def run_case(state: State, case: str, seed: int) -> dict[str, Any]:
     cls = getattr(module, class_name)
     build = build_gdn_layer if kind in GDN_KINDS else build_kimi_layer
     generator = torch.Generator().manual_seed(seed)
-    first, state.cases_run = LAYERS * state.cases_run, state.cases_run + 1
+    first = LAYERS * batch_child.current_slot  # the case's slot in its batch: the same layer names on every side
     names = [f"model.layers.{first + i}.{suffix}" for i in range(LAYERS)]
     layers = {name: build(cls, name, generator) for name in names}
     chunk_rule = None
