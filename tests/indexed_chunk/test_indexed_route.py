@@ -235,7 +235,7 @@ def test_a_copied_call_warms_the_twin_once_storing_nothing_and_runs_the_release(
     start = warmups()
     results = indexed.route_host(derived.host, (), arguments)
     assert warmups() == start + 1 and torch.equal(state.view(torch.int32), before.view(torch.int32))
-    assert all(torch.equal(got, want) for got, want in zip(results, expected))
+    assert all(torch.equal(got, want) for got, want in zip(results, expected, strict=True))
     indexed.route_host(derived.host, (), arguments)  # the same layer again: looked at once
     other, _, more = copied_call(derived, generator)  # another layer of the same shapes: the compile is shared
     active_call.route = other
