@@ -229,13 +229,19 @@ def capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def compiles(tensor: torch.Tensor) -> bool:
+    """Return whether a Triton launch on ``tensor``'s device compiles (a GPU or NPU; on the CPU only the interpreter
+    runs Triton, which compiles nothing, so there is nothing to warm)."""
+    return tensor.device.type != "cpu"
+
+
 def warm_twin(route: IndexedRoute, args: tuple, kwargs: dict) -> bool:
     """Compile the twin for a routed call that copies (fewer sequences than ``auto``'s crossover), once per launch
     signature (looked at once per twin and cache), by launching it on this call's tensors with every row invalid:
     it reads zeros, stores nothing, and its outputs are dropped. vLLM's start-up runs routed prefills of few
     sequences (warm-up, graph capture), so the first wide prefill while serving finds the twin compiled (the JIT
     watch of the engine check judges it). Not inside a CUDA-graph capture (the launch would be replayed with the
-    graph).
+    graph), and not where nothing compiles (:func:`compiles`: the CPU).
 
     Returns:
         Whether the twin was launched (counted ``twin_warmups`` in the ``indexed_chunk`` section).
@@ -250,6 +256,9 @@ def warm_twin(route: IndexedRoute, args: tuple, kwargs: dict) -> bool:
     signature = (id(route.derived), cache.dtype, cache.device, k.dtype, tuple(k.shape[2:]), tuple(u.shape[2:]),
                  None if g is None else g.dtype, call["gk"] is None, call["chunk_size"], bool(call["use_exp2"]),
                  call["save_new_value"], call["cu_seqlens"] is None, index_dtype, flagged)
+    if not compiles(k):
+        LOOKED_AT.add(pair)
+        return False
     if capturing(k):
         return False
     LOOKED_AT.add(pair)

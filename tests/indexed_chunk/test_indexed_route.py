@@ -223,9 +223,10 @@ def copied_call(derived, generator: torch.Generator):
     return route, state, chunk_arguments(generator, [5, 2], packed)
 
 
-def test_a_copied_call_warms_the_twin_once_storing_nothing_and_runs_the_release(derived) -> None:
+def test_a_copied_call_warms_the_twin_once_storing_nothing_and_runs_the_release(derived, monkeypatch) -> None:
     """auto below its crossover: the first copied call launches the twin once with every row invalid (compiling it
     before any wide prefill needs it); the cache is untouched to the bit and the call's results are the release's."""
+    monkeypatch.setattr(indexed, "compiles", lambda tensor: True)  # as on a GPU (the interpreter runs it here)
     generator = torch.Generator().manual_seed(4)
     route, state, arguments = copied_call(derived, generator)
     state[1] = float("nan")  # poison: a row no sequence names; every row must keep its bytes
@@ -243,11 +244,15 @@ def test_a_copied_call_warms_the_twin_once_storing_nothing_and_runs_the_release(
     assert warmups() == start + 1 and not route.consumed
 
 
-def test_no_warm_up_inside_a_graph_capture_or_before_the_cache_was_gathered(derived, monkeypatch) -> None:
+def test_no_warm_up_on_the_cpu_inside_a_graph_capture_or_before_the_cache_was_gathered(derived, monkeypatch) -> None:
     generator = torch.Generator().manual_seed(5)
     route, _, arguments = copied_call(derived, generator)
     active_call.route = route
     start = warmups()
+    indexed.route_host(derived.host, (), arguments)
+    assert warmups() == start  # CPU tensors: nothing compiles, nothing to warm
+    indexed.LOOKED_AT.clear()
+    monkeypatch.setattr(indexed, "compiles", lambda tensor: True)
     monkeypatch.setattr(indexed, "capturing", lambda tensor: True)
     indexed.route_host(derived.host, (), arguments)
     assert warmups() == start and not indexed.LOOKED_AT  # a capture would replay it: tried again later
