@@ -823,7 +823,9 @@ def test_a_case_at_the_defaults_sets_no_backend_and_its_line_says_so(tmp_path):
                   "overrides": overrides}
         line = module.engine_line(record)
         assert ("[vLLM's defaults]" in line) == (not paths) and all(f"{name}=" in line for name in paths)
-    assert module.FLASHKDA_LIBRARY in at_defaults.libraries and module.FLASHKDA_LIBRARY not in forced.libraries
+    needs = {case.name: " ".join(module.not_carried(case.model, case.at_defaults, tmp_path))
+             for case in (at_defaults, forced)}
+    assert module.FLASHKDA_LIBRARY in needs[at_defaults.name] and module.FLASHKDA_LIBRARY not in needs[forced.name]
 
 
 def test_a_no_copy_case_passes_only_when_every_routed_call_was_indexed():

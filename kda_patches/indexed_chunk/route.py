@@ -248,7 +248,10 @@ def warm_twin(route: IndexedRoute, args: tuple, kwargs: dict) -> bool:
     """
     cache = route.state
     pair = (id(route.derived), cache.data_ptr(), cache.shape[0])
-    if pair in LOOKED_AT:
+    if pair in LOOKED_AT or capturing(cache):  # a capture: looked at again after it
+        return False
+    LOOKED_AT.add(pair)
+    if not compiles(cache):
         return False
     call = bind_host_call(route.derived.host, args, kwargs)
     k, u, g = call["k"], call["u"], call["g"]
@@ -256,12 +259,6 @@ def warm_twin(route: IndexedRoute, args: tuple, kwargs: dict) -> bool:
     signature = (id(route.derived), cache.dtype, cache.device, k.dtype, tuple(k.shape[2:]), tuple(u.shape[2:]),
                  None if g is None else g.dtype, call["gk"] is None, call["chunk_size"], bool(call["use_exp2"]),
                  call["save_new_value"], call["cu_seqlens"] is None, index_dtype, flagged)
-    if not compiles(k):
-        LOOKED_AT.add(pair)
-        return False
-    if capturing(k):
-        return False
-    LOOKED_AT.add(pair)
     if signature in WARMED:
         return False
     WARMED.add(signature)

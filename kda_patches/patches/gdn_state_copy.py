@@ -134,8 +134,8 @@ QWEN_FLASHINFER_GATE = BackendGate(
 # indexed twin under KDA_PATCHES_STATE_IO=indexed (kda_patches.indexed_chunk)
 FLA_CHUNK_STATE = IndexedChunk(FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL)
 # ... and as the seams of vLLM 0.34's Qwen and Kimi Linear layers reach it: their own layers were measured at least as
-# fast with no copy (auto) at every batch size as unpatched and as the plan (docs/results/no-copy, rule
-# STATE_IO_RULE), so KDA_PATCHES_STATE_IO=measured (the default) runs them as auto; Olmo's seam, not measured, copies
+# fast with no copy (auto) at every batch size as unpatched and as the plan, in two runs (docs/results/no-copy), so
+# KDA_PATCHES_STATE_IO=measured (the default) runs them as auto; Olmo's seam, not measured, copies
 FLA_CHUNK_STATE_MEASURED = IndexedChunk(FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL,
                                         measured=True)
 # vLLM < 0.34's Qwen (gdn_prefill_backend, 0.31+): only its Triton branch (the CustomOp's forward_native) reaches FLA's
@@ -250,10 +250,6 @@ STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy, or measured (the default) in a rele
                  "chunk kernel reads and stores the cache rows itself (an indexed twin derived from the release's "
                  "kernel source; Kimi Linear's too where its seam is routed: before vLLM 0.34 on FP32 caches, on "
                  "0.34 where KDA_PATCHES_GDN_OPS=overlay routes it)")
-# the rule that turns the no-copy measurement of a release's own layer into IndexedChunk.measured
-STATE_IO_RULE = ("per docs/results/no-copy: a seam runs KDA_PATCHES_STATE_IO=auto by default only where its own "
-                 "layer with it was at least as fast as unpatched and as the plan's copy at every batch size "
-                 "(unpatched/patched per engine step >= 1.00 at 1, 8, 64 and 256 sequences, in two runs)")
 
 
 def _upstream_034_era(low: str, high: str) -> tuple[Target, ...]:

@@ -141,19 +141,50 @@ MODELS = {
                             libraries=(MOE_LIBRARY,), seam=QWEN_GDN_SEAM),
 }
 FLASHKDA_LIBRARY = "_flashkda_C.abi3.so"
-# what vLLM 0.34 picks by default on SM90 for a model, beyond the op library: Kimi K3's KDA prefill is FlashKDA
-# (`resolve_kda_prefill_backend`: head_dim 128, BF16, a bounded gate); its native fused decode is in the op library
-# ... and Qwen3-Next's attention layers FlashAttention 3 (vLLM's attention default on SM90; H100 run 21: without it the
-# selector stops on "FlashAttention version not detected")
-DEFAULT_BACKEND_LIBRARIES = {"kimi_k3": (FLASHKDA_LIBRARY,), "qwen3_next": (gpu_harness.FA3_LIBRARY,)}
-# ... and the carried packages it picks: Qwen's GDN prefill is FlashInfer's on every SM90 device
-# (`_resolve_gdn_prefill_backend`), a wheel set in the site (vllm_bundle.py carry --with-flashinfer)
-DEFAULT_BACKEND_PACKAGES = {"qwen3_next": ("flashinfer",)}
-# what a case at the defaults must find its layers running
-DEFAULT_PREFILL_BACKENDS = {"kimi_k3": "flashkda", "qwen3_next": "flashinfer"}
-# models whose seam stands aside on that default backend (its BackendGate: the Qwen seam's FlashInfer layers keep
-# both of upstream's copies, counted calls_upstream) instead of routing it
-DEFAULT_BACKEND_STANDS_ASIDE = frozenset({"qwen3_next"})
+
+
+@dataclass(frozen=True)
+class AtDefaults:
+    """What vLLM 0.34 picks for a model at its defaults on SM90, beyond the op library.
+
+    Attributes:
+        prefill: the prefill backend a case at the defaults must find its layers running.
+        libraries: vLLM compiled libraries (files in ``vllm/``) that backend choice needs carried.
+        packages: carried packages (folders of the site) it needs.
+        stands_aside: the seam stands aside on that backend's layers (its ``BackendGate``: every call left to
+            upstream, counted ``calls_upstream``) instead of routing them.
+    """
+
+    prefill: str
+    libraries: tuple[str, ...] = ()
+    packages: tuple[str, ...] = ()
+    stands_aside: bool = False
+
+
+AT_DEFAULTS = {
+    # Kimi K3's KDA prefill is FlashKDA (`resolve_kda_prefill_backend`: head_dim 128, BF16, a bounded gate); its
+    # native fused decode is in the op library
+    "kimi_k3": AtDefaults("flashkda", (FLASHKDA_LIBRARY,)),
+    # Qwen's GDN prefill is FlashInfer's on every SM90 device (`_resolve_gdn_prefill_backend`; a wheel set,
+    # vllm_bundle.py carry --with-flashinfer), whose layers the Qwen seam stands aside on; its attention layers run
+    # FlashAttention 3 (H100 run 21: without it the selector stops on "FlashAttention version not detected")
+    "qwen3_next": AtDefaults("flashinfer", (gpu_harness.FA3_LIBRARY,), ("flashinfer",), stands_aside=True),
+}
+# the carry flag that brings each library or package (vllm_bundle.py carry ...)
+CARRY_FLAGS = {MOE_LIBRARY: "--with-moe", FLASHKDA_LIBRARY: "--with-flashkda", gpu_harness.FA3_LIBRARY: "--with-fa3",
+               "flashinfer": "--with-flashinfer"}
+
+
+def not_carried(model: str, at_defaults: bool, site: pathlib.Path) -> list[str]:
+    """Return what a run of ``model`` (at vLLM's defaults or not) needs that ``site`` lacks, each with its carry
+    flag (:data:`CARRY_FLAGS`): the model's libraries, and at the defaults :data:`AT_DEFAULTS`' libraries and
+    packages."""
+    chosen = AT_DEFAULTS.get(model) if at_defaults else None
+    libraries = (*MODELS[model].libraries, *(chosen.libraries if chosen else ()))
+    packages = chosen.packages if chosen else ()
+    lacking = [file for file in libraries if not gpu_harness.library_present(site, file)]
+    lacking += [package for package in packages if not (site / package / "__init__.py").is_file()]
+    return [f"{item} (vllm_bundle.py carry {CARRY_FLAGS[item]})" for item in lacking]
 DEFAULT_RELEASE = "0.33.0"
 RELEASE_RUNNERS = {"0.34.0": ("v2",)}  # 0.34's Worker always builds the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1)
 
@@ -184,7 +215,7 @@ class Case:
     # else the case proves nothing about PDL (or the default stopped choosing it)
     pdl: bool = False
     # no backend argument at all (attention, GDN / KDA prefill and decode left to vLLM): the case runs what vLLM picks
-    # on this GPU, which needs the libraries it picks carried (:data:`DEFAULT_BACKEND_LIBRARIES`)
+    # on this GPU, which needs what it picks carried (:data:`AT_DEFAULTS`)
     at_defaults: bool = False
     # KDA_PATCHES_STATE_IO (issue 51: ``indexed`` -- the chunk kernel reads and stores the cache rows, no copy); an
     # indexed case must find every routed call indexed (``calls_indexed == calls_routed``)
@@ -195,28 +226,16 @@ class Case:
     wide: bool = False
 
     @property
-    def libraries(self) -> tuple[str, ...]:
-        """vLLM compiled libraries (files in ``vllm/``) the case needs beyond the op library."""
-        extra = DEFAULT_BACKEND_LIBRARIES.get(self.model, ()) if self.at_defaults else ()
-        return (*MODELS[self.model].libraries, *extra)
-
-    @property
     def prompt_set(self) -> str:
         """The prompts file the case serves: ``preempt`` (a small cache), ``wide`` or ``default``."""
         return "preempt" if self.kv_blocks else "wide" if self.wide else "default"
 
     @property
-    def packages(self) -> tuple[str, ...]:
-        """Carried packages (folders of the site) the case needs: those vLLM picks at its defaults."""
-        return DEFAULT_BACKEND_PACKAGES.get(self.model, ()) if self.at_defaults else ()
-
-    @property
     def aside_on_backend(self) -> str | None:
-        """The prefill backend whose layers the seam must stand aside on (a case at the defaults of a model in
-        :data:`DEFAULT_BACKEND_STANDS_ASIDE`), else None."""
-        if self.at_defaults and self.model in DEFAULT_BACKEND_STANDS_ASIDE:
-            return DEFAULT_PREFILL_BACKENDS[self.model]
-        return None
+        """The prefill backend whose layers the seam must stand aside on (a case at the defaults of a model whose
+        :data:`AT_DEFAULTS` entry stands aside), else None."""
+        chosen = AT_DEFAULTS.get(self.model) if self.at_defaults else None
+        return chosen.prefill if chosen and chosen.stands_aside else None
 
     @property
     def profiles_memory(self) -> bool:
@@ -766,8 +785,7 @@ def runnable(cases: list[Case], site: pathlib.Path, gpus: int, version: str | No
     """
     ready, not_run = [], {}
     for case in cases:
-        missing = [file for file in case.libraries if not gpu_harness.library_present(site, file)]
-        absent = [package for package in case.packages if not (site / package / "__init__.py").is_file()]
+        missing = not_carried(case.model, case.at_defaults, site)
         if case.release != version:
             not_run[case.name] = (f"needs vLLM {case.release}'s bundle (vllm_bundle.py carry --vllm-version "
                                   f"{case.release}); vLLM {version} is unpacked")
@@ -777,11 +795,7 @@ def runnable(cases: list[Case], site: pathlib.Path, gpus: int, version: str | No
         elif case.executor == "ray" and not (site / "ray" / "__init__.py").is_file():
             not_run[case.name] = "Ray was not carried (vllm_bundle.py carry --with-ray)"
         elif missing:
-            not_run[case.name] = (f"vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe / "
-                                  f"--with-flashkda / --with-fa3); {MODELS[case.model].note}")
-        elif absent:
-            not_run[case.name] = (f"{', '.join(absent)} was not carried (vllm_bundle.py carry --with-flashinfer): "
-                                  "vLLM picks it at its defaults on this GPU")
+            not_run[case.name] = f"not carried: {', '.join(missing)}; {MODELS[case.model].note}"
         else:
             ready.append(case)
     return ready, not_run
@@ -886,7 +900,7 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
     patch republished its plans after the rebind (``rebinds > 0``), and with it off, never; a case that watches
     vLLM's JIT monitor (``jit_watch``) passes :func:`judge_jit`; a PDL case's plans were compiled with PDL
     (:func:`plans_launched_with_pdl`); a case at vLLM's defaults found its layers on the backend vLLM picks there
-    (:data:`DEFAULT_PREFILL_BACKENDS`); calls a breakable CUDA-graph capture ran (``<patch>:capture``) were all
+    (:data:`AT_DEFAULTS`); calls a breakable CUDA-graph capture ran (``<patch>:capture``) were all
     routed; a no-copy case (``state_io="indexed"``) indexed every routed call. A scenario the case claims but did
     not produce is a failure, never a pass.
     """
@@ -940,7 +954,8 @@ def judge_case(case: Case, report: dict[str, Any], outputs: dict[str, Any]) -> t
         notes += f"; {why}"
     if case.aside_on_backend:
         notes += f"; {aside_note}"
-    elif case.at_defaults and (wanted := DEFAULT_PREFILL_BACKENDS.get(case.model)):
+    elif case.at_defaults and case.model in AT_DEFAULTS:
+        wanted = AT_DEFAULTS[case.model].prefill
         ran = layer_prefill_backends(patched_ledgers(report), patch)
         if set(ran) != {wanted}:
             return False, f"at vLLM's defaults the layers should prefill with {wanted}, the ledgers say {ran}"
@@ -1272,16 +1287,10 @@ def run_throughput(shape: str, out: pathlib.Path, model_dir: pathlib.Path, hook:
     A shape that needs more GPUs than ``gpus`` is not run: its record says so (``exit_code`` None). Exit status 3
     is serve-ab stopping for ``time_budget_s`` between rounds: the same command continues it.
     """
-    model = SHAPE_MODELS.get(shape, "qwen3_5")
-    at_defaults = shape in SHAPES_AT_DEFAULTS
-    needed = (*MODELS[model].libraries, *(DEFAULT_BACKEND_LIBRARIES.get(model, ()) if at_defaults else ()))
-    missing = [file for file in needed if not gpu_harness.library_present(site, file)]
-    missing += [f"{package} package" for package in (DEFAULT_BACKEND_PACKAGES.get(model, ()) if at_defaults else ())
-                if not (site / package / "__init__.py").is_file()]
+    missing = not_carried(SHAPE_MODELS.get(shape, "qwen3_5"), shape in SHAPES_AT_DEFAULTS, site)
     if shape_gpus(shape) > gpus or missing:
         why = (f"not run: needs {shape_gpus(shape)} GPUs, this machine has {gpus}" if not missing else
-               f"not run: vLLM's {', '.join(missing)} was not carried (vllm_bundle.py carry --with-moe / "
-               "--with-flashkda / --with-fa3 / --with-flashinfer)")
+               f"not run: not carried: {', '.join(missing)}")
         return {"shape": shape, "what": THROUGHPUT_SHAPES[shape][1], "exit_code": None, "metrics": {},
                 "problems": [why], "output_tail": ""}
     target = out / f"throughput-{shape}"
