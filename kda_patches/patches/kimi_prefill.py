@@ -96,9 +96,10 @@ wrap_initialize_kv_cache = StartupWrapper(LEDGER_PATH)
 wrap_fork_initialize = ForkPlanWrapper(LEDGER_PATH)
 wrap_extend_kv_cache = RebindWrapper(LEDGER_PATH)
 wrap_chunk_state = IndexedHostWrapper(KIMI_K3_CHUNK_STATE)
-STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy (the default): routed prefills copy their states through the sealed "
-                 "plan; KDA_PATCHES_STATE_IO=indexed wraps this host function so Kimi K3's Triton KDA prefill reads "
-                 "and stores the cache rows itself (an indexed twin derived from the release's kernel source)")
+STATE_IO_COPY = ("KDA_PATCHES_STATE_IO=copy, or measured (the default: Kimi K3's own layer was never measured with "
+                 "no copy): routed prefills copy their states through the sealed plan; KDA_PATCHES_STATE_IO=indexed "
+                 "(or auto) wraps this host function so Kimi K3's Triton KDA prefill reads and stores the cache rows "
+                 "itself (an indexed twin derived from the release's kernel source)")
 wrap_clear_ssm_states = wrap_clear
 wrap_gather_initial_states = wrap_gather
 
