@@ -116,7 +116,7 @@ def test_graph_instances_that_do_not_split_the_rounds_pass_when_copy_costs_are_n
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_children_get_the_graph_instances_and_the_host_profile_only_when_patched(enabled, tmp_path):
     args = layers_check.argparse.Namespace(rounds=20, settle=1, burst=8, graph_instances=4, copy_costs=True,
-                                           dry_run=False, host_profile=[1, 8])
+                                           dry_run=False, host_profile=[1, 8], prefill_backend="triton")
     argv = layers_check.child_argv("qwen_gdn", enabled, args, tmp_path / "child.json")
     assert argv[argv.index("--graph-instances") + 1] == "4" and argv[argv.index("--rounds") + 1] == "20"
     assert "--copy-costs" in argv and argv[argv.index("--mode") + 1] == ("on" if enabled else "off")
@@ -155,3 +155,46 @@ def test_auto_expects_the_twin_only_for_calls_of_at_least_its_crossover():
     assert "FAIL" in _verdict({**below, "calls_indexed": 4, "casts_folded": 0})
     assert "PASS" in _verdict({**at, "calls_indexed": 4, "casts_folded": 0})
     assert "FAIL" in _verdict({**at, "calls_indexed": 0, "casts_folded": 4})
+
+
+def _aside_lines(asked: str, case_fields: dict) -> list[str]:
+    case = {"name": "c", "shape": "s", "outputs_equal": True, "cache_equal": True, "cache_bytes": 1,
+            "calls_seen": 0, "calls_routed": 0, "calls_upstream": 4, "calls_bypassed": 0,
+            "digest_baseline": "a", "digest_patched": "a", **case_fields}
+    row = {"seqs": 1, "rounds": 3, "baseline_event_ms": 2.0, "patched_event_ms": 2.0, "baseline_wall_ms": 2.0,
+           "patched_wall_ms": 2.0, "paired_step_speedup": 0.99, "paired_event_speedup": 1.0,
+           "baseline_step_ms": 1.0, "patched_step_ms": 1.01, "burst": 8}
+    on = {"patched_available": True, "cases": [case], "timing": [row],
+          "facts": {"prefill_backend_asked": asked, "prefill_backend": "flashinfer"}}
+    return layers_check.judge("qwen_gdn", on, {})
+
+
+def test_a_seam_standing_aside_passes_only_on_vllm_s_own_backend_choice():
+    verdict = next(line for line in _aside_lines("default", {}) if line.startswith("VERDICT"))
+    assert "PASS stands aside on flashinfer" in verdict
+    # forced to Triton, the seam must route: standing aside there is a failure
+    assert "FAIL" in next(line for line in _aside_lines("triton", {}) if line.startswith("VERDICT"))
+
+
+@pytest.mark.parametrize("broken", [{"outputs_equal": False}, {"cache_equal": False}, {"calls_bypassed": 1}])
+def test_standing_aside_still_needs_equal_bytes_and_nothing_bypassed(broken):
+    verdict = next(line for line in _aside_lines("default", broken) if line.startswith("VERDICT"))
+    assert verdict.split(":", 1)[1].strip().startswith("FAIL")
+
+
+def test_a_layer_that_stood_aside_reports_the_wrapper_cost_not_a_routing_decision():
+    default = next(line for line in _aside_lines("default", {}) if line.startswith("DEFAULT"))
+    assert default.startswith("DEFAULT qwen_gdn: stands aside on flashinfer") and "1: 0.990x" in default
+    # the same timing where the seam routed is a routing decision (slower at one sequence: stand aside)
+    routed = next(line for line in _aside_lines("triton", {"calls_seen": 4, "calls_routed": 4, "calls_upstream": 0})
+                  if line.startswith("DEFAULT"))
+    assert routed.startswith("DEFAULT qwen_gdn: stand aside (patched slower at 1 sequences")
+
+
+@pytest.mark.parametrize("backend", ["triton", "default"])
+def test_the_children_get_the_prefill_backend_asked_for(backend, tmp_path):
+    args = layers_check.argparse.Namespace(rounds=20, settle=1, burst=8, graph_instances=4, copy_costs=False,
+                                           dry_run=False, host_profile=[], prefill_backend=backend)
+    argv = layers_check.child_argv("qwen_gdn", True, args, tmp_path / "child.json")
+    assert argv[argv.index("--prefill-backend") + 1] == backend
+    assert layers_check.PREFILL_BACKENDS["default"] == {}  # vLLM's own choice: nothing set

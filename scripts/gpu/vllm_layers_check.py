@@ -126,6 +126,12 @@ RUNNER_NOTE = "kimi_k3: VLLM_USE_V2_MODEL_RUNNER=0 (builder computes aligned sta
 V2_ONLY = (0, 34)  # vLLM >= 0.34 builds only the V2 runner; VLLM_USE_V2_MODEL_RUNNER=0 is a start-up error there
 V1_GONE = ("needs VLLM_USE_V2_MODEL_RUNNER=0 (its metadata builder computes aligned state indices only on the V1 "
            "runner's path), which vLLM >= 0.34 refuses at start-up; the engine check runs this layer on 0.34")
+# the prefill backends a child may build its layer with: ``triton`` forces the Triton prefill (the chunk kernel the
+# overlay's seams route); ``default`` sets nothing, so the layer prefills on the backend vLLM picks for the GPU (0.34
+# on SM90: FlashInfer for Qwen's GDN, FlashKDA for Kimi K3), as users run it
+PREFILL_BACKENDS = {"triton": {"kda_prefill_backend": "triton", "kda_decode_backend": "triton",
+                               "gdn_prefill_backend": "triton"},
+                    "default": {}}
 TIMED_SEQS = (1, 8, 64, 256)
 TIMED_LEN, TIMED_CACHED = 512, 512
 MAX_NUM_SEQS = 256
@@ -200,6 +206,21 @@ def paired_ratios(samples: dict[str, dict[str, list[float]]], key: str = "step")
                                                     strict=True)]
 
 
+def step_figures(paired: list[tuple[int, float, tuple[float, float] | None]]) -> str:
+    """``seqs: ratio [interval]`` per timed batch size, comma-separated."""
+    return ", ".join(f"{seqs}: {ratio:.3f}x" + (f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else "")
+                     for seqs, ratio, interval in paired)
+
+
+def wrapper_cost(layer: str, backend: str | None, rows: list[dict[str, Any]]) -> str:
+    """The ``DEFAULT`` line of a layer whose seam stood aside on its backend in every case: no routing decision,
+    the wrapper's cost there (unpatched / patched per engine step, as :func:`seam_default` shows it)."""
+    paired = [(row["seqs"], row["paired_step_speedup"], median_interval(paired_ratios(row.get("samples") or {})))
+              for row in rows if "paired_step_speedup" in row]
+    return (f"DEFAULT {layer}: stands aside on {backend} (the seam's backend gate); the wrapper's cost there, "
+            f"unpatched/patched per engine step {step_figures(paired) or 'not timed'}")
+
+
 def seam_default(layer: str, rows: list[dict[str, Any]]) -> str:
     """The per-seam default the layer's timing justifies (issue 27's rule), as one ``DEFAULT`` line.
 
@@ -213,8 +234,7 @@ def seam_default(layer: str, rows: list[dict[str, Any]]) -> str:
               for row in rows if "paired_step_speedup" in row]
     if not paired:
         return f"DEFAULT {layer}: none (no batch size timed with both variants)"
-    figures = ", ".join(f"{seqs}: {ratio:.3f}x" + (f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else "")
-                        for seqs, ratio, interval in paired)
+    figures = step_figures(paired)
     slower = [str(seqs) for seqs, ratio, _ in paired if ratio < 1.0]
     if slower:
         return (f"DEFAULT {layer}: stand aside (patched slower at {', '.join(slower)} sequences; unpatched/patched "
@@ -256,6 +276,7 @@ def child_argv(layer: str, enabled: bool, args: argparse.Namespace, out: pathlib
     (rounds, settle, burst, copy costs and their graph instances) and, patched children only, the host profile."""
     argv = [sys.executable, __file__, "--child", layer, "--child-out", str(out), "--rounds", str(args.rounds),
             "--settle", str(args.settle), "--burst", str(args.burst), "--graph-instances", str(args.graph_instances),
+            "--prefill-backend", args.prefill_backend,
             *(["--copy-costs"] if args.copy_costs else []), "--mode", "on" if enabled else "off"]
     argv += ["--dry-run"] if args.dry_run else []
     argv += ["--host-profile", *map(str, args.host_profile)] if args.host_profile and enabled else []
@@ -316,8 +337,18 @@ def auto_min_sequences() -> int:
 
 
 def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
-    """Return the verdict lines of one layer from its patched (``on``) and unpatched (``off``) children."""
+    """Return the verdict lines of one layer from its patched (``on``) and unpatched (``off``) children.
+
+    A case passes when outputs and every cache byte equal the unpatched call's and the KDA_PATCHES=0 process's, and
+    every prefill call was routed (indexed where no copy applies). Only a child built on vLLM's own backend choice
+    (``--prefill-backend default``) may instead find the seam standing aside on the layer's backend (its gate: no
+    call seen, each counted ``calls_upstream``); that passes with the same equalities and no call bypassed, and the
+    layer's ``DEFAULT`` line then reports the wrapper's cost on that backend, not a routing decision.
+    """
     lines = []
+    asked = on.get("facts", {}).get("prefill_backend_asked", "triton")
+    backend = on.get("facts", {}).get("prefill_backend")
+    stood_aside = []
     if on.get("error") or on.get("returncode"):
         return [f"VERDICT {layer}: FAIL child (overlay on) exit {on.get('returncode')}: {on.get('error', '?')}"]
     patched = on.get("patched_available", False)
@@ -335,6 +366,16 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
             lines.append(f"VERDICT {layer} {name} ({case['shape']}): {'UNPATCHED-ONLY' if ok else 'FAIL'} "
                          f"(no {PATCH_OF[layer]} seam in this tree; KDA_PATCHES=0 process digest "
                          f"{'equal' if ok else 'DIFFERENT'})")
+            continue
+        if asked == "default" and case.get("calls_seen", 0) == 0 and case.get("calls_upstream", 0) > 0:
+            ok = (case["outputs_equal"] and case["cache_equal"] and cross != "DIFFERENT"
+                  and not case.get("calls_bypassed"))
+            stood_aside.append(ok)
+            lines.append(f"VERDICT {layer} {name} ({case['shape']}): {'PASS' if ok else 'FAIL'} stands aside on "
+                         f"{backend} ({case['calls_upstream']} calls upstream's), outputs "
+                         f"{'equal' if case['outputs_equal'] else 'DIFFER'}, cache bytes "
+                         f"{'equal' if case['cache_equal'] else 'DIFFER'} ({case['cache_bytes']} B), bypassed "
+                         f"{case.get('calls_bypassed', 0)}, KDA_PATCHES=0 process {cross}")
             continue
         # no copy (KDA_PATCHES_STATE_IO=indexed): every routed prefill ran the indexed twin, which stores in the
         # cache dtype itself; a copied one folds its cast where the seam declares its final state's source and the
@@ -358,7 +399,9 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
             lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched only {row['baseline_event_ms']:.3f} "
                          f"ms (events), wall {row['baseline_wall_ms']:.3f} ms")
     if patched and on.get("timing"):
-        lines.append(seam_default(layer, on["timing"]))
+        every_case_aside = bool(stood_aside) and len(stood_aside) == len(on.get("cases", []))
+        lines.append(wrapper_cost(layer, backend, on["timing"]) if every_case_aside
+                     else seam_default(layer, on["timing"]))
     if not on.get("cases"):
         lines.append(f"VERDICT {layer}: FAIL no case ran")
     return lines
@@ -460,7 +503,8 @@ def write_model_dir(layer: str, root: pathlib.Path) -> pathlib.Path:
 class LayerBench:
     """One vLLM layer with its bound cache, metadata builder and the overlay's registry handle."""
 
-    def __init__(self, layer_kind: str, device: Any, dry_run: bool, facts: dict[str, Any]) -> None:
+    def __init__(self, layer_kind: str, device: Any, dry_run: bool, facts: dict[str, Any],
+                 prefill_backend: str = "triton") -> None:
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
         from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
@@ -477,8 +521,8 @@ class LayerBench:
             model_config=model, cache_config=CacheConfig(block_size=2048),
             scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=max_tokens,
                                              max_model_len=2048, is_encoder_decoder=False),
-            additional_config={"kda_prefill_backend": "triton", "kda_decode_backend": "triton",
-                               "gdn_prefill_backend": "triton"})
+            additional_config=dict(PREFILL_BACKENDS[prefill_backend]))
+        facts["prefill_backend_asked"] = prefill_backend
         facts["config_s"] = round(time.perf_counter() - started, 1)
         self.context = set_current_vllm_config(self.config)
         self.context.__enter__()
@@ -713,6 +757,7 @@ def run_case(bench: LayerBench, overlay: Overlay | None, name: str, decodes: lis
         calls_seen=after.get("calls_seen", 0) - before.get("calls_seen", 0),
         calls_routed=after.get("calls_routed", 0) - before.get("calls_routed", 0),
         calls_bypassed=after.get("calls_bypassed", 0) - before.get("calls_bypassed", 0),
+        calls_upstream=after.get("calls_upstream", 0) - before.get("calls_upstream", 0),
         casts_folded=after.get("casts_folded", 0) - before.get("casts_folded", 0),
         casts_materialized=after.get("casts_materialized", 0) - before.get("casts_materialized", 0),
         calls_indexed=after.get("calls_indexed", 0) - before.get("calls_indexed", 0),
@@ -1012,7 +1057,7 @@ def run_child_main(args: argparse.Namespace) -> int:
         facts.update(torch=torch.__version__, device=str(device), device_name=torch.cuda.get_device_name()
                      if device.type == "cuda" else "cpu")
         started = time.perf_counter()
-        bench = LayerBench(args.child, device, args.dry_run, facts)
+        bench = LayerBench(args.child, device, args.dry_run, facts, args.prefill_backend)
         facts["build_s"] = round(time.perf_counter() - started, 1)
         overlay = Overlay(PATCH_OF[args.child]) if args.mode == "on" else None
         result["patched_available"] = bool(overlay is not None and overlay.available())
@@ -1086,6 +1131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-io", choices=("copy", "indexed", "auto"), default="copy",
                         help="KDA_PATCHES_STATE_IO of the children (indexed: no copy, every routed call must be "
                              "indexed; auto: those of at least its crossover's prefills)")
+    parser.add_argument("--prefill-backend", choices=tuple(PREFILL_BACKENDS), default="triton",
+                        help="triton: force the Triton prefill the seams route; default: vLLM's own choice for the "
+                             "GPU (where a seam stands aside on it, patched vs unpatched times the wrapper alone)")
     parser.add_argument("--skip-off", action="store_true", help="no KDA_PATCHES=0 process")
     parser.add_argument("--host-profile", type=int, nargs="*", default=[], metavar="SEQS",
                         help="also profile the layer call's host side at these batch sizes (x512 tokens)")
