@@ -55,16 +55,12 @@ _HEURISTICS = {
 
 
 # The twins that do not fit A2/A3's unified buffer with the backend's own options (bishengir: "ub overflow"), by
-# shape: (cache dtype, NaN rule). The release's own kernels fit; the exact FP32 -> 16-bit cast of the whole
-# final-state tile at once is what outgrows it (the FLA kernel keeps two 128 x 64 FP32 halves live); an FP32 cache
-# stores the state as written and fits. The check compiles every case and reports a case that disagrees with this
-# table either way; A5 fits every twin.
-_CAST_RULES = tuple((cache, rule) for cache in ("bfloat16", "float16") for rule in ("canonical", "quiet", "preserve"))
-A2A3_OVERFLOWS: dict[str, tuple[tuple[str, str], ...]] = {
-    "vllm-ascend-fla": _CAST_RULES,
-    "vllm-ascend-kda": (("bfloat16", "quiet"), ("bfloat16", "preserve"), ("float16", "canonical"),
-                        ("float16", "quiet"), ("float16", "preserve")),
-}
+# shape: (cache dtype, NaN rule). None since the 16-bit store casts in row slices on triton-ascend
+# (``casts.cast_bits_sliced``, chosen by ``derive.twin_cast``): the exact FP32 -> 16-bit cast of a whole
+# final-state tile at once outgrew it (the FLA kernel keeps two 128 x 64 FP32 halves live; 11 of the 14 twins
+# overflowed), one slice's bit temporaries do not; an FP32 cache stores the state as written. The check compiles
+# every case and reports a case that disagrees with this table either way; A5 fits every twin.
+A2A3_OVERFLOWS: dict[str, tuple[tuple[str, str], ...]] = {}
 
 
 def _private(text: str) -> str:

@@ -33,11 +33,14 @@ The twin is that source with exactly these edits (:class:`KernelDeclaration` nam
    final-state store block only ``if kda_valid``, each ``Y.to(P.dtype.element_ty)`` stored there becoming the
    exact cast of ``Y`` to the cache dtype -- for an FP32 cache (``KDA_DST == 0``) the store as written, the FP32 state
    bit for bit as torch's same-dtype ``.to()`` keeps it (no bit-pattern temporaries: Ascend A2/A3's unified buffer
-   has no room for them beside the FP32 state tile).
+   has no room for them beside the FP32 state tile); for a 16-bit cache ``kda_cast_bits`` (:func:`twin_cast`): where
+   the installed Triton slices tensors in a kernel (triton-ascend) the same bits cast a slice of rows at a time, so
+   that A2/A3's unified buffer holds one slice's bit temporaries, not a whole tile's; elsewhere (CUDA, the
+   interpreter) the whole tile in one pass.
 
 Anything else in the source is kept as it is. The twin runs in a copy of the kernel module's namespace taken when
-it is derived (plus ``kda_cast_bits``): nothing is added to the release's module, and a name the module rebinds later
-is not seen by the twin. A source that is not of this shape (a block missing or doubled, the
+it is derived (plus ``kda_cast_bits``, chosen then): nothing is added to the release's module, and a name the module
+rebinds later is not seen by the twin. A source that is not of this shape (a block missing or doubled, the
 state read or written elsewhere or past its offset, a name of the twin's already taken, a non-literal ``jit``
 keyword, an undeclared shape) is refused with
 :class:`DerivationRefused` naming the part, and nothing is built.
@@ -56,7 +59,7 @@ from typing import Any
 import triton
 
 from kda_patches.routing.eras import FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL, FLA_CHUNK_STATE_MODULE
-from kda_patches.state_copy.casts import cast_bits
+from kda_patches.state_copy.casts import cast_bits, cast_bits_sliced, slices_tensors
 
 TWIN_PREFIX = "kda_"
 ROW_ARGUMENTS = ("kda_rows", "kda_flags", "kda_num_rows", "kda_row_stride")
@@ -348,6 +351,14 @@ def edit_kernel_source(source: str, declaration: KernelDeclaration) -> tuple[ast
     return definition, jit_keywords
 
 
+def twin_cast() -> Any:
+    """The exact cast the twin's 16-bit store calls as ``kda_cast_bits``: :func:`~kda_patches.state_copy.casts.
+    cast_bits_sliced` where the installed Triton slices tensors in a kernel (triton-ascend), else
+    :func:`~kda_patches.state_copy.casts.cast_bits` (mainline Triton on CUDA and its interpreter: one whole-tile pass).
+    """
+    return cast_bits_sliced if slices_tensors() else cast_bits
+
+
 def _compile_twin(definition: ast.FunctionDef, namespace: dict[str, Any], filename: str) -> types.FunctionType:
     text = ast.unparse(definition) + "\n"
     # Triton reads a kernel's source through inspect: the twin's text is registered where inspect looks
@@ -382,7 +393,7 @@ def derive_indexed_kernel(module: types.ModuleType, declaration: KernelDeclarati
     definition, jit_keywords = edit_kernel_source(dedented, declaration)
     digest = hashlib.sha256(source.encode()).hexdigest()
     namespace = dict(function.__globals__)
-    namespace["kda_cast_bits"] = cast_bits
+    namespace["kda_cast_bits"] = twin_cast()
     filename = f"<kda_patches indexed twin of {declaration.module}.{declaration.kernel} {digest[:12]}>"
     twin = _compile_twin(definition, namespace, filename)
     twin.__module__ = "kda_patches.indexed_chunk.twins"

@@ -149,6 +149,52 @@ def cast_bits(x, SRC: tl.constexpr, DST: tl.constexpr, NAN_RULE: tl.constexpr, N
     return out
 
 
+# FP32 items per slice of :func:`cast_bits_sliced` (whole rows: a 128 x 64 state tile casts 16 rows at a time)
+SLICE_ITEMS = tl.constexpr(1024)
+
+
+def slices_tensors() -> bool:
+    """Whether the installed Triton slices a tensor inside a kernel (triton-ascend's ``tl.extract_slice`` and
+    ``tl.insert_slice``; mainline Triton and its interpreter have neither), i.e. whether :func:`cast_bits_sliced`
+    compiles here."""
+    return hasattr(tl, "extract_slice") and hasattr(tl, "insert_slice")
+
+
+@triton.jit
+def cast_bits_sliced(x, SRC: tl.constexpr, DST: tl.constexpr, NAN_RULE: tl.constexpr, NAN_BITS: tl.constexpr):
+    """:func:`cast_bits` of a 2-D FP32 tile to a 16-bit ``DST``, :data:`SLICE_ITEMS` items (whole rows) at a time.
+
+    The same bits as :func:`cast_bits` of the whole tile (each slice is cast by it), but only one slice's bit
+    temporaries are live: the tile's own buffer, viewed as int32, receives each slice's 16-bit result in place
+    (sign-extended), and is truncated to int16 once at the end. Ascend A2/A3's unified buffer holds a 128 x 64 FP32
+    state's cast this way beside the kernel's other state half, and not as one whole-tile cast
+    (``docs/results/ascend-compile``). Needs triton-ascend's tensor slicing (:func:`slices_tensors`). Any other
+    case (a source other than FP32, an FP32 destination, :data:`CAST_HARDWARE`, a tile that is not 2-D or whose rows
+    do not split into whole slices) is :func:`cast_bits` of the whole tile.
+    """
+    ROWS: tl.constexpr = x.shape[0] if len(x.shape) == 2 else 0
+    COLS: tl.constexpr = x.shape[1] if len(x.shape) == 2 else 1
+    STEP: tl.constexpr = SLICE_ITEMS // COLS if SLICE_ITEMS >= COLS else 1
+    if SRC != 0:
+        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
+    elif DST == 0:
+        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
+    elif NAN_RULE == 3:  # CAST_HARDWARE
+        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
+    elif ROWS <= STEP:
+        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
+    elif ROWS % STEP != 0:
+        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
+    else:
+        tile = x.to(tl.int32, bitcast=True)
+        for index in tl.static_range(ROWS // STEP):
+            part = tl.extract_slice(tile, [index * STEP, 0], [STEP, COLS], [1, 1]).to(tl.float32, bitcast=True)
+            done = cast_bits(part, SRC, DST, NAN_RULE, NAN_BITS).to(tl.int32)
+            tile = tl.insert_slice(tile, done, [index * STEP, 0], [STEP, COLS], [1, 1])
+        out = tile.to(tl.int16)
+    return out
+
+
 def normalize_final_dtypes(final_dtypes: Any, cache_dtype: torch.dtype, layer: str | None = None
                            ) -> tuple[torch.dtype, ...]:
     """Return the final-state dtypes a plan prepares: deduplicated, in order; default ``(cache, float32)``.
