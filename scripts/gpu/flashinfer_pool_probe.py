@@ -37,8 +37,7 @@ import gpu_harness  # noqa: E402  (the shared carry, stand-in and cache machiner
 sys.path.remove(str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
-# name -> (value heads H, key heads Hg, K, V) per GPU
-SHAPES = {"qwen3-next-80b-tp1": (32, 16, 128, 128), "qwen3.6-27b-tp4": (12, 4, 128, 128)}
+SHAPES = gpu_harness.GDN_SHAPES
 ROWS = 512
 OPS = "vllm.model_executor.layers.mamba.ops"
 SEAM = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
@@ -147,18 +146,12 @@ def run_row(modules: dict[str, Any], shape: tuple[int, int, int, int], dtype: An
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--sequences", nargs="+", type=int, default=[1, 8, 64, 256])
-    parser.add_argument("--tokens", nargs="+", type=int, default=[64, 512])
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    gpu_harness.add_row_grid(parser, tokens=[64, 512], dtypes=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prepared = gpu_harness.prepare_site()
-    sys.path.insert(0, str(gpu_harness.SITE_DIR))
-    gpu_harness.install_stand_ins()
+    prepared = gpu_harness.open_site_in_process()
     import importlib
 
     import torch

@@ -659,6 +659,30 @@ def install_stand_ins() -> None:
         sys.meta_path.insert(0, StandInFinder())
 
 
+# served GDN shapes per GPU for the kernel-level probes: name -> (value heads H, key heads Hg, K, V)
+GDN_SHAPES = {"qwen3-next-80b-tp1": (32, 16, 128, 128), "qwen3.6-27b-tp4": (12, 4, 128, 128)}
+
+
+def add_row_grid(parser: argparse.ArgumentParser, tokens: list[int], dtypes: list[str]) -> None:
+    """Add a kernel probe's row grid to ``parser``: ``--out``, ``--shapes`` (of :data:`GDN_SHAPES`), ``--sequences``
+    (1, 8, 64, 256), ``--tokens`` and ``--dtypes`` (the cache dtypes) with these defaults."""
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", nargs="+", default=list(GDN_SHAPES), choices=list(GDN_SHAPES))
+    parser.add_argument("--sequences", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--tokens", nargs="+", type=int, default=tokens)
+    parser.add_argument("--dtypes", nargs="+", default=dtypes)
+
+
+def open_site_in_process() -> dict[str, Any]:
+    """Unpack the staged carry (:func:`prepare_site`), put the site first on ``sys.path`` and install the stand-ins
+    (:func:`install_stand_ins`): this process can then import the carried vLLM. Returns what :func:`prepare_site`
+    returns."""
+    prepared = prepare_site()
+    sys.path.insert(0, str(SITE_DIR))
+    install_stand_ins()
+    return prepared
+
+
 def write_stand_in_hook(folder: pathlib.Path, module: str, function: str) -> pathlib.Path:
     """Write ``folder/sitecustomize.py`` that calls ``scripts/gpu/<module>.<function>()`` in every process.
 
