@@ -129,7 +129,9 @@ QWEN_FLASHINFER_GATE = BackendGate(
     "gdn_prefill_backend", ("triton",),
     "the FlashInfer branch gathers inside _forward_flashinfer_prefill (upstream's gather_initial_states) and the seam "
     "scatters after it, so routing the seam's scatter alone would give one call two owners; routing both copies on "
-    "that backend is not measured (bench layers covers the Triton backend), so upstream keeps both")
+    "that backend is not measured (bench layers covers the Triton backend), so upstream keeps both; no copy "
+    "(KDA_PATCHES_STATE_IO) does not reach it either: it would need FlashInfer's own state-pool prefill, which is "
+    "not routed (docs/results/no-copy)")
 # the chunk-state host function of vLLM's vendored FLA (every Triton GDN/KDA prefill reaches it), whose kernel has an
 # indexed twin under KDA_PATCHES_STATE_IO=indexed (kda_patches.indexed_chunk)
 FLA_CHUNK_STATE = IndexedChunk(FLA_CHUNK_STATE_MODULE, FLA_CHUNK_STATE_HOST, FLA_CHUNK_STATE_KERNEL)
