@@ -43,23 +43,25 @@ OPS = "vllm.model_executor.layers.mamba.ops"
 SEAM = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 
 
-def draw_inputs(shape: tuple[int, int, int, int], sequences: int, tokens: int, torch: Any) -> dict[str, Any]:
-    """Seeded prefill inputs as vLLM's FlashInfer branch receives them (q, k L2-normalised; g the gate's exp)."""
+def draw_inputs(shape: tuple[int, int, int, int], sequences: int, tokens: int, torch: Any,
+                device: str = "cuda") -> dict[str, Any]:
+    """Seeded prefill inputs as vLLM's FlashInfer branch receives them (q, k L2-normalised; g the gate's exp), on
+    ``device``; ``cache`` is an FP32 cache of :data:`ROWS` rows, ``rows`` distinct, ``flags`` about 80 % set."""
     heads, key_heads, key_dim, value_dim = shape
-    generator = torch.Generator(device="cuda").manual_seed(sequences * 1000 + tokens)
+    generator = torch.Generator(device=device).manual_seed(sequences * 1000 + tokens)
     total = sequences * tokens
 
     def normal(*size: int) -> Any:
-        return torch.randn(*size, device="cuda", generator=generator)
+        return torch.randn(*size, device=device, generator=generator)
 
     q = torch.nn.functional.normalize(normal(1, total, key_heads, key_dim), dim=-1).bfloat16()
     k = torch.nn.functional.normalize(normal(1, total, key_heads, key_dim), dim=-1).bfloat16()
     v = normal(1, total, heads, value_dim).bfloat16()
-    g = torch.exp(-torch.rand(1, total, heads, device="cuda", generator=generator) * 0.1)
+    g = torch.exp(-torch.rand(1, total, heads, device=device, generator=generator) * 0.1)
     beta = torch.sigmoid(normal(1, total, heads))
-    bounds = torch.arange(0, total + 1, tokens, device="cuda", dtype=torch.int32)
-    rows = torch.randperm(ROWS, device="cuda", generator=generator)[:sequences].to(torch.int32)
-    flags = torch.rand(sequences, device="cuda", generator=generator) > 0.2
+    bounds = torch.arange(0, total + 1, tokens, device=device, dtype=torch.int32)
+    rows = torch.randperm(ROWS, device=device, generator=generator)[:sequences].to(torch.int32)
+    flags = torch.rand(sequences, device=device, generator=generator) > 0.2
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "bounds": bounds, "rows": rows, "flags": flags,
             "cache": normal(ROWS, heads, value_dim, key_dim)}
 
@@ -93,33 +95,48 @@ def bits(tensor: Any, torch: Any) -> Any:
     return tensor.contiguous().view(torch.int32 if tensor.element_size() == 4 else torch.int16)
 
 
-def run_row(modules: dict[str, Any], shape: tuple[int, int, int, int], dtype: Any, sequences: int, tokens: int,
-            repeats: int, torch: Any) -> dict[str, Any]:
-    """Exactness then timing of both arms for one row."""
-    inputs = draw_inputs(shape, sequences, tokens, torch)
-    cache0 = inputs["cache"].to(dtype)
-    arms = arms_of(modules, inputs, torch)
-    row: dict[str, Any] = {"sequences": sequences, "tokens": tokens, "dtype": str(dtype), "arms": {}}
+def compare_arms(arms: dict[str, Any], cache0: Any, rows: Any, torch: Any) -> dict[str, Any]:
+    """Run each arm once on its own copy of ``cache0`` and compare them bit for bit.
+
+    Returns:
+        ``{"arms": {name: {"error": ...}} for an arm that raised}``, and where both ran: ``outputs_equal``,
+        ``cache_equal`` (every byte of the cache), ``other_rows_untouched`` (the pool arm left every row but
+        ``rows`` as it was), and where the caches differ ``cache_rows_differing`` (of ``rows``) and
+        ``cache_items_differing``.
+    """
+    row: dict[str, Any] = {"arms": {}}
     results = {}
     for name, run in arms.items():
         cache = cache0.clone()
         try:
             output = run(cache)
-            torch.cuda.synchronize()
+            if cache.is_cuda:
+                torch.cuda.synchronize()
             results[name] = (bits(output, torch), bits(cache, torch))
         except Exception as error:  # a refused call is this row's finding, not the probe's end
             row["arms"][name] = {"error": f"{type(error).__name__}: {error}"[:600]}
     if len(results) == 2:
         row["outputs_equal"] = bool(torch.equal(results["upstream"][0], results["pool"][0]))
         row["cache_equal"] = bool(torch.equal(results["upstream"][1], results["pool"][1]))
-        untouched = torch.ones(ROWS, dtype=torch.bool, device="cuda")
-        untouched[inputs["rows"].long()] = False
+        untouched = torch.ones(cache0.shape[0], dtype=torch.bool, device=cache0.device)
+        untouched[rows.long()] = False
         row["other_rows_untouched"] = bool(torch.equal(results["pool"][1][untouched], bits(cache0, torch)[untouched]))
         if not row["cache_equal"]:
-            written = inputs["rows"].long()
+            written = rows.long()
             row["cache_rows_differing"] = int((results["upstream"][1][written] != results["pool"][1][written])
                                               .flatten(1).any(1).sum())
             row["cache_items_differing"] = int((results["upstream"][1] != results["pool"][1]).sum())
+    return row
+
+
+def run_row(modules: dict[str, Any], shape: tuple[int, int, int, int], dtype: Any, sequences: int, tokens: int,
+            repeats: int, torch: Any) -> dict[str, Any]:
+    """Exactness (:func:`compare_arms`) then timing of both arms for one row."""
+    inputs = draw_inputs(shape, sequences, tokens, torch)
+    cache0 = inputs["cache"].to(dtype)
+    arms = arms_of(modules, inputs, torch)
+    row: dict[str, Any] = {"sequences": sequences, "tokens": tokens, "dtype": str(dtype),
+                           **compare_arms(arms, cache0, inputs["rows"], torch)}
     for name, run in arms.items():
         if "error" in row["arms"].get(name, {}):
             continue
