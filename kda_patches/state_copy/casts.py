@@ -175,15 +175,9 @@ def cast_bits_sliced(x, SRC: tl.constexpr, DST: tl.constexpr, NAN_RULE: tl.const
     ROWS: tl.constexpr = x.shape[0] if len(x.shape) == 2 else 0
     COLS: tl.constexpr = x.shape[1] if len(x.shape) == 2 else 1
     STEP: tl.constexpr = SLICE_ITEMS // COLS if SLICE_ITEMS >= COLS else 1
-    if SRC != 0:
-        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
-    elif DST == 0:
-        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
-    elif NAN_RULE == 3:  # CAST_HARDWARE
-        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
-    elif ROWS <= STEP:
-        out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
-    elif ROWS % STEP != 0:
+    # two operands per boolean operator: Triton's code generator refuses a chain (A or B or C); NAN_RULE 3 is
+    # CAST_HARDWARE
+    if (SRC != 0 or DST == 0) or (NAN_RULE == 3 or (ROWS <= STEP or ROWS % STEP != 0)):
         out = cast_bits(x, SRC, DST, NAN_RULE, NAN_BITS)
     else:
         tile = x.to(tl.int32, bitcast=True)

@@ -206,6 +206,13 @@ def paired_ratios(samples: dict[str, dict[str, list[float]]], key: str = "step")
                                                     strict=True)]
 
 
+def paired_steps(rows: list[dict[str, Any]]) -> list[tuple[int, float, tuple[float, float] | None]]:
+    """``(seqs, unpatched/patched per engine step, its median's 95 % interval or None)`` of each row timed with both
+    variants (:func:`median_interval` where the row kept its rounds)."""
+    return [(row["seqs"], row["paired_step_speedup"], median_interval(paired_ratios(row.get("samples") or {})))
+            for row in rows if "paired_step_speedup" in row]
+
+
 def step_figures(paired: list[tuple[int, float, tuple[float, float] | None]]) -> str:
     """``seqs: ratio [interval]`` per timed batch size, comma-separated."""
     return ", ".join(f"{seqs}: {ratio:.3f}x" + (f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else "")
@@ -215,10 +222,8 @@ def step_figures(paired: list[tuple[int, float, tuple[float, float] | None]]) ->
 def wrapper_cost(layer: str, backend: str | None, rows: list[dict[str, Any]]) -> str:
     """The ``DEFAULT`` line of a layer whose seam stood aside on its backend in every case: no routing decision,
     the wrapper's cost there (unpatched / patched per engine step, as :func:`seam_default` shows it)."""
-    paired = [(row["seqs"], row["paired_step_speedup"], median_interval(paired_ratios(row.get("samples") or {})))
-              for row in rows if "paired_step_speedup" in row]
     return (f"DEFAULT {layer}: stands aside on {backend} (the seam's backend gate); the wrapper's cost there, "
-            f"unpatched/patched per engine step {step_figures(paired) or 'not timed'}")
+            f"unpatched/patched per engine step {step_figures(paired_steps(rows)) or 'not timed'}")
 
 
 def seam_default(layer: str, rows: list[dict[str, Any]]) -> str:
@@ -230,8 +235,7 @@ def seam_default(layer: str, rows: list[dict[str, Any]]) -> str:
     by the 95 % interval of its median (:func:`median_interval`) where the row kept its rounds: it shows whether a
     ratio near 1.00 is a measured difference or noise; the rule reads the median alone.
     """
-    paired = [(row["seqs"], row["paired_step_speedup"], median_interval(paired_ratios(row.get("samples") or {})))
-              for row in rows if "paired_step_speedup" in row]
+    paired = paired_steps(rows)
     if not paired:
         return f"DEFAULT {layer}: none (no batch size timed with both variants)"
     figures = step_figures(paired)
@@ -348,7 +352,7 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
     lines = []
     asked = on.get("facts", {}).get("prefill_backend_asked", "triton")
     backend = on.get("facts", {}).get("prefill_backend")
-    stood_aside = []
+    stood_aside = 0  # cases whose seam stood aside on the layer's backend
     if on.get("error") or on.get("returncode"):
         return [f"VERDICT {layer}: FAIL child (overlay on) exit {on.get('returncode')}: {on.get('error', '?')}"]
     patched = on.get("patched_available", False)
@@ -370,7 +374,7 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
         if asked == "default" and case.get("calls_seen", 0) == 0 and case.get("calls_upstream", 0) > 0:
             ok = (case["outputs_equal"] and case["cache_equal"] and cross != "DIFFERENT"
                   and not case.get("calls_bypassed"))
-            stood_aside.append(ok)
+            stood_aside += 1
             lines.append(f"VERDICT {layer} {name} ({case['shape']}): {'PASS' if ok else 'FAIL'} stands aside on "
                          f"{backend} ({case['calls_upstream']} calls upstream's), outputs "
                          f"{'equal' if case['outputs_equal'] else 'DIFFER'}, cache bytes "
@@ -399,7 +403,7 @@ def judge(layer: str, on: dict[str, Any], off: dict[str, Any]) -> list[str]:
             lines.append(f"TIMING {layer} {row['seqs']}x{TIMED_LEN}: unpatched only {row['baseline_event_ms']:.3f} "
                          f"ms (events), wall {row['baseline_wall_ms']:.3f} ms")
     if patched and on.get("timing"):
-        every_case_aside = bool(stood_aside) and len(stood_aside) == len(on.get("cases", []))
+        every_case_aside = 0 < stood_aside == len(on.get("cases", []))
         lines.append(wrapper_cost(layer, backend, on["timing"]) if every_case_aside
                      else seam_default(layer, on["timing"]))
     if not on.get("cases"):

@@ -1,7 +1,7 @@
 """The FlashInfer pool probe's judgement (``scripts/gpu/flashinfer_pool_probe.py``), on the CPU: both arms run with
-stand-ins for the device calls only (vLLM's gather and scatter ops, FlashInfer's kernel as a naive delta-rule
-recurrence with the documented pool semantics), so the probe's plumbing and its comparison can be checked -- and
-shown to fail -- before it decides anything on a GPU."""
+stand-ins for the device calls only (vLLM's gather and scatter ops; FlashInfer's kernel as tests/released's stand-in,
+fla-core's naive rule, packed for upstream's arm and with the documented pool semantics for the pool arm), so the
+probe's plumbing and its comparison can be checked -- and shown to fail -- before it decides anything on a GPU."""
 
 from __future__ import annotations
 
@@ -9,28 +9,11 @@ import types
 
 import pytest
 import torch
+from gdn_standins import flashinfer_chunk_gated_delta_rule
 from script_loader import load_script
 
 probe = load_script("gpu/flashinfer_pool_probe.py", "flashinfer_pool_probe_under_test")
-SHAPE = (2, 1, 8, 8)  # value heads, key heads, K, V
-
-
-def recurrence(q, k, v, g, beta, initial, bounds):
-    """Naive gated delta rule per sequence: ``[T, Hg, K]`` q/k, ``[T, H, V]`` v, ``[S, H, V, K]`` FP32 states."""
-    heads = v.shape[1]
-    repeat = heads // q.shape[1]
-    out = torch.zeros(v.shape, dtype=torch.float32)
-    finals = []
-    for index in range(bounds.shape[0] - 1):
-        state = initial[index].clone()
-        for t in range(int(bounds[index]), int(bounds[index + 1])):
-            qt, kt = (x[t].float().repeat_interleave(repeat, 0) for x in (q, k))
-            state = state * g[t][:, None, None]
-            error = v[t].float() - torch.einsum("hvk,hk->hv", state, kt)
-            state = state + beta[t][:, None, None] * torch.einsum("hv,hk->hvk", error, kt)
-            out[t] = torch.einsum("hvk,hk->hv", state, qt)
-        finals.append(state)
-    return out.to(v.dtype), torch.stack(finals)
+SHAPE = (2, 2, 8, 8)  # value heads, key heads (fla-core's naive rule: as many as value heads), K, V
 
 
 def upstream_modules(pool_kernel):
@@ -39,7 +22,8 @@ def upstream_modules(pool_kernel):
 
     def fi_chunk_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                   use_qk_l2norm_in_kernel):
-        out, final = recurrence(q[0], k[0], v[0], g[0], beta[0], initial_state.float(), cu_seqlens)
+        out, final = flashinfer_chunk_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], initial_state.float(),
+                                                       True, cu_seqlens)
         return out[None], final
 
     def scatter_states(cache, final, rows):
@@ -58,7 +42,7 @@ def pool_kernel(read_flags=True, extra_row=None):
         reads = state_indices if read_flags else output_state_indices
         initial = torch.where((reads >= 0)[:, None, None, None], initial_state[reads.clamp(min=0).long()].float(),
                               torch.zeros(()))
-        out, final = recurrence(q, k, v, g, beta, initial, cu_seqlens)
+        out, final = flashinfer_chunk_gated_delta_rule(q, k, v, g, beta, initial, True, cu_seqlens)
         output_state[output_state_indices.long()] = final.to(output_state.dtype)
         if extra_row is not None:
             output_state[extra_row] = 0
